@@ -1,0 +1,51 @@
+"""flowrl: an asynchronous actor-pool dataflow runtime on Ray for multi-model RL post-training."""
+
+from __future__ import annotations
+
+from ._batch import Batch, Sample
+from ._config import ModelConfig, PipelineConfig
+from ._errors import (
+    ClusterError,
+    ConfigError,
+    FlowDefinitionError,
+    FlowError,
+    OutputError,
+    PipelineClosedError,
+    ReplicaDiedError,
+    StageError,
+)
+from ._graph import FlowGraph
+from ._model import Model, step
+from ._pipeline import Pipeline, build_flow, open_pipeline, run_flow
+from ._runtime import AsyncPipeline
+from ._splitter import POLICIES as SPLITTERS
+from ._stats import PipelineStats, ReplicaStats, StageStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncPipeline",
+    "Batch",
+    "ClusterError",
+    "ConfigError",
+    "FlowDefinitionError",
+    "FlowError",
+    "FlowGraph",
+    "Model",
+    "ModelConfig",
+    "OutputError",
+    "Pipeline",
+    "PipelineClosedError",
+    "PipelineConfig",
+    "PipelineStats",
+    "ReplicaDiedError",
+    "ReplicaStats",
+    "SPLITTERS",
+    "Sample",
+    "StageError",
+    "StageStats",
+    "build_flow",
+    "open_pipeline",
+    "run_flow",
+    "step",
+]

@@ -1,0 +1,57 @@
+"""The execution backend protocol (layer 4) and the choice between backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ._batch import Batch
+from ._config import CallMeta, PipelineConfig, ShardCall
+from ._model import Model
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    model: Model
+    replica_id: int
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    model: str
+    replica_id: int
+    node_id: str
+    ref: Any  # the backend's own handle
+
+
+class Backend(Protocol):
+    async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
+        """Start every replica (concurrently) and run ``setup`` in each."""
+        ...
+
+    def put(self, batch: Batch) -> Any:
+        """Store the driver's input batch; returns a reference replicas can fetch."""
+        ...
+
+    async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
+        """Run one shard; returns the call's metadata and a reference to its new fields."""
+        ...
+
+    async def fetch(self, refs: list[Any]) -> list[Batch]:
+        ...
+
+    async def close(self) -> None:
+        """Stop every replica; returns once they are gone."""
+        ...
+
+
+def make_backend(config: PipelineConfig) -> Backend:
+    if config.backend == "inprocess":
+        from ._inprocess import InProcessBackend
+
+        return InProcessBackend(threads=config.inprocess_threads)
+    from ._ray_backend import RayBackend
+
+    return RayBackend(config)

@@ -1,0 +1,162 @@
+"""Configuration and control messages (layer 1): frozen, keyword-only msgspec Structs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from ._errors import ConfigError
+
+SplitterName = Literal["guided", "factoring", "greedy"]
+
+
+def _positive(owner: str, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{owner}.{key} must be > 0, got {value!r}")
+
+
+def _non_negative(owner: str, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value < 0:
+            raise ConfigError(f"{owner}.{key} must be >= 0, got {value!r}")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one model runs: replica count, per-call batch size, resources, splitter policy.
+
+    The replica count is either ``num_replicas`` or, ChatLearn-style, ``num_gpu`` divided by
+    ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
+    """
+
+    num_replicas: int | None = None
+    num_gpu: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    batch_size: int = 1
+    gpus_per_replica: float | None = None
+    cpus_per_replica: float = 1.0
+    splitter: SplitterName = "guided"
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        _positive(
+            "ModelConfig",
+            num_replicas=self.num_replicas,
+            num_gpu=self.num_gpu,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            batch_size=self.batch_size,
+            prefetch=self.prefetch,
+        )
+        _non_negative(
+            "ModelConfig", gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica
+        )
+        if self.num_gpu is not None:
+            per = self.tensor_parallel_size * self.pipeline_parallel_size
+            if self.num_gpu % per:
+                valid = [n for n in range(per, max(self.num_gpu, per) * 2 + 1, per)][:4]
+                raise ConfigError(
+                    f"ModelConfig.num_gpu={self.num_gpu} does not hold whole replicas of "
+                    f"tensor_parallel_size*pipeline_parallel_size={per} GPUs; "
+                    f"use a multiple of {per} (e.g. {valid})"
+                )
+            derived = self.num_gpu // per
+            if self.num_replicas is not None and self.num_replicas != derived:
+                raise ConfigError(
+                    f"ModelConfig.num_replicas={self.num_replicas} disagrees with num_gpu="
+                    f"{self.num_gpu} / (tensor_parallel_size*pipeline_parallel_size={per}) = "
+                    f"{derived}; give one of them"
+                )
+
+    @property
+    def replicas(self) -> int:
+        """The resolved number of replicas."""
+        if self.num_replicas is not None:
+            return self.num_replicas
+        if self.num_gpu is not None:
+            return self.num_gpu // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        return 1
+
+    @property
+    def replica_gpus(self) -> float:
+        """GPUs each replica asks Ray for."""
+        if self.gpus_per_replica is not None:
+            return self.gpus_per_replica
+        if self.num_gpu is not None:
+            return float(self.tensor_parallel_size * self.pipeline_parallel_size)
+        return 0.0
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a pipeline runs.
+
+    ``max_inflight`` bounds every queue of the pipeline: samples admitted from the input but
+    not yet handed back to the caller never exceed it.
+    """
+
+    backend: Literal["ray", "inprocess"] = "ray"
+    ray_address: str | None = None
+    ray_namespace: str = "flowrl"
+    ray_init_cpus: int | None = None
+    max_inflight: int = 4096
+    input_chunk: int = 64
+    ordered: bool = True
+    setup_timeout_s: float = 300.0
+    inprocess_threads: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(
+            "PipelineConfig",
+            max_inflight=self.max_inflight,
+            input_chunk=self.input_chunk,
+            setup_timeout_s=self.setup_timeout_s,
+            ray_init_cpus=self.ray_init_cpus,
+        )
+
+
+def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:
+    """Accept a config Struct or a plain mapping; unknown keys and wrong types are errors."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return msgspec.convert(dict(value), cls)
+        except msgspec.ValidationError as err:
+            raise ConfigError(f"{where}: {err}") from err
+    raise ConfigError(f"{where}: expected {cls.__name__} or a mapping, got {type(value).__name__}")
+
+
+# ---- control messages: what crosses the driver/replica boundary besides payload objects ----
+
+
+class Piece(msgspec.Struct, frozen=True, kw_only=True):
+    """Rows ``rows`` of the object ``ref`` produced by ``producer`` (a stage or the input)."""
+
+    producer: str
+    ref: Any
+    rows: list[int]
+
+
+class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard handed to one replica: which method, which samples, where their fields live."""
+
+    stage: str
+    method: str
+    iteration: int
+    ids: list[int]
+    pieces: list[Piece]
+
+
+class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What a replica reports about one call; the payload stays in the object store."""
+
+    rows: int
+    fields: list[str]
+    busy_s: float
+    node_id: str = ""
+

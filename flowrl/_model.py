@@ -1,0 +1,125 @@
+"""The user's model base class and step decorator.
+
+A ``Model`` instance made on the driver is a light description (name, config, user
+attributes). Inside a flow, calling one of its steps on a stage output records a stage; inside
+a replica the same call runs the user's code. Each replica gets its own copy of the instance
+(pickled from the driver), then ``setup()`` runs once there — build heavy state in ``setup``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ._config import ModelConfig, to_config
+from ._errors import ConfigError, FlowDefinitionError
+from ._graph import Node
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Methods that are steps without a decorator (ChatLearn's names).
+STEP_NAMES = ("forward_step", "eval_step", "train_step")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    reads: frozenset[str] | None = None
+    writes: frozenset[str] | None = None
+
+
+def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    names = frozenset(value)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ConfigError(f"@flowrl.step({what}=...) takes field names (non-empty strings), got {bad}")
+    return names
+
+
+def step(fn: F | None = None, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None) -> Any:
+    """Mark a method as a step and, optionally, declare the fields it reads and writes.
+
+    Declared fields let the flow be checked when it is built (a read nobody writes, two
+    writers of one field); undeclared ones are checked when the first shard returns.
+    """
+    info = StepInfo(_fields(reads, "reads"), _fields(writes, "writes"))
+
+    def mark(f: F) -> F:
+        f.__flowrl_step__ = info  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def step_info(model: Model, method: str) -> StepInfo:
+    return getattr(getattr(type(model), method, None), "__flowrl_step__", StepInfo())
+
+
+def _traceable(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    info = getattr(fn, "__flowrl_step__", StepInfo())
+
+    @functools.wraps(fn)
+    def call(self: Model, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, Node) for a in (*args, *kwargs.values())):
+            if getattr(type(self), name) is getattr(Model, name, None):
+                raise FlowDefinitionError(
+                    f"the flow calls {self.name}.{name}, but {type(self).__name__} does not define {name}"
+                )
+            node = next(a for a in (*args, *kwargs.values()) if isinstance(a, Node))
+            return node._builder.add_stage(self, name, args, kwargs, info)
+        return fn(self, *args, **kwargs)
+
+    call.__flowrl_step__ = info  # type: ignore[attr-defined]
+    return call
+
+
+class Model:
+    """Base class of user models. Override ``setup`` and ``forward_step`` (or other steps).
+
+    Inside a replica these are set: ``name``, ``config``, ``replica_id``, ``num_replicas``,
+    ``device`` (``cuda`` when the replica holds a GPU and CUDA is available, else ``cpu``),
+    ``gpu_ids`` and ``node_id``.
+    """
+
+    def __init__(self, name: str, config: ModelConfig | Mapping[str, Any] | None = None) -> None:
+        if not isinstance(name, str) or not name or "." in name or "#" in name:
+            raise ConfigError(f"a model name must be a non-empty string without '.' or '#', got {name!r}")
+        self.name = name
+        self.config: ModelConfig = to_config(ModelConfig, config, f"model {name!r} config")
+        self.num_replicas = self.config.replicas
+        self.replica_id: int | None = None
+        self.device_name = "cpu"
+        self.gpu_ids: list[int] = []
+        self.node_id = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr, value in list(vars(cls).items()):
+            if callable(value) and (attr in STEP_NAMES or hasattr(value, "__flowrl_step__")):
+                setattr(cls, attr, _traceable(value, attr))
+
+    @property
+    def device(self) -> Any:
+        """The ``torch.device`` this replica computes on (imports torch on first use)."""
+        import torch
+
+        return torch.device(self.device_name)
+
+    def setup(self) -> None:
+        """Runs once inside each replica before its first step."""
+
+    def forward_step(self, batch: Any, iteration: int) -> Mapping[str, Any]:
+        """Return new per-sample fields for ``batch`` (tensors with ``len(batch)`` rows, or lists)."""
+        raise NotImplementedError(f"model {self.name!r} does not implement forward_step")
+
+    def __repr__(self) -> str:
+        where = "" if self.replica_id is None else f", replica {self.replica_id}/{self.num_replicas}"
+        return f"{type(self).__name__}({self.name!r}{where})"
+
+
+Model.forward_step = _traceable(Model.forward_step, "forward_step")  # type: ignore[method-assign]

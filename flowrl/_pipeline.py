@@ -1,0 +1,169 @@
+"""Opening and closing pipelines (layer 5): the async context manager and the sync wrapper."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+import anyio
+import anyio.from_thread
+
+from ._backend import ReplicaSpec, make_backend
+from ._batch import Sample
+from ._config import PipelineConfig, to_config
+from ._errors import FlowError
+from ._graph import FlowGraph, Node, trace
+from ._runtime import AsyncPipeline
+from ._stats import PipelineStats
+
+Flow = Callable[[Node], Any]
+
+
+def build_flow(flow: Flow, input_fields: Iterable[str] | None = None) -> FlowGraph:
+    """Trace ``flow`` and check what can be checked before anything starts."""
+    graph = trace(flow)
+    graph.validate(None if input_fields is None else frozenset(input_fields))
+    return graph
+
+
+def _replica_specs(graph: FlowGraph) -> list[ReplicaSpec]:
+    return [
+        ReplicaSpec(model, r, model.config.cpus_per_replica, model.config.replica_gpus)
+        for model in graph.models.values()
+        for r in range(model.config.replicas)
+    ]
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to show for a failed task group: its first non-cancellation leaf."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        elif not isinstance(exc, cancelled):
+            leaves.append(exc)
+
+    walk(group)
+    if not leaves:
+        return group
+    first = leaves[0]
+    for other in leaves[1:]:
+        first.add_note(f"also failed at the same time: {other!r}")
+    return first
+
+
+@contextlib.asynccontextmanager
+async def open_pipeline(
+    flow: Flow,
+    config: PipelineConfig | Mapping[str, Any] | None = None,
+    *,
+    input_fields: Iterable[str] | None = None,
+) -> AsyncIterator[AsyncPipeline]:
+    """Trace ``flow``, start every model's pool, and yield a pipeline to stream samples through.
+
+    All replicas are stopped when the block exits, also on error or cancellation. An error in
+    any stage fails the block promptly with a ``FlowError`` naming stage, replica and samples.
+    """
+    cfg = to_config(PipelineConfig, config, "pipeline config")
+    graph = build_flow(flow, input_fields)
+    backend = make_backend(cfg)
+    try:
+        async with anyio.create_task_group() as tg:
+            handles = await backend.start(_replica_specs(graph))
+            pipe = AsyncPipeline(graph, backend, cfg, handles)
+            pipe.start(tg)
+            try:
+                yield pipe
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error = _first_error(group)
+        if error is group:
+            raise
+        raise error from error.__cause__
+    finally:
+        with anyio.CancelScope(shield=True):
+            await backend.close()
+
+
+class Pipeline:
+    """The synchronous face of a pipeline, for scripts::
+
+        with flowrl.Pipeline(rollout) as pipe:
+            samples = pipe.run(items)
+            print(pipe.stats())
+    """
+
+    def __init__(
+        self,
+        flow: Flow,
+        config: PipelineConfig | Mapping[str, Any] | None = None,
+        *,
+        input_fields: Iterable[str] | None = None,
+    ) -> None:
+        self._args = (flow, config, input_fields)
+        self._stack: contextlib.ExitStack | None = None
+        self._pipe: AsyncPipeline | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._reported: BaseException | None = None
+
+    def __enter__(self) -> Pipeline:
+        flow, config, input_fields = self._args
+        stack = contextlib.ExitStack()
+        try:
+            self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
+            cm = self._portal.wrap_async_context_manager(open_pipeline(flow, config, input_fields=input_fields))
+            self._pipe = stack.enter_context(cm)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        try:
+            stack.__exit__(*exc_info)
+        except FlowError as err:
+            if err is not self._reported and err is not exc_info[1]:
+                raise
+
+    def run(self, items: Iterable[Mapping[str, Any]], *, ordered: bool | None = None) -> list[Sample]:
+        """Run ``items`` through the flow and return the finished samples."""
+        if self._pipe is None or self._portal is None:
+            raise FlowError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
+        pipe = self._pipe
+        try:
+            return self._portal.call(lambda: pipe.run(items, ordered=ordered))
+        except FlowError as err:
+            self._reported = err
+            raise
+
+    def stats(self) -> PipelineStats:
+        if self._pipe is None:
+            raise FlowError("the pipeline is not open")
+        return self._pipe.stats()
+
+    @property
+    def placement(self) -> dict[str, list[str]]:
+        if self._pipe is None:
+            raise FlowError("the pipeline is not open")
+        return self._pipe.placement
+
+
+def run_flow(
+    flow: Flow,
+    items: Iterable[Mapping[str, Any]],
+    config: PipelineConfig | Mapping[str, Any] | None = None,
+    *,
+    input_fields: Iterable[str] | None = None,
+) -> tuple[list[Sample], PipelineStats]:
+    """One call for scripts: open a pipeline, run ``items`` once, close it."""
+    with Pipeline(flow, config, input_fields=input_fields) as pipe:
+        return pipe.run(items), pipe.stats()

@@ -1,0 +1,151 @@
+"""The Ray backend (layer 4): one Ray actor per replica. The only module that imports ray.
+
+Compute runs in the actor's default concurrency group (one shard at a time, so a second
+shard sent ahead waits inside the actor); ``ping`` has its own group so a health check is
+never stuck behind compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import uuid
+from typing import Any
+
+import anyio
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ._batch import Batch
+from ._config import CallMeta, PipelineConfig, ShardCall
+from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
+from ._backend import ReplicaHandle, ReplicaSpec
+from ._model import Model
+from ._replica import ReplicaRuntime
+
+
+@ray.remote(concurrency_groups={"control": 1})
+class _ReplicaActor:
+    def __init__(self, model: Model, replica_id: int) -> None:
+        self.runtime = ReplicaRuntime(model, replica_id)
+
+    def setup(self) -> str:
+        gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+        return self.runtime.setup(gpu_ids, ray.get_runtime_context().get_node_id())
+
+    @ray.method(num_returns=2)
+    def run(self, call: ShardCall) -> tuple[CallMeta, Batch]:
+        return self.runtime.run(call, ray.get)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> bool:
+        return True
+
+
+def _translate(err: Exception, stage: str, replica: int, ids: list[int]) -> FlowError:
+    """A Ray failure as a FlowError naming the stage, replica and samples; Ray's error chained."""
+    if isinstance(err, RayTaskError):
+        cause = err.cause if isinstance(err.cause, BaseException) else None
+        if isinstance(cause, StageError):
+            return type(cause)(cause.message, cause.stage, cause.replica, cause.sample_ids)
+        return StageError(f"{type(cause or err).__name__}: {cause or err}", stage, replica, ids)
+    if isinstance(err, RayActorError):
+        return ReplicaDiedError(f"the replica's process died: {err}", stage, replica, ids)
+    return StageError(f"{type(err).__name__}: {err}", stage, replica, ids)
+
+
+class RayBackend:
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self._started_ray = False
+        self._actors: list[Any] = []
+        self._tag = uuid.uuid4().hex[:8]
+
+    def _connect(self, specs: list[ReplicaSpec]) -> None:
+        if ray.is_initialized():
+            return
+        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            # An embedded cluster gets enough logical CPUs for the pools it is started for:
+            # replicas mostly wait on accelerators, so CPU tokens only gate placement.
+            cpus = self.config.ray_init_cpus or max(os.cpu_count() or 1, math.ceil(sum(s.num_cpus for s in specs)))
+            ray.init(num_cpus=cpus, **kwargs)
+        self._started_ray = True
+
+    def _check_resources(self, specs: list[ReplicaSpec]) -> None:
+        total = ray.cluster_resources()
+        need = {"CPU": sum(s.num_cpus for s in specs), "GPU": sum(s.num_gpus for s in specs)}
+        for resource, amount in need.items():
+            have = total.get(resource, 0.0)
+            if amount > have + 1e-9:
+                per_model: dict[str, float] = {}
+                for s in specs:
+                    per_model[s.model.name] = per_model.get(s.model.name, 0.0) + (
+                        s.num_cpus if resource == "CPU" else s.num_gpus
+                    )
+                detail = ", ".join(f"{m}: {v:g}" for m, v in per_model.items())
+                key = "cpus_per_replica" if resource == "CPU" else "gpus_per_replica / num_gpu"
+                raise ClusterError(
+                    f"the pools need {amount:g} {resource} ({detail}) but the cluster has {have:g}; "
+                    f"lower ModelConfig.{key} or the replica counts, or add nodes"
+                )
+
+    async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
+        self._connect(specs)
+        self._check_resources(specs)
+        actors = []
+        for s in specs:
+            actor = _ReplicaActor.options(
+                name=f"flowrl-{self._tag}-{s.model.name}-{s.replica_id}",
+                namespace=self.config.ray_namespace,
+                num_cpus=s.num_cpus,
+                num_gpus=s.num_gpus,
+            ).remote(s.model, s.replica_id)
+            self._actors.append(actor)
+            actors.append(actor)
+        refs = [a.setup.remote() for a in actors]
+        try:
+            with anyio.fail_after(self.config.setup_timeout_s):
+                nodes = await asyncio.gather(*refs)
+        except TimeoutError as err:
+            raise ClusterError(
+                f"replicas did not start within PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s "
+                "(the cluster may lack a resource the replicas ask for, or setup() hangs)"
+            ) from err
+        except (RayTaskError, RayActorError) as err:
+            raise _translate(err, "setup", -1, []) from err
+        return [
+            ReplicaHandle(s.model.name, s.replica_id, node, actor) for s, node, actor in zip(specs, nodes, actors)
+        ]
+
+    def put(self, batch: Batch) -> Any:
+        return ray.put(batch)
+
+    async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
+        meta_ref, out_ref = replica.ref.run.remote(call)
+        try:
+            meta = await meta_ref
+        except (RayTaskError, RayActorError) as err:
+            raise _translate(err, call.stage, replica.replica_id, call.ids) from err
+        return meta, out_ref
+
+    async def fetch(self, refs: list[Any]) -> list[Batch]:
+        return list(await asyncio.gather(*refs))
+
+    async def close(self) -> None:
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        # Wait until each is really gone, so no flowrl actor outlives the pipeline.
+        with anyio.move_on_after(30):
+            for actor in actors:
+                try:
+                    await actor.ping.remote()
+                except (RayActorError, GetTimeoutError):
+                    pass
+        if self._started_ray:
+            ray.shutdown()

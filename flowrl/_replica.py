@@ -1,0 +1,111 @@
+"""What runs inside a replica, whatever the backend (layer 4, shared by both backends).
+
+A replica receives a ``ShardCall``: the shard's sample ids and, per producer, the object
+references and rows that hold their fields. It fetches each object once, gathers and merges
+the rows (joined by sample id), runs the user's step, checks what came back, and returns a
+small ``CallMeta`` plus the new fields as a ``Batch`` that stays in the object store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._batch import Batch, column_length
+from ._config import CallMeta, ShardCall
+from ._errors import FlowError, OutputError, StageError
+from ._model import Model, step_info
+
+Fetch = Callable[[list[Any]], list[Batch]]
+
+
+def gather(call: ShardCall, fetch: Fetch) -> Batch:
+    """The shard's samples with the fields of every producer it reads, in ``call.ids`` order."""
+    refs: list[Any] = []
+    index: dict[Any, int] = {}  # refs hash by object identity (Ray: by object id)
+    for piece in call.pieces:
+        if piece.ref not in index:
+            index[piece.ref] = len(refs)
+            refs.append(piece.ref)
+    objects = fetch(refs)
+    by_producer: dict[str, list[Batch]] = {}
+    for piece in call.pieces:
+        by_producer.setdefault(piece.producer, []).append(objects[index[piece.ref]].select(piece.rows))
+    ids = np.asarray(call.ids, dtype=np.int64)
+    merged = Batch(ids)
+    for producer, parts in by_producer.items():
+        part = Batch.concat(parts)
+        if not np.array_equal(part.ids, ids):
+            raise FlowError(
+                f"internal: rows gathered from {producer!r} are samples {part.ids.tolist()}, expected {call.ids}"
+            )
+        merged = merged.merge(part)
+    return merged
+
+
+def new_fields(out: Any, batch: Batch, input_fields: set[str], call: ShardCall, replica: int, writes: Any) -> dict[str, Any]:
+    """The fields a step added, checked: a mapping, one row per sample, no overwrite."""
+
+    def fail(msg: str) -> OutputError:
+        return OutputError(msg, call.stage, replica, call.ids)
+
+    if not isinstance(out, (Mapping, Batch)):
+        return_type = type(out).__name__
+        raise fail(f"{call.method} must return a mapping of new fields (field -> tensor or list), got {return_type}")
+    added: dict[str, Any] = {}
+    for name, value in out.items():
+        if name in input_fields:
+            if out is batch or value is batch.get(name):
+                continue  # passed through untouched (ChatLearn style: ``return data``)
+            raise fail(f"returned field {name!r}, which its input already has; a stage adds fields, never overwrites one")
+        rows = column_length(value)
+        if rows != len(batch):
+            got = f"{rows} rows" if rows is not None else f"a {type(value).__name__}"
+            raise fail(f"field {name!r} must have {len(batch)} rows (one per sample of the shard), got {got}")
+        added[name] = value
+    if writes is not None and set(added) != set(writes):
+        raise fail(f"declared writes={sorted(writes)} but returned new fields {sorted(added)}")
+    return added
+
+
+def _cuda_available() -> bool:
+    import torch  # only replicas that hold a GPU pay for importing torch here
+
+    return bool(torch.cuda.is_available())
+
+
+class ReplicaRuntime:
+    """One model instance inside one replica."""
+
+    def __init__(self, model: Model, replica_id: int) -> None:
+        self.model = model
+        self.replica_id = replica_id
+
+    def setup(self, gpu_ids: list[int], node_id: str) -> str:
+        m = self.model
+        m.replica_id = self.replica_id
+        m.gpu_ids = list(gpu_ids)
+        m.node_id = node_id
+        m.device_name = "cuda" if gpu_ids and _cuda_available() else "cpu"
+        try:
+            m.setup()
+        except Exception as err:
+            raise StageError(f"setup() failed: {type(err).__name__}: {err}", f"{m.name}.setup", self.replica_id, []) from err
+        return node_id
+
+    def run(self, call: ShardCall, fetch: Fetch) -> tuple[CallMeta, Batch]:
+        start = time.perf_counter()
+        batch = gather(call, fetch)
+        inputs = batch.keys()
+        try:
+            out = getattr(self.model, call.method)(batch, call.iteration)
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
+        info = step_info(self.model, call.method)
+        added = new_fields(out, batch, inputs, call, self.replica_id, info.writes)
+        result = Batch(batch.ids, added, _check=False)
+        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start, node_id=self.model.node_id)
+        return meta, result

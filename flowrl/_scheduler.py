@@ -1,0 +1,111 @@
+"""The pull matchmaker of one pool (layer 3, sans-IO: no Ray, no event loop).
+
+Replicas ask for work one *slot* at a time (a slot is one shard in flight; ``prefetch`` slots
+per replica). Samples become ready per stage. ``poll`` pairs waiting slots with shards cut by
+the splitter at that moment, never ahead of a request. Among waiting slots, replicas with
+fewer shards in flight go first, then the one that has waited longest, so a second slot is
+served only when every replica already has work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from ._splitter import shard_size
+
+
+@dataclass
+class _StageQueue:
+    name: str
+    batch_size: int
+    expected: int = 0
+    dispatched: int = 0
+    heap: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.expected - self.dispatched
+
+
+@dataclass(frozen=True)
+class Assignment:
+    replica: int
+    stage: str
+    ids: list[int]
+
+
+class PoolScheduler:
+    """Ready samples per stage, waiting slots per replica, and the splitter between them."""
+
+    def __init__(self, *, replicas: int, policy: str, prefetch: int = 1) -> None:
+        self.replicas = replicas
+        self.policy = policy
+        self.prefetch = prefetch
+        self.in_flight = [0] * replicas
+        self._stages: dict[str, _StageQueue] = {}
+        self._waiting: dict[int, list[int]] = {}  # replica -> sequence numbers of its waiting slots
+        self._seq = itertools.count()
+
+    def add_stage(self, name: str, batch_size: int) -> None:
+        """Register a stage served by this pool; later stages in a flow are added later."""
+        self._stages[name] = _StageQueue(name, batch_size)
+
+    def expect(self, stage: str, count: int) -> None:
+        """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
+        self._stages[stage].expected += count
+
+    def ready(self, stage: str, ids: list[int]) -> None:
+        q = self._stages[stage]
+        if q.dispatched + len(q.heap) + len(ids) > q.expected:
+            raise ValueError(f"stage {stage!r}: more samples ready than expected ({q.expected})")
+        for i in ids:
+            heapq.heappush(q.heap, i)
+
+    def request(self, replica: int) -> None:
+        """One slot of ``replica`` is idle and asks for a shard."""
+        if len(self._waiting.get(replica, ())) + self.in_flight[replica] >= self.prefetch:
+            raise ValueError(f"replica {replica} asked for more than prefetch={self.prefetch} shards")
+        self._waiting.setdefault(replica, []).append(next(self._seq))
+
+    def withdraw(self, replica: int) -> None:
+        """Forget the waiting slots of ``replica`` (it stopped pulling)."""
+        self._waiting.pop(replica, None)
+
+    def finish(self, replica: int) -> None:
+        """A shard of ``replica`` completed."""
+        self.in_flight[replica] -= 1
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q.heap) for q in self._stages.values())
+
+    def poll(self) -> list[Assignment]:
+        out: list[Assignment] = []
+        while self._waiting:
+            stage = self._next_stage()
+            if stage is None:
+                break
+            replica = min(self._waiting, key=lambda r: (self.in_flight[r], self._waiting[r][0]))
+            seqs = self._waiting[replica]
+            seqs.pop(0)
+            if not seqs:
+                del self._waiting[replica]
+            out.append(Assignment(replica, stage.name, self._cut(stage)))
+            self.in_flight[replica] += 1
+        return out
+
+    def _next_stage(self) -> _StageQueue | None:
+        # The deepest stage first (stages are added in flow order): it drains the pipeline.
+        for q in reversed(self._stages.values()):
+            if q.heap:
+                return q
+        return None
+
+    def _cut(self, q: _StageQueue) -> list[int]:
+        n = shard_size(
+            self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.replicas, batch_size=q.batch_size
+        )
+        q.dispatched += n
+        return [heapq.heappop(q.heap) for _ in range(n)]

@@ -1,0 +1,90 @@
+"""Exact per-stage and per-replica accounting (layer 3, sans-IO)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+
+class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica's share of one stage. ``idle_s`` is pool-wide: time the replica ran no stage."""
+
+    replica: int
+    samples: int
+    calls: int
+    busy_s: float
+    idle_s: float
+    max_shard: int
+
+
+class StageStats(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    model: str
+    samples: int
+    calls: int
+    busy_s: float
+    max_shard: int
+    replicas: list[ReplicaStats]
+
+
+class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters since the pipeline opened; ``active_s`` is the time spent inside runs."""
+
+    active_s: float
+    stages: dict[str, StageStats]
+
+    def __getitem__(self, stage: str) -> StageStats:
+        return self.stages[stage]
+
+
+class _Cell:
+    __slots__ = ("samples", "calls", "busy_s", "max_shard")
+
+    def __init__(self) -> None:
+        self.samples = self.calls = self.max_shard = 0
+        self.busy_s = 0.0
+
+
+class StatsRecorder:
+    def __init__(self, stage_models: Mapping[str, str], replicas: Mapping[str, int]) -> None:
+        self._stage_models = dict(stage_models)
+        self._replicas = dict(replicas)
+        self._cells = {
+            (s, r): _Cell() for s, m in self._stage_models.items() for r in range(self._replicas[m])
+        }
+        self._model_busy = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
+        self.active_s = 0.0
+
+    def record(self, stage: str, replica: int, rows: int, busy_s: float) -> None:
+        cell = self._cells[(stage, replica)]
+        cell.samples += rows
+        cell.calls += 1
+        cell.busy_s += busy_s
+        cell.max_shard = max(cell.max_shard, rows)
+        self._model_busy[(self._stage_models[stage], replica)] += busy_s
+
+    def add_active(self, seconds: float) -> None:
+        self.active_s += seconds
+
+    def snapshot(self) -> PipelineStats:
+        stages = {}
+        for stage, model in self._stage_models.items():
+            reps = [self._replica(stage, model, r) for r in range(self._replicas[model])]
+            stages[stage] = StageStats(
+                name=stage,
+                model=model,
+                samples=sum(r.samples for r in reps),
+                calls=sum(r.calls for r in reps),
+                busy_s=sum(r.busy_s for r in reps),
+                max_shard=max((r.max_shard for r in reps), default=0),
+                replicas=reps,
+            )
+        return PipelineStats(active_s=self.active_s, stages=stages)
+
+    def _replica(self, stage: str, model: str, r: int) -> ReplicaStats:
+        cell = self._cells[(stage, r)]
+        idle = max(0.0, self.active_s - self._model_busy[(model, r)])
+        return ReplicaStats(
+            replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle, max_shard=cell.max_shard
+        )
