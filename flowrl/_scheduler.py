@@ -2,9 +2,9 @@
 
 Replicas ask for work one *slot* at a time (a slot is one shard in flight; ``prefetch`` slots
 per replica). Samples become ready per stage. ``poll`` pairs waiting slots with shards cut by
-the splitter at that moment, never ahead of a request. Among waiting slots, replicas with
-fewer shards in flight go first, then the one that has waited longest, so a second slot is
-served only when every replica already has work.
+the splitter at that moment, never ahead of a request. Among waiting replicas, those with
+fewer shards in flight go first, then the least recently served, so a second slot is served
+only when every replica already has work, and work rotates over the whole pool.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class PoolScheduler:
         self.policy = policy
         self.prefetch = prefetch
         self.in_flight = [0] * replicas
+        self._last_served = list(range(-replicas, 0))  # never served: in replica order
         self._stages: dict[str, _StageQueue] = {}
-        self._waiting: dict[int, list[int]] = {}  # replica -> sequence numbers of its waiting slots
+        self._waiting: dict[int, int] = {}  # replica -> number of its slots waiting
         self._seq = itertools.count()
 
     def add_stage(self, name: str, batch_size: int) -> None:
@@ -65,9 +66,9 @@ class PoolScheduler:
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
-        if len(self._waiting.get(replica, ())) + self.in_flight[replica] >= self.prefetch:
+        if self._waiting.get(replica, 0) + self.in_flight[replica] >= self.prefetch:
             raise ValueError(f"replica {replica} asked for more than prefetch={self.prefetch} shards")
-        self._waiting.setdefault(replica, []).append(next(self._seq))
+        self._waiting[replica] = self._waiting.get(replica, 0) + 1
 
     def withdraw(self, replica: int) -> None:
         """Forget the waiting slots of ``replica`` (it stopped pulling)."""
@@ -87,13 +88,13 @@ class PoolScheduler:
             stage = self._next_stage()
             if stage is None:
                 break
-            replica = min(self._waiting, key=lambda r: (self.in_flight[r], self._waiting[r][0]))
-            seqs = self._waiting[replica]
-            seqs.pop(0)
-            if not seqs:
+            replica = min(self._waiting, key=lambda r: (self.in_flight[r], self._last_served[r]))
+            self._waiting[replica] -= 1
+            if not self._waiting[replica]:
                 del self._waiting[replica]
             out.append(Assignment(replica, stage.name, self._cut(stage)))
             self.in_flight[replica] += 1
+            self._last_served[replica] = next(self._seq)
         return out
 
     def _next_stage(self) -> _StageQueue | None:

@@ -1,0 +1,97 @@
+"""Small models and helpers for testing flows (public: ``flowrl.testing``).
+
+The models use numpy only, so a replica process starts without importing torch, and they
+record, per sample, which replica processed it in which round — enough to check pull
+scheduling, joins and exact accounting from a flow's output alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._batch import Batch
+from ._config import ModelConfig
+from ._model import Model
+
+
+class Scale(Model):
+    """``dst = sum(srcs) * factor``; sleeps ``sleep_s`` per call plus ``per_sample_s`` per sample.
+
+    Adds ``<name>_replica``, ``<name>_round`` and ``<name>_consumed`` (the replica's running
+    count of samples after this call, like ChatLearn's ``consumed_samples``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: ModelConfig | dict[str, Any] | None = None,
+        *,
+        srcs: Sequence[str] = ("x",),
+        dst: str | None = None,
+        factor: float = 1.0,
+        sleep_s: float = 0.0,
+        per_sample_s: float = 0.0,
+        jitter_seed: int | None = None,
+    ) -> None:
+        super().__init__(name, config)
+        self.srcs = tuple(srcs)
+        self.dst = dst or f"{name}_out"
+        self.factor = factor
+        self.sleep_s = sleep_s
+        self.per_sample_s = per_sample_s
+        self.jitter_seed = jitter_seed
+        self.consumed = 0
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        time.sleep(self._delay(batch))
+        total = sum(np.asarray(batch[s], dtype=np.float64) for s in self.srcs)
+        self.consumed += len(batch)
+        n = len(batch)
+        return {
+            self.dst: total * self.factor,
+            f"{self.name}_replica": [self.replica_id] * n,
+            f"{self.name}_round": [iteration] * n,
+            f"{self.name}_consumed": [self.consumed] * n,
+        }
+
+    def _delay(self, batch: Batch) -> float:
+        delay = self.sleep_s + self.per_sample_s * len(batch)
+        if self.jitter_seed is not None:  # a per-shard random extra, so finishing order is shuffled
+            rng = np.random.default_rng([self.jitter_seed, int(batch.ids[0])])
+            delay += float(rng.uniform(0, 3 * max(self.sleep_s, 0.002)))
+        return delay
+
+
+class Fail(Model):
+    """Raises ``ValueError`` when a shard contains sample ``bad_id``; otherwise adds ``<name>_ok``."""
+
+    def __init__(self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, bad_id: int = 0) -> None:
+        super().__init__(name, config)
+        self.bad_id = bad_id
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        if self.bad_id in batch.ids.tolist():
+            raise ValueError(f"bad sample {self.bad_id}")
+        return {f"{self.name}_ok": [True] * len(batch)}
+
+
+class Emit(Model):
+    """Returns zeros for each field with ``len(batch) + offset`` rows: for malformed-output tests."""
+
+    def __init__(self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, fields: dict[str, int]) -> None:
+        super().__init__(name, config)
+        self.fields = fields  # field -> row offset (0: well formed)
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        return {f: np.zeros(len(batch) + offset) for f, offset in self.fields.items()}
+
+
+def flowrl_actor_names() -> list[str]:
+    """Names of the live Ray actors flowrl started (empty when every pool is closed)."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
