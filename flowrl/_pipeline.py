@@ -44,7 +44,7 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
         if isinstance(exc, BaseExceptionGroup):
             for inner in exc.exceptions:
                 walk(inner)
-        elif not isinstance(exc, cancelled):
+        elif not isinstance(exc, cancelled) and all(exc is not seen for seen in leaves):
             leaves.append(exc)
 
     walk(group)

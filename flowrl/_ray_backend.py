@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import sys
 import uuid
 from typing import Any
 
@@ -53,6 +54,21 @@ def _translate(err: Exception, stage: str, replica: int, ids: list[int]) -> Flow
     if isinstance(err, RayActorError):
         return ReplicaDiedError(f"the replica's process died: {err}", stage, replica, ids)
     return StageError(f"{type(err).__name__}: {err}", stage, replica, ids)
+
+
+def _ship_by_value(model: Model) -> None:
+    """Let replicas unpickle models defined in top-level modules (test files, scripts' helpers).
+
+    Workers do not share the driver's ``sys.path``; a class from a module outside any package
+    would not import there, so its module travels by value, as ``__main__`` already does.
+    """
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        path = getattr(module, "__file__", None)
+        if module is None or not path or cls.__module__ == "__main__" or getattr(module, "__package__", None):
+            continue  # builtins, __main__ (already by value) and modules inside packages
+        if not path.startswith((sys.prefix, sys.base_prefix)):
+            ray.cloudpickle.register_pickle_by_value(module)
 
 
 class RayBackend:
@@ -99,6 +115,7 @@ class RayBackend:
         self._check_resources(specs)
         actors = []
         for s in specs:
+            _ship_by_value(s.model)
             actor = _ReplicaActor.options(
                 name=f"flowrl-{self._tag}-{s.model.name}-{s.replica_id}",
                 namespace=self.config.ray_namespace,

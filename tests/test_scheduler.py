@@ -57,6 +57,21 @@ def test_replicas_with_fewer_shards_in_flight_first():
     assert s.in_flight == [2, 1, 1]
 
 
+def test_fewer_in_flight_beats_waiting_or_served_longer_ago():
+    s = make(replicas=2, prefetch=2, expected=3)
+    s.request(0)
+    s.ready(STAGE, [0])
+    assert [a.replica for a in s.poll()] == [0]  # replica 0 keeps this shard running
+    s.request(1)
+    s.ready(STAGE, [1])
+    assert [a.replica for a in s.poll()] == [1]
+    s.finish(1)  # replica 1 is idle again, though served more recently than replica 0
+    s.request(0)
+    s.request(1)
+    s.ready(STAGE, [2])
+    assert [a.replica for a in s.poll()] == [1]
+
+
 def test_equal_in_flight_served_least_recently_served_first():
     s = make(replicas=3, expected=6)
     s.request(1)

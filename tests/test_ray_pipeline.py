@@ -1,0 +1,188 @@
+"""The Ray path on a real local cluster: joins, ordering, errors, cleanup, placement."""
+
+from __future__ import annotations
+
+import traceback
+
+import anyio
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl.testing import Emit, Fail, Scale, flowrl_actor_names
+
+CPU = {"cpus_per_replica": 0.25}
+
+
+def items(n: int, start: int = 0) -> list[dict]:
+    return [{"x": np.full(2, float(i))} for i in range(start, start + n)]
+
+
+def diamond(jitter: int):
+    """x -> a (3 replicas, batch 3) and b (2 replicas, batch 5) -> c(a, b): shuffled finishing order."""
+    a = Scale("a", {"num_replicas": 3, "batch_size": 3, **CPU}, srcs=["x"], dst="a", factor=10, sleep_s=0.003, jitter_seed=jitter)
+    b = Scale("b", {"num_replicas": 2, "batch_size": 5, "splitter": "greedy", **CPU}, srcs=["x"], dst="b", factor=100,
+              sleep_s=0.002, jitter_seed=jitter + 1)
+    c = Scale("c", {"num_replicas": 2, "batch_size": 4, **CPU}, srcs=["a", "b"], dst="c", jitter_seed=jitter + 2)
+
+    def flow(x):
+        return c.forward_step(a.forward_step(x), b.forward_step(x))
+
+    return flow
+
+
+@pytest.mark.parametrize("backend, jitter", [("ray", 1), ("inprocess", 2), ("inprocess", 3)])
+async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backend, jitter):
+    n = 41
+    config = {"backend": backend, "inprocess_threads": True}
+    async with flowrl.open_pipeline(diamond(jitter), config) as pipe:
+        out = await pipe.run(items(n))
+        stats = pipe.stats()
+    assert [s.id for s in out] == list(range(n))
+    for s in out:
+        # each field derived from the sample's own x: joined by id, not by position in a shard
+        assert np.allclose(s["a"], 10 * s.id) and np.allclose(s["b"], 100 * s.id)
+        assert np.allclose(s["c"], 110 * s.id)
+    for stage, batch in (("a.forward_step", 3), ("b.forward_step", 5), ("c.forward_step", 4)):
+        assert stats[stage].samples == n
+        assert 0 < stats[stage].max_shard <= batch
+    assert flowrl_actor_names() == []
+
+
+class Sleepy(flowrl.Model):
+    def forward_step(self, batch, iteration):
+        import time
+
+        time.sleep(float(max(batch["delay"])))
+        return {"waited": [True] * len(batch)}
+
+
+async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster):
+    # sample 0 sleeps on its replica while the other replicas finish the rest
+    # prefetch=1: no second shard waits inside the slow replica behind sample 0
+    wait = Sleepy("wait", {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU})
+    delayed = [{"delay": 0.4 if i == 0 else 0.0} for i in range(6)]
+    async with flowrl.open_pipeline(lambda x: wait.forward_step(x)) as pipe:
+        ordered = [s.id for s in await pipe.run(delayed)]
+        completed = [s.id - 6 for s in await pipe.run(delayed, ordered=False)]
+    assert ordered == list(range(6))
+    assert sorted(completed) == list(range(6))
+    assert completed[-1] == 0  # as completed: the slow sample arrives last
+
+
+async def test_user_exception_names_stage_replica_and_samples_and_cleans_up(ray_cluster):
+    ok = Scale("ok", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
+    bad = Fail("bad", {"num_replicas": 2, "batch_size": 2, **CPU}, bad_id=5)
+
+    def flow(x):
+        return bad.forward_step(ok.forward_step(x))
+
+    with pytest.raises(flowrl.StageError) as info:
+        async with flowrl.open_pipeline(flow) as pipe:
+            await pipe.run(items(12))
+    err = info.value
+    assert err.stage == "bad.forward_step"
+    assert err.replica in (0, 1)
+    assert 5 in err.sample_ids and len(err.sample_ids) <= 2
+    assert "ValueError: bad sample 5" in str(err)
+    shown = "".join(traceback.format_exception(err))
+    # the replica's traceback is chained: the user's frame and the original exception show
+    assert 'raise ValueError(f"bad sample {self.bad_id}")' in shown and "ValueError: bad sample 5" in shown
+    assert flowrl_actor_names() == []
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"y": 1}, "field 'y' must have"), ({"x": 0}, "already has")],
+    ids=["wrong-length", "overwrite"],
+)
+async def test_malformed_output_is_an_output_error(ray_cluster, fields, message):
+    emit = Emit("emit", {"num_replicas": 2, "batch_size": 3, **CPU}, fields=fields)
+    with pytest.raises(flowrl.OutputError, match=message) as info:
+        async with flowrl.open_pipeline(lambda x: emit.forward_step(x)) as pipe:
+            await pipe.run(items(7))
+    assert info.value.stage == "emit.forward_step" and info.value.sample_ids
+    assert flowrl_actor_names() == []
+
+
+async def test_two_undeclared_writers_of_one_field_are_rejected_when_data_shows_it(ray_cluster):
+    p = Emit("p", {"num_replicas": 1, **CPU}, fields={"logits": 0})
+    q = Emit("q", {"num_replicas": 1, **CPU}, fields={"logits": 0})
+    join = Scale("join", {"num_replicas": 1, **CPU}, srcs=["x"], dst="j")
+
+    def flow(x):
+        return join.forward_step(p.forward_step(x), q.forward_step(x))
+
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"'logits'.*'p\.forward_step'|'logits'.*'q\.forward_step'"):
+        async with flowrl.open_pipeline(flow) as pipe:
+            await pipe.run(items(4))
+    assert flowrl_actor_names() == []
+
+
+async def test_a_declared_read_nobody_writes_fails_before_any_actor_starts(ray_cluster):
+    class Reader(flowrl.Model):
+        @flowrl.step(reads=["response"], writes=["score"])
+        def forward_step(self, batch, iteration):
+            return {"score": batch["response"]}
+
+    reader = Reader("reader", {"num_replicas": 1, **CPU})
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"'reader\.forward_step' reads field\(s\) \['response'\]"):
+        async with flowrl.open_pipeline(lambda x: reader.forward_step(x), input_fields=["prompt"]):
+            pass  # never reached: the flow is rejected when it is built
+    assert flowrl_actor_names() == []
+
+
+async def test_cancelling_mid_stream_stops_every_actor(ray_cluster):
+    slow = Scale("slow", {"num_replicas": 2, "batch_size": 1, **CPU}, srcs=["x"], dst="y", sleep_s=0.05)
+    seen = []
+    with anyio.CancelScope() as scope:
+        async with flowrl.open_pipeline(lambda x: slow.forward_step(x)) as pipe:
+            async for s in pipe.stream(items(50)):
+                seen.append(s.id)
+                if len(seen) == 3:
+                    scope.cancel()
+    assert scope.cancelled_caught and seen == [0, 1, 2]
+    assert flowrl_actor_names() == []
+
+
+async def test_replicas_get_their_logical_gpus_and_see_who_they_are(ray_cluster):
+    class WhoAmI(flowrl.Model):
+        def forward_step(self, batch, iteration):
+            n = len(batch)
+            return {"gpus": [tuple(self.gpu_ids)] * n, "rid": [self.replica_id] * n, "dev": [str(self.device)] * n,
+                    "nrep": [self.num_replicas] * n, "bs": [self.config.batch_size] * n, "nm": [self.name] * n}
+
+    # ChatLearn sizing: 8 GPUs, tensor parallel 4 -> 2 replicas holding 4 GPUs each
+    who = WhoAmI("who", {"num_gpu": 8, "tensor_parallel_size": 4, "batch_size": 3, **CPU})
+    async with flowrl.open_pipeline(lambda x: who.forward_step(x)) as pipe:
+        out = await pipe.run(items(12))
+    per_replica = {s["rid"]: s["gpus"] for s in out}
+    assert sorted(per_replica) == [0, 1]
+    assert all(len(g) == 4 for g in per_replica.values())
+    assert set(per_replica[0]).isdisjoint(per_replica[1])
+    assert {s["dev"] for s in out} == {"cpu"}  # logical GPUs, no CUDA on this machine
+    assert {(s["nrep"], s["bs"], s["nm"]) for s in out} == {(2, 3, "who")}
+
+
+async def test_pools_larger_than_the_cluster_fail_fast_with_what_to_change(ray_cluster):
+    greedy = Scale("greedy", {"num_replicas": 3, "gpus_per_replica": 4, **CPU}, srcs=["x"])
+    with pytest.raises(flowrl.ClusterError, match=r"need 12 GPU .*has 8.*gpus_per_replica"):
+        async with flowrl.open_pipeline(lambda x: greedy.forward_step(x)):
+            pass
+    assert flowrl_actor_names() == []
+
+
+def test_sync_helper_runs_several_rounds_and_reports_stats(ray_cluster):
+    m = Scale("m", {"num_replicas": 3, "batch_size": 4, **CPU}, srcs=["x"], dst="y", factor=2)
+    with flowrl.Pipeline(lambda x: m.forward_step(x)) as pipe:
+        first = pipe.run(items(10))
+        second = pipe.run(items(7, start=10))
+        stats = pipe.stats()
+    assert [s.id for s in first + second] == list(range(17))
+    assert all(np.allclose(s["y"], 2 * s.id) for s in first + second)
+    st = stats["m.forward_step"]
+    assert st.samples == 17 == sum(r.samples for r in st.replicas)
+    assert st.calls == sum(r.calls for r in st.replicas) and st.max_shard <= 4
+    assert all(r.busy_s >= 0 and r.idle_s >= 0 for r in st.replicas)
+    assert stats.active_s > 0
+    assert flowrl_actor_names() == []
