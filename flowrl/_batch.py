@@ -69,7 +69,7 @@ def _encode(value: Column) -> Any:
     if _is_tensor(value) and value.device.type == "cpu":
         try:
             return ("torch", value.detach().numpy())
-        except TypeError:  # dtypes numpy lacks (bfloat16)
+        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
             return ("raw", value)
     return ("raw", value)
 
@@ -118,7 +118,7 @@ class Batch:
             raise FlowError(f"Batch.from_samples: {len(ids)} ids for {len(samples)} samples")
         names = list(samples[0].keys()) if samples else []
         for pos, sample in enumerate(samples):
-            if list(sample.keys()) != names:
+            if set(sample.keys()) != set(names):
                 raise FlowError(
                     f"input sample {pos} has fields {sorted(sample)}, the first sample has {sorted(names)}; "
                     "every input sample must have the same fields"

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from ._errors import ConfigError
 
 SplitterName = Literal["guided", "factoring", "greedy"]
+BackendName = Literal["ray", "inprocess"]
+
+
+def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
+    # msgspec checks Literal fields when decoding, not when a Struct is built in code
+    choices = get_args(allowed)
+    if value not in choices:
+        raise ConfigError(f"{owner}.{key} must be one of {list(choices)}, got {value!r}")
 
 
 def _positive(owner: str, **values: float | None) -> None:
@@ -42,6 +50,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     prefetch: int = 2
 
     def __post_init__(self) -> None:
+        _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
         _positive(
             "ModelConfig",
             num_replicas=self.num_replicas,
@@ -62,6 +71,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     f"ModelConfig.num_gpu={self.num_gpu} does not hold whole replicas of "
                     f"tensor_parallel_size*pipeline_parallel_size={per} GPUs; "
                     f"use a multiple of {per} (e.g. {valid})"
+                )
+            if self.gpus_per_replica is not None and self.gpus_per_replica != per:
+                raise ConfigError(
+                    f"ModelConfig.gpus_per_replica={self.gpus_per_replica} disagrees with "
+                    f"tensor_parallel_size*pipeline_parallel_size={per} implied by num_gpu; give one of them"
                 )
             derived = self.num_gpu // per
             if self.num_replicas is not None and self.num_replicas != derived:
@@ -97,10 +111,11 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     not yet handed back to the caller never exceed it.
     """
 
-    backend: Literal["ray", "inprocess"] = "ray"
+    backend: BackendName = "ray"
     ray_address: str | None = None
     ray_namespace: str = "flowrl"
     ray_init_cpus: int | None = None
+    ray_init_gpus: int | None = None
     max_inflight: int = 4096
     input_chunk: int = 64
     ordered: bool = True
@@ -108,6 +123,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     inprocess_threads: bool = False
 
     def __post_init__(self) -> None:
+        _one_of("PipelineConfig", "backend", self.backend, BackendName)
         _positive(
             "PipelineConfig",
             max_inflight=self.max_inflight,
@@ -115,6 +131,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             setup_timeout_s=self.setup_timeout_s,
             ray_init_cpus=self.ray_init_cpus,
         )
+        _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus)
 
 
 def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:

@@ -44,8 +44,10 @@ def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
 def step(fn: F | None = None, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None) -> Any:
     """Mark a method as a step and, optionally, declare the fields it reads and writes.
 
-    Declared fields let the flow be checked when it is built (a read nobody writes, two
-    writers of one field); undeclared ones are checked when the first shard returns.
+    Declared fields let the flow be checked when it is built: a read nobody writes (when
+    every upstream producer declares its writes, and the input fields are known) and two
+    writers of one field. Declared writes are also checked against every shard's output.
+    Without declarations, two writers of a field are caught when the first shard returns.
     """
     info = StepInfo(_fields(reads, "reads"), _fields(writes, "writes"))
 
@@ -82,8 +84,8 @@ class Model:
     """Base class of user models. Override ``setup`` and ``forward_step`` (or other steps).
 
     Inside a replica these are set: ``name``, ``config``, ``replica_id``, ``num_replicas``,
-    ``device`` (``cuda`` when the replica holds a GPU and CUDA is available, else ``cpu``),
-    ``gpu_ids`` and ``node_id``.
+    ``gpu_ids`` and ``node_id``; ``device`` (a property) is the ``torch.device`` to compute on:
+    ``cuda`` when the replica holds a GPU and CUDA is available, else ``cpu``.
     """
 
     def __init__(self, name: str, config: ModelConfig | Mapping[str, Any] | None = None) -> None:

@@ -12,7 +12,7 @@ import anyio.from_thread
 from ._backend import ReplicaSpec, make_backend
 from ._batch import Sample
 from ._config import PipelineConfig, to_config
-from ._errors import FlowError
+from ._errors import FlowError, PipelineClosedError
 from ._graph import FlowGraph, Node, trace
 from ._runtime import AsyncPipeline
 from ._stats import PipelineStats
@@ -79,6 +79,7 @@ async def open_pipeline(
             try:
                 yield pipe
             finally:
+                pipe.close()
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         error = _first_error(group)
@@ -128,16 +129,23 @@ class Pipeline:
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        failure = self._pipe._error if self._pipe is not None else None
         try:
             stack.__exit__(*exc_info)
-        except FlowError as err:
-            if err is not self._reported and err is not exc_info[1]:
+        except BaseException as err:
+            # The portal may report a failed pipeline as a cancellation: show the real error,
+            # unless the caller has already seen it.
+            real = err if isinstance(err, FlowError) or failure is None else failure
+            if real is self._reported or real is exc_info[1]:
+                return
+            if real is err:
                 raise
+            raise real from None
 
     def run(self, items: Iterable[Mapping[str, Any]], *, ordered: bool | None = None) -> list[Sample]:
         """Run ``items`` through the flow and return the finished samples."""
-        if self._pipe is None or self._portal is None:
-            raise FlowError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
+        if self._stack is None or self._pipe is None or self._portal is None:
+            raise PipelineClosedError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
         pipe = self._pipe
         try:
             return self._portal.call(lambda: pipe.run(items, ordered=ordered))

@@ -38,8 +38,8 @@ class AsyncPool:
         self.scheduler.ready(stage, ids)
         self.pump()
 
-    def finish(self, replica: int) -> None:
-        self.scheduler.finish(replica)
+    def finish(self, assignment: Assignment) -> None:
+        self.scheduler.finish(assignment)
 
     def pump(self) -> None:
         for assignment in self.scheduler.poll():

@@ -8,6 +8,7 @@ never stuck behind compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import sys
@@ -89,7 +90,7 @@ class RayBackend:
             # An embedded cluster gets enough logical CPUs for the pools it is started for:
             # replicas mostly wait on accelerators, so CPU tokens only gate placement.
             cpus = self.config.ray_init_cpus or max(os.cpu_count() or 1, math.ceil(sum(s.num_cpus for s in specs)))
-            ray.init(num_cpus=cpus, **kwargs)
+            ray.init(num_cpus=cpus, num_gpus=self.config.ray_init_gpus, **kwargs)
         self._started_ray = True
 
     def _check_resources(self, specs: list[ReplicaSpec]) -> None:
@@ -147,6 +148,8 @@ class RayBackend:
         try:
             meta = await meta_ref
         except (RayTaskError, RayActorError) as err:
+            with contextlib.suppress(Exception):  # consume the twin error, or Ray logs it as unhandled
+                await out_ref
             raise _translate(err, call.stage, replica.replica_id, call.ids) from err
         return meta, out_ref
 

@@ -77,6 +77,8 @@ class AsyncPipeline:
         self._runs = 0
         self._run: _Run | None = None
         self._error: BaseException | None = None
+        self._closed = False
+        self._run_started: float | None = None
         self._tg: TaskGroup | None = None
 
     # ---- lifecycle ----
@@ -103,7 +105,9 @@ class AsyncPipeline:
         return out
 
     def stats(self) -> PipelineStats:
-        return self._recorder.snapshot()
+        """Counters so far; a stream in progress counts its time up to now."""
+        live = 0.0 if self._run_started is None else time.perf_counter() - self._run_started
+        return self._recorder.snapshot(extra_active_s=live)
 
     # ---- public runs ----
     async def run(self, items: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]], *, ordered: bool | None = None) -> list[Sample]:
@@ -119,7 +123,7 @@ class AsyncPipeline:
     ) -> AsyncIterator[Sample]:
         """Yield finished samples as the flow produces them (input order unless ``ordered=False``)."""
         run = await self._begin(ordered)
-        started = time.perf_counter()
+        started = self._run_started = time.perf_counter()
         assert self._tg is not None
         self._tg.start_soon(self._admit, run, items)
         try:
@@ -127,6 +131,7 @@ class AsyncPipeline:
                 yield sample
         finally:
             self._abandon(run)
+            self._run_started = None
             self._recorder.add_active(time.perf_counter() - started)
 
     def _abandon(self, run: _Run) -> None:
@@ -145,16 +150,24 @@ class AsyncPipeline:
 
     async def _begin(self, ordered: bool | None) -> _Run:
         self._raise_if_failed()
-        if self._run is not None and not self._run.drained.is_set():
-            if not self._run.abandoned:
-                raise PipelineClosedError("a pipeline runs one stream at a time; finish the current one first")
-            await self._run.drained.wait()
+        previous = self._run
+        if previous is not None and not previous.drained.is_set():
+            # One stream at a time: a new one supersedes a stream left unfinished (e.g. by
+            # `break`); its samples already admitted finish and are counted, then dropped.
+            if not previous.abandoned:
+                self._abandon(previous)
+            await previous.drained.wait()
         run = _Run(self._runs, self._next_id, self.config.ordered if ordered is None else ordered, self.config.max_inflight)
         self._runs += 1
         self._run = run
         return run
 
+    def close(self) -> None:
+        self._closed = True
+
     def _raise_if_failed(self) -> None:
+        if self._closed:
+            raise PipelineClosedError("the pipeline is closed; open a new one")
         if self._error is not None:
             raise PipelineClosedError(f"the pipeline failed earlier: {self._error}") from self._error
 
@@ -221,7 +234,7 @@ class AsyncPipeline:
             while True:
                 assignment = await pool.next(handle.replica_id)
                 await self._execute(handle, assignment)
-                pool.finish(handle.replica_id)
+                pool.finish(assignment)
         except Exception as err:
             self.fail(err)
             raise
@@ -321,7 +334,7 @@ class AsyncPipeline:
         cache: dict[Any, list[Any]] = {}  # ref -> [Batch | None, uses left]
         held = run.held
         next_id = run.first_id
-        async for sid, loc in run.recv:
+        async for sid, loc in _superseded_check(run.recv):
             for ref, _ in loc.values():
                 cache.setdefault(ref, [None, 0])[1] += 1
             held[sid] = loc
@@ -351,6 +364,14 @@ class AsyncPipeline:
             if entry[1] == 0:
                 del cache[ref]
         return Sample(sid, fields)
+
+
+async def _superseded_check(recv: Any) -> AsyncIterator[Any]:
+    try:
+        async for item in recv:
+            yield item
+    except anyio.ClosedResourceError:
+        raise PipelineClosedError("this stream was superseded: a newer stream started on the pipeline") from None
 
 
 async def _aiter(items: Any) -> AsyncIterator[Any]:

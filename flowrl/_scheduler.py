@@ -13,6 +13,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from ._splitter import policy as check_policy
 from ._splitter import shard_size
 
 
@@ -22,11 +23,13 @@ class _StageQueue:
     batch_size: int
     expected: int = 0
     dispatched: int = 0
+    finished: int = 0
     heap: list[int] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:
-        return self.expected - self.dispatched
+        """Samples not finished yet: pending, still upstream, or running."""
+        return self.expected - self.finished
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,14 @@ class PoolScheduler:
 
     def __init__(self, *, replicas: int, policy: str, prefetch: int = 1) -> None:
         self.replicas = replicas
+        check_policy(policy)
         self.policy = policy
         self.prefetch = prefetch
         self.in_flight = [0] * replicas
         self._last_served = list(range(-replicas, 0))  # never served: in replica order
         self._stages: dict[str, _StageQueue] = {}
         self._waiting: dict[int, int] = {}  # replica -> number of its slots waiting
+        self._held: dict[tuple[int, str], int] = {}  # (replica, stage) -> samples running there
         self._seq = itertools.count()
 
     def add_stage(self, name: str, batch_size: int) -> None:
@@ -74,9 +79,12 @@ class PoolScheduler:
         """Forget the waiting slots of ``replica`` (it stopped pulling)."""
         self._waiting.pop(replica, None)
 
-    def finish(self, replica: int) -> None:
-        """A shard of ``replica`` completed."""
-        self.in_flight[replica] -= 1
+    def finish(self, assignment: Assignment) -> None:
+        """The shard ``assignment`` completed."""
+        n = len(assignment.ids)
+        self.in_flight[assignment.replica] -= 1
+        self._held[(assignment.replica, assignment.stage)] -= n
+        self._stages[assignment.stage].finished += n
 
     @property
     def pending(self) -> int:
@@ -92,7 +100,7 @@ class PoolScheduler:
             self._waiting[replica] -= 1
             if not self._waiting[replica]:
                 del self._waiting[replica]
-            out.append(Assignment(replica, stage.name, self._cut(stage)))
+            out.append(Assignment(replica, stage.name, self._cut(stage, replica)))
             self.in_flight[replica] += 1
             self._last_served[replica] = next(self._seq)
         return out
@@ -104,9 +112,14 @@ class PoolScheduler:
                 return q
         return None
 
-    def _cut(self, q: _StageQueue) -> list[int]:
+    def _cut(self, q: _StageQueue, replica: int) -> list[int]:
+        key = (replica, q.name)
+        held = self._held.get(key, 0)
+        busy = sum(1 for (r, stage), rows in self._held.items() if stage == q.name and rows and r != replica)
         n = shard_size(
-            self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.replicas, batch_size=q.batch_size
+            self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.replicas, batch_size=q.batch_size,
+            held=held, unassigned=q.expected - q.dispatched, free_replicas=self.replicas - busy,
         )
+        self._held[key] = held + n
         q.dispatched += n
         return [heapq.heappop(q.heap) for _ in range(n)]

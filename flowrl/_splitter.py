@@ -1,10 +1,12 @@
 """Splitter policies (layer 3, sans-IO): how many pending samples an idle replica takes.
 
-Every policy is work-conserving (an idle replica asking while samples are pending always gets
-at least one) and never exceeds the stage's ``batch_size``. The adaptive policies also bound
-a shard by a share of the work that *remains* for the stage — pending now or still to come
-from upstream — so shards shrink as the work runs out and replicas finish together
-(guided self-scheduling; factoring halves the share again).
+Every policy is work-conserving (a replica asking while samples are pending always gets at
+least one) and never exceeds the stage's ``batch_size``. The adaptive policies also bound what
+a replica holds by its share of the work that *remains* for the stage — not yet finished:
+pending now, still to come from upstream, or running — so shards shrink as the work runs out
+and replicas finish together (guided self-scheduling; factoring halves the share again).
+``held`` is what the asking replica already holds of this stage, so a second (prefetch) slot
+only takes what the replica's share leaves.
 """
 
 from __future__ import annotations
@@ -18,17 +20,29 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def guided(*, pending: int, remaining: int, replicas: int, batch_size: int) -> int:
-    return min(batch_size, pending, max(1, _ceil_div(remaining, replicas)))
+def _adaptive(divisor: int, pending: int, remaining: int, replicas: int, batch_size: int, held: int,
+              unassigned: int | None, free_replicas: int | None) -> int:
+    # Two bounds: the replica's share of all unfinished work, less what it already runs
+    # (guided self-scheduling), and an even split of the not-yet-assigned work over the
+    # replicas that hold none of it, so a wave of samples reaches every idle replica.
+    share = _ceil_div(remaining, divisor * replicas) - held
+    unassigned = remaining if unassigned is None else unassigned
+    spread = _ceil_div(unassigned, max(1, replicas if free_replicas is None else free_replicas))
+    return min(batch_size, pending, max(1, min(share, spread)))
 
 
-def factoring(*, pending: int, remaining: int, replicas: int, batch_size: int) -> int:
-    return min(batch_size, pending, max(1, _ceil_div(remaining, 2 * replicas)))
+def guided(*, pending: int, remaining: int, replicas: int, batch_size: int, held: int = 0,
+           unassigned: int | None = None, free_replicas: int | None = None) -> int:
+    return _adaptive(1, pending, remaining, replicas, batch_size, held, unassigned, free_replicas)
 
 
-def greedy(*, pending: int, remaining: int, replicas: int, batch_size: int) -> int:
+def factoring(*, pending: int, remaining: int, replicas: int, batch_size: int, held: int = 0,
+              unassigned: int | None = None, free_replicas: int | None = None) -> int:
+    return _adaptive(2, pending, remaining, replicas, batch_size, held, unassigned, free_replicas)
+
+
+def greedy(*, pending: int, batch_size: int, **_: int | None) -> int:
     """Fill the shard up to ``batch_size`` from what is pending (Ray Data / push-like)."""
-    del remaining, replicas
     return min(batch_size, pending)
 
 
@@ -37,14 +51,28 @@ Policy = Callable[..., int]
 POLICIES: dict[str, Policy] = {"guided": guided, "factoring": factoring, "greedy": greedy}
 
 
-def shard_size(policy: str, *, pending: int, remaining: int, replicas: int, batch_size: int) -> int:
-    """The size of the next shard; 0 only when nothing is pending."""
+def policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown splitter {name!r}; expected one of {sorted(POLICIES)}") from None
+
+
+def shard_size(
+    name: str, *, pending: int, remaining: int, replicas: int, batch_size: int, held: int = 0,
+    unassigned: int | None = None, free_replicas: int | None = None,
+) -> int:
+    """The size of the next shard; 0 only when nothing is pending.
+
+    ``remaining``: samples of the stage not finished (pending, still upstream, running);
+    ``unassigned``: not yet handed to any replica (pending and still upstream; default
+    ``remaining``); ``held``: samples the asking replica runs already; ``free_replicas``:
+    replicas running none of the stage's samples (default ``replicas``).
+    """
+    fn = policy(name)
     if pending <= 0:
         return 0
-    if remaining < pending:
-        raise ValueError(f"remaining={remaining} cannot be below pending={pending}")
-    try:
-        fn = POLICIES[policy]
-    except KeyError:
-        raise ConfigError(f"unknown splitter {policy!r}; expected one of {sorted(POLICIES)}") from None
-    return fn(pending=pending, remaining=remaining, replicas=replicas, batch_size=batch_size)
+    if remaining < pending + held:
+        raise ValueError(f"remaining={remaining} cannot be below pending={pending} + held={held}")
+    return fn(pending=pending, remaining=remaining, replicas=replicas, batch_size=batch_size, held=held,
+              unassigned=unassigned, free_replicas=free_replicas)

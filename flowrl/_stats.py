@@ -67,10 +67,11 @@ class StatsRecorder:
     def add_active(self, seconds: float) -> None:
         self.active_s += seconds
 
-    def snapshot(self) -> PipelineStats:
+    def snapshot(self, extra_active_s: float = 0.0) -> PipelineStats:
+        active = self.active_s + extra_active_s
         stages = {}
         for stage, model in self._stage_models.items():
-            reps = [self._replica(stage, model, r) for r in range(self._replicas[model])]
+            reps = [self._replica(stage, model, r, active) for r in range(self._replicas[model])]
             stages[stage] = StageStats(
                 name=stage,
                 model=model,
@@ -80,11 +81,11 @@ class StatsRecorder:
                 max_shard=max((r.max_shard for r in reps), default=0),
                 replicas=reps,
             )
-        return PipelineStats(active_s=self.active_s, stages=stages)
+        return PipelineStats(active_s=active, stages=stages)
 
-    def _replica(self, stage: str, model: str, r: int) -> ReplicaStats:
+    def _replica(self, stage: str, model: str, r: int, active: float) -> ReplicaStats:
         cell = self._cells[(stage, r)]
-        idle = max(0.0, self.active_s - self._model_busy[(model, r)])
+        idle = max(0.0, active - self._model_busy[(model, r)])
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle, max_shard=cell.max_shard
         )

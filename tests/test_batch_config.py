@@ -158,12 +158,6 @@ def test_pickle_round_trip_keeps_values_ids_and_tensors(dtype):
     assert back["l"] == ["a", None, {"k": 1}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="BUG: _batch._encode catches only TypeError around tensor.numpy(); a CPU tensor "
-    "with the conjugate bit set raises RuntimeError, so the Batch cannot be pickled",
-)
 def test_pickle_round_trip_of_a_conjugated_complex_tensor():
     t = torch.tensor([1 + 2j, 3 - 1j]).conj()
     back = pickle.loads(pickle.dumps(flowrl.Batch([0, 1], {"c": t})))
@@ -255,12 +249,6 @@ def test_defaults_and_to_config_passthrough():
     assert to_config(flowrl.ModelConfig, given, "w") is given
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: msgspec does not validate Literal fields on direct construction, and "
-    "ModelConfig.__post_init__ does not check splitter, so a bad name is only found when the "
-    "first shard is cut",
-)
 def test_unknown_splitter_in_struct_is_a_config_error():
     with pytest.raises(flowrl.ConfigError, match="fastest"):
         flowrl.ModelConfig(splitter="fastest")

@@ -64,8 +64,9 @@ def test_fewer_in_flight_beats_waiting_or_served_longer_ago():
     assert [a.replica for a in s.poll()] == [0]  # replica 0 keeps this shard running
     s.request(1)
     s.ready(STAGE, [1])
-    assert [a.replica for a in s.poll()] == [1]
-    s.finish(1)  # replica 1 is idle again, though served more recently than replica 0
+    (a1,) = s.poll()
+    assert a1.replica == 1
+    s.finish(a1)  # replica 1 is idle again, though served more recently than replica 0
     s.request(0)
     s.request(1)
     s.ready(STAGE, [2])
@@ -76,8 +77,9 @@ def test_equal_in_flight_served_least_recently_served_first():
     s = make(replicas=3, expected=6)
     s.request(1)
     s.ready(STAGE, [0])
-    assert [a.replica for a in s.poll()] == [1]
-    s.finish(1)
+    (a1,) = s.poll()
+    assert a1.replica == 1
+    s.finish(a1)
     s.request(1)  # replica 1 asks first, but it was served most recently
     s.request(2)
     s.request(0)
@@ -96,7 +98,7 @@ def test_work_rotates_over_the_whole_pool(replicas):
         s.ready(STAGE, [sample])
         (a,) = s.poll()
         order.append(a.replica)
-        s.finish(a.replica)
+        s.finish(a)
         s.request(a.replica)
     # every window of `replicas` consecutive shards reaches every replica once
     for i in range(len(order) - replicas + 1):
@@ -121,14 +123,7 @@ def test_seed_issue_first_assignments_reach_every_replica(policy, interleaved):
 @pytest.mark.parametrize(
     "policy",
     [
-        pytest.param(
-            "guided",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: guided (the default splitter) cuts 2,2,2,2,1,1,1,1 then gives the 4 "
-                "leftovers to replicas 0-3's second slots: 3,3,3,3,1,1,1,1 samples per replica",
-            ),
-        ),
+        "guided",
         "factoring",
         "greedy",
     ],
@@ -154,7 +149,7 @@ def test_each_sample_assigned_once_per_stage_across_stages():
                 s.request(r)
         for a in s.poll():
             seen.update((a.stage, i) for i in a.ids)
-            s.finish(a.replica)
+            s.finish(a)
             if a.stage == "a":
                 s.ready("b", a.ids)
         if s.pending == 0 and len(seen) == 20:
@@ -184,7 +179,7 @@ def test_requests_beyond_prefetch_are_rejected(prefetch):
     (a,) = s.poll()  # a waiting slot turned into a shard in flight still counts
     with pytest.raises(ValueError, match="prefetch"):
         s.request(a.replica)
-    s.finish(a.replica)
+    s.finish(a)
     s.request(a.replica)
 
 
@@ -213,7 +208,7 @@ def test_ids_handed_out_smallest_first(seed):
         (a,) = s.poll()
         assert a.ids == sorted(a.ids)
         handed += a.ids
-        s.finish(0)
+        s.finish(a)
     assert handed == sorted(ids)
 
 
@@ -259,7 +254,7 @@ def simulate(replicas: int, batch: int, samples: int, policy: str, seed: str) ->
         else:
             r = rng.choice(busy)
             done = running[r].pop(rng.randrange(len(running[r])))
-            s.finish(r)
+            s.finish(done)
             if done.stage == "a":
                 s.ready("b", done.ids)
         for a in s.poll():

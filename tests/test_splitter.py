@@ -105,17 +105,38 @@ def test_remaining_below_pending_is_rejected(policy, pending, remaining):
 
 
 def drain(policy: str, samples: int, replicas: int, batch: int):
-    """All ``samples`` ready at once; replicas take turns asking (0, 1, ..., R-1, 0, ...)."""
+    """All ``samples`` ready at once; replicas take turns asking (0, 1, ..., R-1, 0, ...).
+
+    A replica's previous shard finishes just before it asks again, so ``remaining`` (not yet
+    finished) counts what is pending plus the shards the other replicas are running.
+    """
     pool = list(range(samples))
     shards: list[tuple[int, list[int]]] = []
-    turn = 0
+    running: dict[int, int] = {}
+    finished = turn = 0
     while pool:
-        n = _size(policy, len(pool), len(pool), replicas, batch)
+        r = turn % replicas
+        finished += running.pop(r, 0)
+        n = shard_size(policy, pending=len(pool), remaining=samples - finished, replicas=replicas, batch_size=batch,
+                       unassigned=len(pool), free_replicas=replicas - len(running))
         assert n >= 1
-        shards.append((turn % replicas, pool[:n]))
+        shards.append((r, pool[:n]))
+        running[r] = n
         del pool[:n]
         turn += 1
     return shards
+
+
+@pytest.mark.parametrize("policy", ADAPTIVE)
+def test_a_second_slot_takes_only_what_the_replicas_share_leaves(policy):
+    for pending, remaining, replicas, batch in _all_cases():
+        for held in (0, 1, 3):
+            if remaining < pending + held:
+                continue
+            n = shard_size(policy, pending=pending, remaining=remaining, replicas=replicas, batch_size=batch, held=held)
+            share = math.ceil(remaining / (replicas if policy == "guided" else 2 * replicas))
+            assert 1 <= n <= min(batch, pending)
+            assert n == 1 or held + n <= share, (policy, pending, remaining, replicas, batch, held, n)
 
 
 DRAIN_GRID = list(itertools.product([1, 2, 3, 7, 8, 16], [1, 2, 5, 16, 33, 97], [1, 2, 4, 8]))
@@ -155,16 +176,9 @@ def test_seed_issue_every_replica_gets_work(policy):
     assert len(workers) == min(SEED_REPLICAS, SEED_SAMPLES)
 
 
-GUIDED_SEED_BUG = (
-    "BUG: guided sizes a shard by ceil(remaining/replicas) with remaining shrinking within the "
-    "first round, so 16 samples over 8 replicas (batch 2) are cut 2,2,2,2,1,1,1,1 and the four "
-    "leftovers go to replicas 0-3 again: per-replica samples 3,3,3,3,1,1,1,1 instead of 2 each"
-)
-
-
 @pytest.mark.parametrize(
     "policy",
-    [pytest.param(p, marks=pytest.mark.xfail(reason=GUIDED_SEED_BUG, strict=True)) if p == "guided" else p for p in POLICIES],
+    POLICIES,
 )
 def test_seed_issue_every_replica_gets_exactly_its_share(policy):
     per_replica = Counter()

@@ -1,0 +1,22 @@
+"""Replicas placed across two simulated nodes (``ray.cluster_utils.Cluster``), joined by address."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_replicas_spread_over_two_nodes_of_an_existing_cluster():
+    # A separate process: this one may already be attached to the session's local cluster.
+    script = Path(__file__).with_name("_multinode_script.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["samples"] == 20
+    assert len(result["nodes"]) == 2
+    assert sorted(set(result["placement"])) == result["nodes"]  # both nodes host replicas
+    assert result["live_during"] == 4 and result["left_after"] == []
