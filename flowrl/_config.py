@@ -37,6 +37,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     The replica count is either ``num_replicas`` or, ChatLearn-style, ``num_gpu`` divided by
     ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
+    ``gpus_per_replica`` overrides the GPUs each replica asks Ray for (default: the parallel
+    size with ``num_gpu``, else 0); a fraction lets several models share (colocate on) GPUs.
     """
 
     num_replicas: int | None = None
@@ -71,11 +73,6 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     f"ModelConfig.num_gpu={self.num_gpu} does not hold whole replicas of "
                     f"tensor_parallel_size*pipeline_parallel_size={per} GPUs; "
                     f"use a multiple of {per} (e.g. {valid})"
-                )
-            if self.gpus_per_replica is not None and self.gpus_per_replica != per:
-                raise ConfigError(
-                    f"ModelConfig.gpus_per_replica={self.gpus_per_replica} disagrees with "
-                    f"tensor_parallel_size*pipeline_parallel_size={per} implied by num_gpu; give one of them"
                 )
             derived = self.num_gpu // per
             if self.num_replicas is not None and self.num_replicas != derived:

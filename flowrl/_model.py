@@ -95,7 +95,6 @@ class Model:
         self.config: ModelConfig = to_config(ModelConfig, config, f"model {name!r} config")
         self.num_replicas = self.config.replicas
         self.replica_id: int | None = None
-        self.device_name = "cpu"
         self.gpu_ids: list[int] = []
         self.node_id = ""
 
@@ -110,7 +109,7 @@ class Model:
         """The ``torch.device`` this replica computes on (imports torch on first use)."""
         import torch
 
-        return torch.device(self.device_name)
+        return torch.device("cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu")
 
     def setup(self) -> None:
         """Runs once inside each replica before its first step."""

@@ -71,12 +71,6 @@ def new_fields(out: Any, batch: Batch, input_fields: set[str], call: ShardCall, 
     return added
 
 
-def _cuda_available() -> bool:
-    import torch  # only replicas that hold a GPU pay for importing torch here
-
-    return bool(torch.cuda.is_available())
-
-
 class ReplicaRuntime:
     """One model instance inside one replica."""
 
@@ -89,7 +83,6 @@ class ReplicaRuntime:
         m.replica_id = self.replica_id
         m.gpu_ids = list(gpu_ids)
         m.node_id = node_id
-        m.device_name = "cuda" if gpu_ids and _cuda_available() else "cpu"
         try:
             m.setup()
         except Exception as err:
