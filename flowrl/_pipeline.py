@@ -142,13 +142,15 @@ class Pipeline:
                 raise
             raise real from None
 
-    def run(self, items: Iterable[Mapping[str, Any]], *, ordered: bool | None = None) -> list[Sample]:
-        """Run ``items`` through the flow and return the finished samples."""
+    def run(
+        self, items: Iterable[Mapping[str, Any]], *, ordered: bool | None = None, fields: Iterable[str] | None = None
+    ) -> list[Sample]:
+        """Run ``items`` through the flow and return the finished samples (only ``fields``, if given)."""
         if self._stack is None or self._pipe is None or self._portal is None:
             raise PipelineClosedError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
         pipe = self._pipe
         try:
-            return self._portal.call(lambda: pipe.run(items, ordered=ordered))
+            return self._portal.call(lambda: pipe.run(items, ordered=ordered, fields=fields))
         except FlowError as err:
             self._reported = err
             raise

@@ -24,6 +24,7 @@ from ._scheduler import Assignment, PoolScheduler
 from ._stats import PipelineStats, StatsRecorder
 
 Loc = tuple[Any, int]  # (object reference, row)
+Items = Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
 
 
 class _SampleState:
@@ -46,6 +47,7 @@ class _Run:
         self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc]]](limit)
         self.drained = anyio.Event()
         self.held: dict[int, dict[str, Loc]] = {}
+        self.fields: frozenset[str] | None = None  # None: every field of the flow's output
 
     def maybe_close(self) -> None:
         if self.admission_done and self.finished == self.admitted:
@@ -110,19 +112,26 @@ class AsyncPipeline:
         return self._recorder.snapshot(extra_active_s=live)
 
     # ---- public runs ----
-    async def run(self, items: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]], *, ordered: bool | None = None) -> list[Sample]:
+    async def run(
+        self, items: Items, *, ordered: bool | None = None, fields: Iterable[str] | None = None
+    ) -> list[Sample]:
         """Run every item through the flow; the finished samples, in input order by default."""
-        stream = self.stream(items, ordered=ordered)
+        stream = self.stream(items, ordered=ordered, fields=fields)
         try:
             return [s async for s in stream]
         finally:
             await stream.aclose()
 
     async def stream(
-        self, items: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]], *, ordered: bool | None = None
+        self, items: Items, *, ordered: bool | None = None, fields: Iterable[str] | None = None
     ) -> AsyncIterator[Sample]:
-        """Yield finished samples as the flow produces them (input order unless ``ordered=False``)."""
+        """Yield finished samples as the flow produces them (input order unless ``ordered=False``).
+
+        ``fields`` limits what comes back to the driver: only the objects holding those fields
+        are fetched; everything else stays in the object store.
+        """
         run = await self._begin(ordered)
+        run.fields = None if fields is None else frozenset([fields] if isinstance(fields, str) else fields)
         started = self._run_started = time.perf_counter()
         assert self._tg is not None
         self._tg.start_soon(self._admit, run, items)
@@ -320,14 +329,21 @@ class AsyncPipeline:
     def _finish(self, ids: list[int]) -> None:
         run = self._run
         assert run is not None
+        producers = self._output_producers(run.fields)
         for sid in ids:
             state = self._samples.pop(sid)
             run.finished += 1
             if run.abandoned:
                 self._window.release(1)
             else:
-                run.send.send_nowait((sid, {p: state.loc[p] for p in self.graph.output_producers}))
+                run.send.send_nowait((sid, {p: state.loc[p] for p in producers}))
         run.maybe_close()
+
+    def _output_producers(self, fields: frozenset[str] | None) -> tuple[str, ...]:
+        producers = self.graph.output_producers
+        if fields is None:
+            return producers
+        return tuple(p for p in producers if self._fields.get(p, frozenset()) & fields)
 
     # ---- delivery: finished samples -> Sample objects, in order ----
     async def _deliver(self, run: _Run) -> AsyncIterator[Sample]:
@@ -342,7 +358,7 @@ class AsyncPipeline:
                 sid = next_id if run.ordered else next(iter(held))
                 if sid not in held:
                     break
-                sample = await self._materialize(sid, held[sid], cache)
+                sample = await self._materialize(sid, held[sid], cache, run.fields)
                 del held[sid]
                 self._window.release(1)
                 next_id += 1
@@ -351,7 +367,9 @@ class AsyncPipeline:
             raise self._error  # the failure that stopped the run, as the task group reports it
         self._raise_if_failed()
 
-    async def _materialize(self, sid: int, loc: dict[str, Loc], cache: dict[Any, list[Any]]) -> Sample:
+    async def _materialize(
+        self, sid: int, loc: dict[str, Loc], cache: dict[Any, list[Any]], wanted: frozenset[str] | None
+    ) -> Sample:
         missing = list(dict.fromkeys(ref for ref, _ in loc.values() if cache[ref][0] is None))
         if missing:
             for ref, obj in zip(missing, await self._backend.fetch(missing)):
@@ -363,6 +381,14 @@ class AsyncPipeline:
             entry[1] -= 1
             if entry[1] == 0:
                 del cache[ref]
+        if wanted is not None:
+            if not wanted <= fields.keys():
+                produced = sorted(f for p in self.graph.output_producers for f in self._fields.get(p, ()))
+                raise FlowDefinitionError(
+                    f"requested output field(s) {sorted(wanted - fields.keys())} are not in the flow's output; "
+                    f"it has {produced}"
+                )
+            fields = {k: v for k, v in fields.items() if k in wanted}
         return Sample(sid, fields)
 
 

@@ -186,3 +186,36 @@ def test_sync_helper_runs_several_rounds_and_reports_stats(ray_cluster):
     assert all(r.busy_s >= 0 and r.idle_s >= 0 for r in st.replicas)
     assert stats.active_s > 0
     assert flowrl_actor_names() == []
+
+
+async def test_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_it_returns(ray_cluster, monkeypatch):
+    from flowrl._ray_backend import RayBackend
+
+    put, fetched, pieces = [], [], []
+    real_put, real_fetch, real_call = RayBackend.put, RayBackend.fetch, RayBackend.call
+
+    def spy_put(self, batch):
+        put.append(batch.keys())
+        return real_put(self, batch)
+
+    async def spy_fetch(self, refs):
+        out = await real_fetch(self, refs)
+        fetched.extend(b.keys() for b in out)
+        return out
+
+    async def spy_call(self, replica, call):
+        pieces.extend(call.pieces)
+        return await real_call(self, replica, call)
+
+    monkeypatch.setattr(RayBackend, "put", spy_put)
+    monkeypatch.setattr(RayBackend, "fetch", spy_fetch)
+    monkeypatch.setattr(RayBackend, "call", spy_call)
+    first = Scale("first", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["x"], dst="big")
+    second = Scale("second", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["big"], dst="score", factor=0.5)
+    async with flowrl.open_pipeline(lambda x: second.forward_step(first.forward_step(x))) as pipe:
+        out = await pipe.run(items(9), fields=["score"])
+    assert [sorted(s) for s in out] == [["score"]] * 9 and all(np.allclose(s["score"], s.id / 2) for s in out)
+    assert put and all(keys == {"x"} for keys in put)  # the driver only stores the input
+    assert all(isinstance(p.ref, ray_cluster.ObjectRef) for p in pieces)  # shards are references
+    assert {p.producer for p in pieces} == {"input", "first.forward_step"}
+    assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
