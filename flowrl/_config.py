@@ -68,11 +68,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.num_gpu is not None:
             per = self.tensor_parallel_size * self.pipeline_parallel_size
             if self.num_gpu % per:
-                valid = [n for n in range(per, max(self.num_gpu, per) * 2 + 1, per)][:4]
+                below = self.num_gpu // per * per
+                valid = [n for n in (below, below + per) if n > 0]
                 raise ConfigError(
                     f"ModelConfig.num_gpu={self.num_gpu} does not hold whole replicas of "
                     f"tensor_parallel_size*pipeline_parallel_size={per} GPUs; "
-                    f"use a multiple of {per} (e.g. {valid})"
+                    f"use a multiple of {per}, e.g. num_gpu={' or '.join(map(str, valid))}"
                 )
             derived = self.num_gpu // per
             if self.num_replicas is not None and self.num_replicas != derived:

@@ -196,8 +196,9 @@ def test_num_gpu_not_a_multiple_names_valid_values(num_gpu, tp, pp):
         flowrl.ModelConfig(num_gpu=num_gpu, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     msg = str(info.value)
     assert f"num_gpu={num_gpu}" in msg and f"multiple of {per}" in msg
-    suggested = [int(x) for x in msg.split("e.g. [")[1].split("]")[0].split(",")]
+    suggested = [int(x) for x in msg.split("e.g. num_gpu=")[1].split(" or ")]
     assert suggested and all(x % per == 0 and x > 0 for x in suggested)
+    assert all(abs(x - num_gpu) < per for x in suggested)  # the nearest valid counts
 
 
 @pytest.mark.parametrize("num_replicas", [1, 3, 8])
