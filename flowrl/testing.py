@@ -7,6 +7,7 @@ scheduling, joins and exact accounting from a flow's output alone.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -67,14 +68,27 @@ class Scale(Model):
 
 
 class Fail(Model):
-    """Raises ``ValueError`` when a shard contains sample ``bad_id``; otherwise adds ``<name>_ok``."""
+    """Fails when a shard contains sample ``bad_id``; otherwise adds ``<name>_ok``.
 
-    def __init__(self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, bad_id: int = 0) -> None:
+    ``how``: ``"raise"`` a ``ValueError``, ``"exit"`` the replica's process (a crash), or
+    fail in ``"setup"``.
+    """
+
+    def __init__(
+        self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, bad_id: int = 0, how: str = "raise"
+    ) -> None:
         super().__init__(name, config)
         self.bad_id = bad_id
+        self.how = how
+
+    def setup(self) -> None:
+        if self.how == "setup":
+            raise RuntimeError(f"cannot set up replica {self.replica_id}")
 
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         if self.bad_id in batch.ids.tolist():
+            if self.how == "exit":
+                os._exit(3)
             raise ValueError(f"bad sample {self.bad_id}")
         return {f"{self.name}_ok": [True] * len(batch)}
 

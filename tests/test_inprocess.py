@@ -82,3 +82,11 @@ async def test_window_bounds_inflight_samples_and_generators_work():
             gaps.append(drawn - len(ids))  # drawn from the input, not yet handed back
     assert ids == list(range(30))
     assert max(gaps) <= 5 and max(gaps) > 0
+
+
+async def test_setup_failure_in_process_is_a_stage_error_with_the_cause_chained():
+    broken = Fail("broken", {"num_replicas": 2}, how="setup")
+    with pytest.raises(flowrl.StageError, match=r"'broken\.setup', replica 0") as info:
+        async with flowrl.open_pipeline(lambda x: broken.forward_step(x), INPROC):
+            pass
+    assert isinstance(info.value.__cause__, RuntimeError)

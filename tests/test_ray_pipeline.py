@@ -219,3 +219,20 @@ async def test_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_i
     assert all(isinstance(p.ref, ray_cluster.ObjectRef) for p in pieces)  # shards are references
     assert {p.producer for p in pieces} == {"input", "first.forward_step"}
     assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
+
+
+async def test_a_replica_process_that_dies_fails_the_run_with_its_shard_named(ray_cluster):
+    crash = Fail("crash", {"num_replicas": 2, "batch_size": 2, **CPU}, bad_id=4, how="exit")
+    with pytest.raises(flowrl.ReplicaDiedError) as info:
+        async with flowrl.open_pipeline(lambda x: crash.forward_step(x)) as pipe:
+            await pipe.run(items(10))
+    assert info.value.stage == "crash.forward_step" and 4 in info.value.sample_ids
+    assert flowrl_actor_names() == []
+
+
+async def test_setup_failure_names_the_model_and_replica(ray_cluster):
+    broken = Fail("broken", {"num_replicas": 2, **CPU}, how="setup")
+    with pytest.raises(flowrl.StageError, match=r"stage 'broken\.setup', replica \d.*cannot set up replica"):
+        async with flowrl.open_pipeline(lambda x: broken.forward_step(x)):
+            pass
+    assert flowrl_actor_names() == []
