@@ -61,7 +61,7 @@ class InProcessBackend:
         local: _LocalReplica = replica.ref
         async with local.lock:
             if self.threads:
-                meta, out = await anyio.to_thread.run_sync(local.runtime.run, call, _fetch)
+                meta, out = await anyio.to_thread.run_sync(local.runtime.run, call, _fetch, abandon_on_cancel=True)
             else:
                 meta, out = local.runtime.run(call, _fetch)
                 await anyio.lowlevel.checkpoint()

@@ -75,11 +75,11 @@ async def open_pipeline(
         async with anyio.create_task_group() as tg:
             handles = await backend.start(_replica_specs(graph))
             pipe = AsyncPipeline(graph, backend, cfg, handles)
-            pipe.start(tg)
+            pipe._start(tg)
             try:
                 yield pipe
             finally:
-                pipe.close()
+                pipe._close()
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         error = _first_error(group)

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -72,26 +73,45 @@ def _ship_by_value(model: Model) -> None:
             ray.cloudpickle.register_pickle_by_value(module)
 
 
+# Pipelines of this process that use a cluster flowrl started; the last one to close stops it.
+_owned = {"started": False, "users": 0}
+
+
+def live_actor_names() -> list[str]:
+    """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
+
+
+async def _setup(spec: ReplicaSpec, actor: Any) -> ReplicaHandle:
+    try:
+        node = await actor.setup.remote()
+    except (RayTaskError, RayActorError) as err:
+        raise _translate(err, f"{spec.model.name}.setup", spec.replica_id, []) from err
+    return ReplicaHandle(spec.model.name, spec.replica_id, node, actor)
+
+
 class RayBackend:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
-        self._started_ray = False
+        self._owner = False
         self._actors: list[Any] = []
         self._tag = uuid.uuid4().hex[:8]
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
-        if ray.is_initialized():
-            return
-        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            # An embedded cluster gets enough logical CPUs for the pools it is started for:
-            # replicas mostly wait on accelerators, so CPU tokens only gate placement.
-            cpus = self.config.ray_init_cpus or max(os.cpu_count() or 1, math.ceil(sum(s.num_cpus for s in specs)))
-            ray.init(num_cpus=cpus, num_gpus=self.config.ray_init_gpus, **kwargs)
-        self._started_ray = True
+        if not ray.is_initialized():
+            address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                # An embedded cluster gets enough logical CPUs for the pools it is started for:
+                # replicas mostly wait on accelerators, so CPU tokens only gate placement.
+                cpus = self.config.ray_init_cpus or max(os.cpu_count() or 1, math.ceil(sum(s.num_cpus for s in specs)))
+                ray.init(num_cpus=cpus, num_gpus=self.config.ray_init_gpus, **kwargs)
+            _owned["started"] = True
+        if _owned["started"]:
+            _owned["users"] += 1
+            self._owner = True
 
     def _check_resources(self, specs: list[ReplicaSpec]) -> None:
         total = ray.cluster_resources()
@@ -112,9 +132,9 @@ class RayBackend:
                 )
 
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
-        self._connect(specs)
+        await anyio.to_thread.run_sync(self._connect, specs)
         self._check_resources(specs)
-        actors = []
+        waits = {}
         for s in specs:
             _ship_by_value(s.model)
             actor = _ReplicaActor.options(
@@ -124,21 +144,22 @@ class RayBackend:
                 num_gpus=s.num_gpus,
             ).remote(s.model, s.replica_id)
             self._actors.append(actor)
-            actors.append(actor)
-        refs = [a.setup.remote() for a in actors]
-        try:
-            with anyio.fail_after(self.config.setup_timeout_s):
-                nodes = await asyncio.gather(*refs)
-        except TimeoutError as err:
+            waits[asyncio.ensure_future(_setup(s, actor))] = s
+        done, pending = await asyncio.wait(
+            waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        for fut in pending:
+            fut.cancel()
+        failed = [f for f in done if f.exception() is not None]
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        if pending:
+            late = ", ".join(sorted(f"{waits[f].model.name}[{waits[f].replica_id}]" for f in pending))
             raise ClusterError(
-                f"replicas did not start within PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s "
-                "(the cluster may lack a resource the replicas ask for, or setup() hangs)"
-            ) from err
-        except (RayTaskError, RayActorError) as err:
-            raise _translate(err, "setup", -1, []) from err
-        return [
-            ReplicaHandle(s.model.name, s.replica_id, node, actor) for s, node, actor in zip(specs, nodes, actors)
-        ]
+                f"replicas {late} did not start within PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s "
+                "(the cluster may lack a resource they ask for, or setup() hangs)"
+            )
+        return [f.result() for f in waits]
 
     def put(self, batch: Batch) -> Any:
         return ray.put(batch)
@@ -167,5 +188,9 @@ class RayBackend:
                     await actor.ping.remote()
                 except (RayActorError, GetTimeoutError):
                     pass
-        if self._started_ray:
-            ray.shutdown()
+        if self._owner:
+            self._owner = False
+            _owned["users"] -= 1
+            if _owned["users"] == 0 and ray.is_initialized():
+                _owned["started"] = False
+                ray.shutdown()

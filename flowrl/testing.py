@@ -105,7 +105,7 @@ class Emit(Model):
 
 
 def flowrl_actor_names() -> list[str]:
-    """Names of the live Ray actors flowrl started (empty when every pool is closed)."""
-    import ray
+    """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""
+    from ._ray_backend import live_actor_names
 
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
+    return live_actor_names()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import anyio
 import numpy as np
 import pytest
 
@@ -90,3 +93,83 @@ async def test_setup_failure_in_process_is_a_stage_error_with_the_cause_chained(
         async with flowrl.open_pipeline(lambda x: broken.forward_step(x), INPROC):
             pass
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+async def test_a_stage_reading_the_input_and_an_upstream_output_waits_for_both():
+    a = Scale("a", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="a_out", factor=3, sleep_s=0.002)
+    c = Scale("c", {"num_replicas": 2, "batch_size": 3}, srcs=["x", "a_out"], dst="c_out")
+    async with flowrl.open_pipeline(lambda x: c.forward_step(x, a.forward_step(x)), {**INPROC, "inprocess_threads": True}) as pipe:
+        out = await pipe.run(items(11))
+        stats = pipe.stats()
+    assert all(np.allclose(s["c_out"], 4 * s.id) for s in out)
+    assert stats["c.forward_step"].samples == 11
+
+
+def test_sync_run_after_a_failed_one_raises_instead_of_hanging():
+    slow = Scale("slow", {"num_replicas": 2, "batch_size": 1}, srcs=["x"], sleep_s=0.01)
+    bad = Fail("bad", {"num_replicas": 1, "batch_size": 1}, bad_id=5)
+    with pytest.raises(flowrl.FlowError):
+        with flowrl.Pipeline(lambda x: bad.forward_step(slow.forward_step(x)), {**INPROC, "inprocess_threads": True}) as pipe:
+            with pytest.raises(flowrl.FlowDefinitionError):
+                pipe.run(items(8), fields=["nope"])  # fails at the first sample; others still run
+            pipe.run(items(8))  # waits for the previous run, which meets sample 5 and fails
+
+
+async def test_concurrent_streams_supersede_instead_of_mixing_samples():
+    m = Scale("m", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y", sleep_s=0.001)
+    results: dict[str, object] = {}
+    async with flowrl.open_pipeline(lambda x: m.forward_step(x), {**INPROC, "inprocess_threads": True}) as pipe:
+
+        async def consume(name, n):
+            try:
+                results[name] = [s.id for s in await pipe.run(items(n))]
+            except flowrl.PipelineClosedError as err:
+                results[name] = err
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume, "first", 6)
+            tg.start_soon(consume, "second", 5)
+        stats = pipe.stats()
+    finished = [v for v in results.values() if isinstance(v, list)]
+    assert finished, results  # the last stream to start completes, with ids of its own only
+    assert all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in finished)
+    assert stats["m.forward_step"].samples <= 11
+
+
+async def test_an_async_source_that_waits_for_results_is_not_starved():
+    m = Scale("m", {"num_replicas": 2, "batch_size": 4}, srcs=["x"], dst="y")
+    got = anyio.Event()
+    out = []
+
+    async def feedback():
+        for i in range(4):  # the next prompt only after the previous result came back
+            yield {"x": np.array([float(i)])}
+            await got.wait()
+
+    async with flowrl.open_pipeline(lambda x: m.forward_step(x), INPROC) as pipe:
+        with anyio.fail_after(20):
+            async for s in pipe.stream(feedback()):
+                out.append(s.id)
+                got.set()
+                got = anyio.Event()
+    assert out == [0, 1, 2, 3]
+
+
+async def test_an_input_that_raises_surfaces_as_its_own_error_and_time_is_counted_once():
+    m = Scale("m", {"num_replicas": 2, "batch_size": 2}, srcs=["x"])
+
+    def broken():
+        yield {"x": np.zeros(1)}
+        raise ValueError("the dataset broke")
+
+    with pytest.raises(ValueError, match="the dataset broke"):
+        async with flowrl.open_pipeline(lambda x: m.forward_step(x), INPROC) as pipe:
+            await pipe.run(broken())
+    async with flowrl.open_pipeline(lambda x: m.forward_step(x), INPROC) as pipe:
+        start = time.perf_counter()
+        async for s in pipe.stream(items(20)):
+            if s.id == 1:
+                break  # left open: superseded by the next run
+        await pipe.run(items(5))
+        wall = time.perf_counter() - start
+        assert pipe.stats().active_s <= wall

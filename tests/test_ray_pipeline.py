@@ -46,7 +46,8 @@ async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backe
     for stage, batch in (("a.forward_step", 3), ("b.forward_step", 5), ("c.forward_step", 4)):
         assert stats[stage].samples == n
         assert 0 < stats[stage].max_shard <= batch
-    assert flowrl_actor_names() == []
+    if backend == "ray":
+        assert flowrl_actor_names() == []
 
 
 class Sleepy(flowrl.Model):
@@ -61,7 +62,7 @@ async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray
     # sample 0 sleeps on its replica while the other replicas finish the rest
     # prefetch=1: no second shard waits inside the slow replica behind sample 0
     wait = Sleepy("wait", {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU})
-    delayed = [{"delay": 0.4 if i == 0 else 0.0} for i in range(6)]
+    delayed = [{"delay": 1.0 if i == 0 else 0.0} for i in range(6)]
     async with flowrl.open_pipeline(lambda x: wait.forward_step(x)) as pipe:
         ordered = [s.id for s in await pipe.run(delayed)]
         completed = [s.id - 6 for s in await pipe.run(delayed, ordered=False)]
@@ -119,7 +120,14 @@ async def test_two_undeclared_writers_of_one_field_are_rejected_when_data_shows_
     assert flowrl_actor_names() == []
 
 
-async def test_a_declared_read_nobody_writes_fails_before_any_actor_starts(ray_cluster):
+async def test_a_declared_read_nobody_writes_fails_before_any_actor_starts(ray_cluster, monkeypatch):
+    from flowrl._ray_backend import RayBackend
+
+    async def no_start(self, specs):
+        raise AssertionError("replicas were started for a flow that should be rejected first")
+
+    monkeypatch.setattr(RayBackend, "start", no_start)
+
     class Reader(flowrl.Model):
         @flowrl.step(reads=["response"], writes=["score"])
         def forward_step(self, batch, iteration):
