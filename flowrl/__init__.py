@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from ._batch import Batch, Sample
 from ._config import ModelConfig, PipelineConfig
+from ._engine import Engine, EngineStats, EpisodeStats, RankStats, TrainerStats
+from ._rlhf import RLHFEngine
+from ._run_config import RunConfig
+from ._sampler import EpisodeBuffer
 from ._errors import (
     ClusterError,
     ConfigError,
@@ -26,6 +30,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncPipeline",
     "Batch",
+    "Engine",
+    "EngineStats",
+    "EpisodeBuffer",
+    "EpisodeStats",
+    "RLHFEngine",
+    "RankStats",
+    "RunConfig",
+    "TrainerStats",
     "ClusterError",
     "ConfigError",
     "FlowDefinitionError",

@@ -11,11 +11,21 @@ from ._model import Model
 
 
 @dataclass(frozen=True)
+class Bundle:
+    """Where a colocated replica goes: bundle ``index`` of the group's placement group."""
+
+    group: str
+    index: int
+    size: int  # bundles (GPUs) in the group's placement group
+
+
+@dataclass(frozen=True)
 class ReplicaSpec:
     model: Model
     replica_id: int
     num_cpus: float
     num_gpus: float
+    bundle: Bundle | None = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,10 @@ class ReplicaHandle:
 
 
 class Backend(Protocol):
+    async def prepare(self, specs: list[ReplicaSpec]) -> None:
+        """Connect to (or start) the cluster that will host all of ``specs``; check it can."""
+        ...
+
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         """Start every replica (concurrently) and run ``setup`` in each."""
         ...
@@ -40,6 +54,20 @@ class Backend(Protocol):
         ...
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
+        ...
+
+    async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
+        """Start the ranks of one data-parallel trainer group, joined in a process group."""
+        ...
+
+    async def train(self, rank: ReplicaHandle, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        ...
+
+    async def get_weights(self, rank: ReplicaHandle) -> Any:
+        """A reference to the trainer's weights, left in the object store."""
+        ...
+
+    async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
         ...
 
     async def close(self) -> None:

@@ -16,7 +16,8 @@ import anyio.to_thread
 
 from ._batch import Batch
 from ._config import CallMeta, ShardCall
-from ._replica import ReplicaRuntime
+from ._errors import ConfigError
+from ._replica import ReplicaRuntime, TrainerRuntime
 from ._backend import ReplicaHandle, ReplicaSpec
 
 
@@ -44,6 +45,9 @@ class InProcessBackend:
         self.threads = threads
         self._replicas: list[_LocalReplica] = []
 
+    async def prepare(self, specs: list[ReplicaSpec]) -> None:
+        pass
+
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         handles = []
         for spec in specs:
@@ -69,6 +73,28 @@ class InProcessBackend:
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         return _fetch(refs)
+
+    async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
+        if len(specs) != 1:
+            name = specs[0].model.name
+            raise ConfigError(
+                f"trainer {name!r} has {len(specs)} data-parallel ranks; the in-process backend runs one "
+                "(set its num_replicas to 1, or use the Ray backend)"
+            )
+        runtime = TrainerRuntime(copy.deepcopy(specs[0].model), 0, 1)
+        runtime.setup(None, [], "local", timeout_s)
+        return [ReplicaHandle(specs[0].model.name, 0, "local", runtime)]
+
+    async def train(self, rank: ReplicaHandle, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        return rank.ref.train(batch, step_size, micro_batch, iteration)
+
+    async def get_weights(self, rank: ReplicaHandle) -> Any:
+        return LocalRef(rank.ref.get_weights())  # type: ignore[arg-type]
+
+    async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
+        local: _LocalReplica = replica.ref
+        async with local.lock:
+            local.runtime.load_weights(version, weights.value)
 
     async def close(self) -> None:
         self._replicas.clear()

@@ -9,7 +9,7 @@ a replica the same call runs the user's code. Each replica gets its own copy of 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -97,6 +97,13 @@ class Model:
         self.replica_id: int | None = None
         self.gpu_ids: list[int] = []
         self.node_id = ""
+        # trainers: this rank of the data-parallel group, and the sizes of the current step
+        self.rank = 0
+        self.world_size = 1
+        self.global_batch_size = 0
+        self.micro_batch_size = 0
+        # inference models fed by a trainer: the weight version they run (0: initial weights)
+        self.weight_version = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -117,6 +124,54 @@ class Model:
     def forward_step(self, batch: Any, iteration: int) -> Mapping[str, Any]:
         """Return new per-sample fields for ``batch`` (tensors with ``len(batch)`` rows, or lists)."""
         raise NotImplementedError(f"model {self.name!r} does not implement forward_step")
+
+    # ---- training helpers (used inside train_step) ----
+    def micro_batches(self, batch: Any) -> Iterator[Any]:
+        """This rank's shard in micro-batches of ``train_micro_batch_size`` rows."""
+        size = self.micro_batch_size or len(batch)
+        for start in range(0, len(batch), size):
+            yield batch.select(range(start, min(start + size, len(batch))))
+
+    def all_reduce_grads(self, module: Any) -> None:
+        """Sum gradients over the data-parallel ranks (one flat all-reduce).
+
+        Normalise each loss by ``self.global_batch_size`` (summed over samples, not averaged
+        per micro-batch) and the sum is the exact gradient of the global batch, whatever the
+        shard sizes.
+        """
+        if self.world_size <= 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        # Every rank must join with the same tensor, even one whose shard was empty.
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # ---- weight hooks (trainer -> inference sync) ----
+    def get_weights(self) -> Mapping[str, Any]:
+        """The weights to send to the inference models this trainer feeds (default: ``self.module``)."""
+        return self._module("get_weights").state_dict()
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Load weights received from a trainer (default: into ``self.module``)."""
+        self._module("set_weights").load_state_dict(weights)
+
+    def _module(self, hook: str) -> Any:
+        module = getattr(self, "module", None)
+        if module is None:
+            raise NotImplementedError(
+                f"model {self.name!r}: set self.module (a torch.nn.Module) in setup, or override {hook}()"
+            )
+        return module
 
     def __repr__(self) -> str:
         where = "" if self.replica_id is None else f", replica {self.replica_id}/{self.num_replicas}"

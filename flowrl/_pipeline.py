@@ -9,11 +9,12 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from ._backend import ReplicaSpec, make_backend
+from ._backend import Backend, ReplicaSpec, make_backend
 from ._batch import Sample
 from ._config import PipelineConfig, to_config
 from ._errors import FlowError, PipelineClosedError
 from ._graph import FlowGraph, Node, trace
+from ._model import Model
 from ._runtime import AsyncPipeline
 from ._stats import PipelineStats
 
@@ -27,12 +28,15 @@ def build_flow(flow: Flow, input_fields: Iterable[str] | None = None) -> FlowGra
     return graph
 
 
-def _replica_specs(graph: FlowGraph) -> list[ReplicaSpec]:
-    return [
-        ReplicaSpec(model, r, model.config.cpus_per_replica, model.config.replica_gpus)
-        for model in graph.models.values()
-        for r in range(model.config.replicas)
-    ]
+SpecFn = Callable[[Model, int], ReplicaSpec]
+
+
+def default_spec(model: Model, replica: int) -> ReplicaSpec:
+    return ReplicaSpec(model, replica, model.config.cpus_per_replica, model.config.replica_gpus)
+
+
+def replica_specs(graph: FlowGraph, make_spec: SpecFn = default_spec) -> list[ReplicaSpec]:
+    return [make_spec(model, r) for model in graph.models.values() for r in range(model.config.replicas)]
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
@@ -57,6 +61,34 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
 
 
 @contextlib.asynccontextmanager
+async def plain_errors() -> AsyncIterator[None]:
+    """Show a failed task group as the error that caused it (a FlowError), not as a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = _first_error(group)
+        if error is group:
+            raise
+        raise error from error.__cause__
+
+
+@contextlib.asynccontextmanager
+async def running(
+    graph: FlowGraph, backend: Backend, config: PipelineConfig, make_spec: SpecFn = default_spec
+) -> AsyncIterator[AsyncPipeline]:
+    """Start ``graph``'s pools on ``backend`` and run their pullers until the block exits."""
+    async with anyio.create_task_group() as tg:
+        handles = await backend.start(replica_specs(graph, make_spec))
+        pipe = AsyncPipeline(graph, backend, config, handles)
+        pipe._start(tg)
+        try:
+            yield pipe
+        finally:
+            pipe._close()
+            tg.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
 async def open_pipeline(
     flow: Flow,
     config: PipelineConfig | Mapping[str, Any] | None = None,
@@ -72,20 +104,8 @@ async def open_pipeline(
     graph = build_flow(flow, input_fields)
     backend = make_backend(cfg)
     try:
-        async with anyio.create_task_group() as tg:
-            handles = await backend.start(_replica_specs(graph))
-            pipe = AsyncPipeline(graph, backend, cfg, handles)
-            pipe._start(tg)
-            try:
-                yield pipe
-            finally:
-                pipe._close()
-                tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        error = _first_error(group)
-        if error is group:
-            raise
-        raise error from error.__cause__
+        async with plain_errors(), running(graph, backend, cfg) as pipe:
+            yield pipe
     finally:
         with anyio.CancelScope(shield=True):
             await backend.close()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import math
 import os
+import socket
 import sys
 import uuid
 from typing import Any
@@ -19,13 +20,15 @@ import anyio
 import anyio.to_thread
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ._batch import Batch
 from ._config import CallMeta, PipelineConfig, ShardCall
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
-from ._backend import ReplicaHandle, ReplicaSpec
+from ._backend import Bundle, ReplicaHandle, ReplicaSpec
 from ._model import Model
-from ._replica import ReplicaRuntime
+from ._replica import ReplicaRuntime, TrainerRuntime
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -40,6 +43,36 @@ class _ReplicaActor:
     @ray.method(num_returns=2)
     def run(self, call: ShardCall) -> tuple[CallMeta, Batch]:
         return self.runtime.run(call, ray.get)
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        # Default group: queued behind the running shard, so weights change between shards.
+        self.runtime.load_weights(version, weights)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> bool:
+        return True
+
+
+@ray.remote(concurrency_groups={"control": 1})
+class _TrainerActor:
+    def __init__(self, model: Model, rank: int, world_size: int) -> None:
+        self.runtime = TrainerRuntime(model, rank, world_size)
+
+    def rendezvous(self) -> str:
+        with socket.socket() as sock:  # a free port on this node, for the process group
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, init_method: str | None, timeout_s: float) -> str:
+        gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+        return self.runtime.setup(init_method, gpu_ids, ray.get_runtime_context().get_node_id(), timeout_s)
+
+    def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        return self.runtime.train(batch, step_size, micro_batch, iteration)
+
+    def get_weights(self) -> dict[str, Any]:
+        return self.runtime.get_weights()
 
     @ray.method(concurrency_group="control")
     def ping(self) -> bool:
@@ -94,10 +127,15 @@ class RayBackend:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self._owner = False
+        self._connected = False
         self._actors: list[Any] = []
+        self._groups: dict[str, Any] = {}
         self._tag = uuid.uuid4().hex[:8]
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
+        if self._connected:
+            return
+        self._connected = True
         if not ray.is_initialized():
             address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
@@ -131,19 +169,15 @@ class RayBackend:
                     f"lower ModelConfig.{key} or the replica counts, or add nodes"
                 )
 
-    async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
+    async def prepare(self, specs: list[ReplicaSpec]) -> None:
         await anyio.to_thread.run_sync(self._connect, specs)
         self._check_resources(specs)
+
+    async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
+        await self.prepare(specs)
         waits = {}
         for s in specs:
-            _ship_by_value(s.model)
-            actor = _ReplicaActor.options(
-                name=f"flowrl-{self._tag}-{s.model.name}-{s.replica_id}",
-                namespace=self.config.ray_namespace,
-                num_cpus=s.num_cpus,
-                num_gpus=s.num_gpus,
-            ).remote(s.model, s.replica_id)
-            self._actors.append(actor)
+            actor = self._create(_ReplicaActor, s, s.model, s.replica_id)
             waits[asyncio.ensure_future(_setup(s, actor))] = s
         done, pending = await asyncio.wait(
             waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
@@ -160,6 +194,66 @@ class RayBackend:
                 "(the cluster may lack a resource they ask for, or setup() hangs)"
             )
         return [f.result() for f in waits]
+
+    def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
+        _ship_by_value(spec.model)
+        options: dict[str, Any] = {
+            "name": f"flowrl-{self._tag}-{spec.model.name}-{spec.replica_id}",
+            "namespace": self.config.ray_namespace,
+            "num_cpus": spec.num_cpus,
+            "num_gpus": spec.num_gpus,
+        }
+        if spec.bundle is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._placement_group(spec.bundle), placement_group_bundle_index=spec.bundle.index
+            )
+        actor = cls.options(**options).remote(*args)
+        self._actors.append(actor)
+        return actor
+
+    def _placement_group(self, bundle: Bundle) -> Any:
+        # One GPU per bundle; the colocated replicas share it through fractional GPUs.
+        pg = self._groups.get(bundle.group)
+        if pg is None:
+            pg = placement_group([{"GPU": 1.0, "CPU": 0.01} for _ in range(bundle.size)], strategy="PACK")
+            self._groups[bundle.group] = pg
+        return pg
+
+    async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
+        await self.prepare(specs)
+        ranks = [self._create(_TrainerActor, s, s.model, s.replica_id, len(specs)) for s in specs]
+        init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
+        handles = []
+        try:
+            with anyio.fail_after(self.config.setup_timeout_s):
+                nodes = await asyncio.gather(*(r.setup.remote(init, timeout_s) for r in ranks))
+        except TimeoutError as err:
+            raise ClusterError(
+                f"trainer {specs[0].model.name!r} ranks did not start within "
+                f"PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s"
+            ) from err
+        except (RayTaskError, RayActorError) as err:
+            raise _translate(err, f"{specs[0].model.name}.setup", -1, []) from err
+        for s, node, actor in zip(specs, nodes, ranks):
+            handles.append(ReplicaHandle(s.model.name, s.replica_id, node, actor))
+        return handles
+
+    async def train(self, rank: ReplicaHandle, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        stage = f"{rank.model}.train_step"
+        try:
+            return await rank.ref.train.remote(batch, step_size, micro_batch, iteration)
+        except (RayTaskError, RayActorError) as err:
+            raise _translate(err, stage, rank.replica_id, batch.ids.tolist()) from err
+
+    async def get_weights(self, rank: ReplicaHandle) -> Any:
+        # Not awaited here: the reference goes to every receiver, each reads the one copy.
+        return rank.ref.get_weights.remote()
+
+    async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
+        try:
+            await replica.ref.load_weights.remote(version, weights)
+        except (RayTaskError, RayActorError) as err:
+            raise _translate(err, f"{replica.model}.set_weights", replica.replica_id, []) from err
 
     def put(self, batch: Batch) -> Any:
         return ray.put(batch)
@@ -188,6 +282,10 @@ class RayBackend:
                     await actor.ping.remote()
                 except (RayActorError, GetTimeoutError):
                     pass
+        for pg in self._groups.values():
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        self._groups.clear()
         if self._owner:
             self._owner = False
             _owned["users"] -= 1

@@ -99,6 +99,77 @@ class ReplicaRuntime:
             raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
         info = step_info(self.model, call.method)
         added = new_fields(out, batch, inputs, call, self.replica_id, info.writes)
+        if getattr(self.model, "_flowrl_track_version", False):  # a trainer feeds this model
+            added[f"{self.model.name}_version"] = [self.model.weight_version] * len(batch)
         result = Batch(batch.ids, added, _check=False)
         meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start, node_id=self.model.node_id)
         return meta, result
+
+    def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
+        """New weights from a trainer; runs between shards (the replica runs one call at a time)."""
+        self.model.set_weights(to_tensors(weights))
+        self.model.weight_version = version
+
+
+def to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Tensors as numpy arrays, so every receiver reads them zero-copy from the object store."""
+    out = {}
+    for key, value in weights.items():
+        try:
+            out[key] = value.detach().cpu().numpy()
+        except (AttributeError, TypeError, RuntimeError):  # not a tensor, or a dtype numpy lacks
+            out[key] = value
+    return out
+
+
+def to_tensors(weights: Mapping[str, Any]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+
+
+class TrainerRuntime:
+    """One rank of a data-parallel trainer group."""
+
+    def __init__(self, model: Model, rank: int, world_size: int) -> None:
+        self.model = model
+        model.rank, model.world_size, model.replica_id = rank, world_size, rank
+
+    def setup(self, init_method: str | None, gpu_ids: list[int], node_id: str, timeout_s: float) -> str:
+        m = self.model
+        m.gpu_ids, m.node_id = list(gpu_ids), node_id
+        stage = f"{m.name}.setup"
+        try:
+            if m.world_size > 1:
+                import datetime
+
+                import torch
+                import torch.distributed as dist
+
+                backend = "nccl" if gpu_ids and torch.cuda.is_available() else "gloo"
+                dist.init_process_group(
+                    backend, init_method=init_method, rank=m.rank, world_size=m.world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+            m.setup()
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
+        return node_id
+
+    def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        m = self.model
+        m.global_batch_size, m.micro_batch_size = step_size, micro_batch
+        start = time.perf_counter()
+        try:
+            out = m.train_step(batch, iteration)  # type: ignore[attr-defined]
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.train_step", m.rank, batch.ids.tolist()) from err
+        if out is not None and not isinstance(out, Mapping):
+            raise OutputError(
+                f"train_step must return a mapping of metrics or None, got {type(out).__name__}",
+                f"{m.name}.train_step", m.rank, batch.ids.tolist(),
+            )
+        return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch)}
+
+    def get_weights(self) -> dict[str, Any]:
+        return to_arrays(self.model.get_weights())

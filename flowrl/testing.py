@@ -59,6 +59,9 @@ class Scale(Model):
             f"{self.name}_consumed": [self.consumed] * n,
         }
 
+    def set_weights(self, weights: Any) -> None:
+        self.weights = dict(weights)  # a test model keeps what it was sent
+
     def _delay(self, batch: Batch) -> float:
         delay = self.sleep_s + self.per_sample_s * len(batch)
         if self.jitter_seed is not None:  # a per-shard random extra, so finishing order is shuffled
@@ -102,6 +105,32 @@ class Emit(Model):
 
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         return {f: np.zeros(len(batch) + offset) for f, offset in self.fields.items()}
+
+
+class CountingTrainer(Model):
+    """A trainer that learns nothing: each step reports the sample ids and sizes it saw.
+
+    Its weights are ``{"steps": [steps taken by this rank]}``, so a sync shows which step the
+    inference replicas received.
+    """
+
+    def __init__(self, name: str, config: ModelConfig | dict[str, Any] | None = None) -> None:
+        super().__init__(name, config)
+        self.steps = 0
+
+    def train_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        self.steps += 1
+        return {
+            "ids": batch.ids.tolist(),
+            "micro": [len(mb) for mb in self.micro_batches(batch)],
+            "global": self.global_batch_size,
+            "rank": self.rank,
+            "world": self.world_size,
+            "iteration": iteration,
+        }
+
+    def get_weights(self) -> dict[str, Any]:
+        return {"steps": np.array([self.steps])}
 
 
 def flowrl_actor_names() -> list[str]:
