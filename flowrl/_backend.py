@@ -17,6 +17,7 @@ class Bundle:
     group: str
     index: int
     size: int  # bundles (GPUs) in the group's placement group
+    cpus: float  # CPUs of each bundle: room for every colocated replica placed on it
 
 
 @dataclass(frozen=True)

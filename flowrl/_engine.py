@@ -168,9 +168,10 @@ class Engine:
                 gpus = model.config.replica_gpus
                 if gpus <= 0:
                     return None
-                models = self._all_models()
-                size = max(math.ceil(models[n].config.replicas * models[n].config.replica_gpus) for n in group)
-                return Bundle(f"colocate-{gi}", int(replica * gpus) % max(1, size), max(1, size))
+                configs = [self._all_models()[n].config for n in group]
+                size = max(1, max(math.ceil(c.replicas * c.replica_gpus) for c in configs))
+                cpus = sum(c.cpus_per_replica * math.ceil(c.replicas / size) for c in configs)
+                return Bundle(f"colocate-{gi}", int(replica * gpus) % size, size, round(cpus, 4))
         return None
 
     def _spec(self, model: Model, replica: int) -> ReplicaSpec:

@@ -130,6 +130,7 @@ class RayBackend:
         self._connected = False
         self._actors: list[Any] = []
         self._groups: dict[str, Any] = {}
+        self._names: dict[str, int] = {}
         self._tag = uuid.uuid4().hex[:8]
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
@@ -197,8 +198,12 @@ class RayBackend:
 
     def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
         _ship_by_value(spec.model)
+        name = f"flowrl-{self._tag}-{spec.model.name}-{spec.replica_id}"
+        self._names[name] = self._names.get(name, 0) + 1
+        if self._names[name] > 1:  # the same model in a second flow (evaluation) gets its own pool
+            name = f"{name}-{self._names[name]}"
         options: dict[str, Any] = {
-            "name": f"flowrl-{self._tag}-{spec.model.name}-{spec.replica_id}",
+            "name": name,
             "namespace": self.config.ray_namespace,
             "num_cpus": spec.num_cpus,
             "num_gpus": spec.num_gpus,
@@ -215,7 +220,7 @@ class RayBackend:
         # One GPU per bundle; the colocated replicas share it through fractional GPUs.
         pg = self._groups.get(bundle.group)
         if pg is None:
-            pg = placement_group([{"GPU": 1.0, "CPU": 0.01} for _ in range(bundle.size)], strategy="PACK")
+            pg = placement_group([{"GPU": 1.0, "CPU": bundle.cpus} for _ in range(bundle.size)], strategy="PACK")
             self._groups[bundle.group] = pg
         return pg
 

@@ -23,7 +23,8 @@ class Scale(Model):
     """``dst = sum(srcs) * factor``; sleeps ``sleep_s`` per call plus ``per_sample_s`` per sample.
 
     Adds ``<name>_replica``, ``<name>_round`` and ``<name>_consumed`` (the replica's running
-    count of samples after this call, like ChatLearn's ``consumed_samples``).
+    count of samples after this call, like ChatLearn's ``consumed_samples``), and with
+    ``record_gpus`` the replica's GPU ids as ``<name>_gpus``.
     """
 
     def __init__(
@@ -37,8 +38,10 @@ class Scale(Model):
         sleep_s: float = 0.0,
         per_sample_s: float = 0.0,
         jitter_seed: int | None = None,
+        record_gpus: bool = False,
     ) -> None:
         super().__init__(name, config)
+        self.record_gpus = record_gpus
         self.srcs = tuple(srcs)
         self.dst = dst or f"{name}_out"
         self.factor = factor
@@ -52,12 +55,15 @@ class Scale(Model):
         total = sum(np.asarray(batch[s], dtype=np.float64) for s in self.srcs)
         self.consumed += len(batch)
         n = len(batch)
-        return {
+        out = {
             self.dst: total * self.factor,
             f"{self.name}_replica": [self.replica_id] * n,
             f"{self.name}_round": [iteration] * n,
             f"{self.name}_consumed": [self.consumed] * n,
         }
+        if self.record_gpus:
+            out[f"{self.name}_gpus"] = [tuple(self.gpu_ids)] * n
+        return out
 
     def set_weights(self, weights: Any) -> None:
         self.weights = dict(weights)  # a test model keeps what it was sent
