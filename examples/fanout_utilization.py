@@ -92,10 +92,10 @@ def check(samples: list[flowrl.Sample], stats: flowrl.PipelineStats) -> list[str
     return problems
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inprocess", action="store_true", help="run in one process (debugging)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = flowrl.PipelineConfig(backend="inprocess", inprocess_threads=True) if args.inprocess else None
     samples: list[flowrl.Sample] = []
     with flowrl.Pipeline(build_flow(), config) as pipe:
