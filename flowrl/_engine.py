@@ -271,8 +271,9 @@ class Engine:
             raise ConfigError("call engine.set_dataset(items) before learn()")
         live = self._live
         assert live is not None
-        for _ in range(self.config.num_episode):
-            await self._run_episode(live)
+        async with plain_errors():
+            for _ in range(self.config.num_episode):
+                await self._run_episode(live)
         return self.stats()
 
     async def _run_episode(self, live: _Live) -> None:

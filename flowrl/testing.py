@@ -120,12 +120,21 @@ class CountingTrainer(Model):
     inference replicas received.
     """
 
-    def __init__(self, name: str, config: ModelConfig | dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, fail_rank: int | None = None
+    ) -> None:
         super().__init__(name, config)
         self.steps = 0
+        self.fail_rank = fail_rank  # this rank raises while the others wait in an all-reduce
 
     def train_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         self.steps += 1
+        if self.fail_rank is not None:
+            if self.rank == self.fail_rank:
+                raise RuntimeError(f"rank {self.rank} failed")
+            import torch
+
+            self.all_reduce_grads(torch.nn.Linear(2, 1))  # blocks until every rank joins
         return {
             "ids": batch.ids.tolist(),
             "micro": [len(mb) for mb in self.micro_batches(batch)],

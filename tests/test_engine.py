@@ -198,3 +198,31 @@ def test_bad_run_settings_are_rejected_when_the_engine_is_built(bad, message):
     with pytest.raises(flowrl.ConfigError, match=message):
         engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=bad)
         engine.set_dataset([{"x": np.zeros(1)}])
+
+
+def test_a_failing_trainer_rank_fails_the_run_instead_of_hanging_in_a_collective(ray_cluster):
+    policy = Scale("policy", {"num_replicas": 1, "batch_size": 4, **CPU}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("trainer", {"num_replicas": 2, **CPU}, fail_rank=1)
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer],
+                           config={"sample_per_episode": 8, "train_global_batch_size": 8})
+    engine.set_dataset([{"x": np.zeros(1)} for _ in range(8)])
+    with pytest.raises(flowrl.StageError, match=r"'trainer\.train_step', replica 1.*rank 1 failed") as info:
+        engine.learn()
+    assert info.value.sample_ids == [4, 5, 6, 7]  # rank 1's shard of the global batch
+    assert flowrl_actor_names() == []
+
+
+def test_run_config_loads_yaml_and_toml_with_overrides(tmp_path):
+    (tmp_path / "run.yaml").write_text(
+        "sample_per_episode: 16\nnum_episode: 2\nmodels:\n  policy: {num_replicas: 2, batch_size: 4}\n"
+    )
+    (tmp_path / "run.toml").write_text('sample_per_episode = 16\n[models.policy]\nnum_gpu = 8\ntensor_parallel_size = 4\n')
+    cfg = flowrl.RunConfig.load(tmp_path / "run.yaml", ["num_episode=5", "models.policy.batch_size=8", "shuffle=true"])
+    assert (cfg.num_episode, cfg.shuffle, cfg.models["policy"].batch_size, cfg.models["policy"].replicas) == (5, True, 8, 2)
+    assert flowrl.RunConfig.load(tmp_path / "run.toml").models["policy"].replicas == 2
+    with pytest.raises(flowrl.ConfigError, match="sample_per_eposide|unknown field"):
+        flowrl.RunConfig.load(tmp_path / "run.yaml", ["sample_per_eposide=3"])
+    with pytest.raises(flowrl.ConfigError, match="key=value"):
+        flowrl.RunConfig.load(tmp_path / "run.yaml", ["num_episode"])
+    with pytest.raises(flowrl.ConfigError, match="must be > 0"):
+        flowrl.RunConfig.load(tmp_path / "run.yaml", ["num_episode=0"])
