@@ -12,12 +12,14 @@ from ._model import Model
 
 @dataclass(frozen=True)
 class Bundle:
-    """Where a colocated replica goes: bundle ``index`` of the group's placement group."""
+    """Where a replica goes: bundle ``index`` of its group's placement group (a colocation
+    group's, with one GPU per bundle shared by its models, or its own model's)."""
 
     group: str
     index: int
-    size: int  # bundles (GPUs) in the group's placement group
-    cpus: float  # CPUs of each bundle: room for every colocated replica placed on it
+    size: int  # bundles in the group's placement group
+    cpus: float  # CPUs of each bundle: room for every replica placed on it
+    gpus: float = 1.0  # GPUs of each bundle
 
 
 @dataclass(frozen=True)

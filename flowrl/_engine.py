@@ -163,23 +163,25 @@ class Engine:
                 )
 
     def _bundle(self, model: Model, replica: int) -> Bundle | None:
+        """GPU replicas are placed through placement groups: a colocation group's (one GPU per
+        bundle, shared) or their own model's (one bundle per replica)."""
+        gpus = model.config.replica_gpus
+        if gpus <= 0:
+            return None
         for gi, group in enumerate(self.config.colocation):
             if model.name in group:
-                gpus = model.config.replica_gpus
-                if gpus <= 0:
-                    return None
                 configs = [self._all_models()[n].config for n in group]
                 size = max(1, max(math.ceil(c.replicas * c.replica_gpus) for c in configs))
                 cpus = sum(c.cpus_per_replica * math.ceil(c.replicas / size) for c in configs)
                 return Bundle(f"colocate-{gi}", int(replica * gpus) % size, size, round(cpus, 4))
-        return None
+        return Bundle(f"model-{model.name}", replica, model.config.replicas, model.config.cpus_per_replica, gpus)
 
     def _spec(self, model: Model, replica: int) -> ReplicaSpec:
         bundle = self._bundle(model, replica)
         gpus = model.config.replica_gpus
-        if bundle is not None:  # share each GPU among the group's models; Ray counts 1e-4 steps
-            group = next(g for g in self.config.colocation if model.name in g)
-            gpus = math.floor(gpus / len(group) * 10_000) / 10_000
+        group = next((g for g in self.config.colocation if model.name in g), None)
+        if bundle is not None and group is not None:  # share each GPU among the group's models
+            gpus = math.floor(gpus / len(group) * 10_000) / 10_000  # Ray counts in 1e-4 steps
         return ReplicaSpec(model, replica, model.config.cpus_per_replica, gpus, bundle)
 
     # ---- user inputs ----

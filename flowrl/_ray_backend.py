@@ -217,10 +217,10 @@ class RayBackend:
         return actor
 
     def _placement_group(self, bundle: Bundle) -> Any:
-        # One GPU per bundle; the colocated replicas share it through fractional GPUs.
         pg = self._groups.get(bundle.group)
         if pg is None:
-            pg = placement_group([{"GPU": 1.0, "CPU": bundle.cpus} for _ in range(bundle.size)], strategy="PACK")
+            shape = {"GPU": bundle.gpus, "CPU": bundle.cpus}
+            pg = placement_group([dict(shape) for _ in range(bundle.size)], strategy="PACK")
             self._groups[bundle.group] = pg
         return pg
 
