@@ -226,3 +226,43 @@ def test_run_config_loads_yaml_and_toml_with_overrides(tmp_path):
         flowrl.RunConfig.load(tmp_path / "run.yaml", ["num_episode"])
     with pytest.raises(flowrl.ConfigError, match="must be > 0"):
         flowrl.RunConfig.load(tmp_path / "run.yaml", ["num_episode=0"])
+
+
+class LinearTrainer(flowrl.Model):
+    """Least squares on y = 2x, one SGD step per global batch; reports its weight after each step."""
+
+    def setup(self):
+        import torch
+
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(1, 1, bias=False)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=0.1)
+
+    def train_step(self, batch, iteration):
+        import torch
+
+        self.opt.zero_grad()
+        for mb in self.micro_batches(batch):
+            x = torch.as_tensor(np.asarray(mb["x"]), dtype=torch.float32)
+            loss = ((self.module(x) - 2 * x) ** 2).sum() / self.global_batch_size
+            loss.backward()
+        self.all_reduce_grads(self.module)
+        self.opt.step()
+        return {"w": float(self.module.weight.item())}
+
+
+@pytest.mark.parametrize("gbs, micro", [(5, 2), (7, 3)])
+def test_uneven_shards_give_the_same_weights_as_one_rank(ray_cluster, gbs, micro):
+    def weights(ranks: int) -> list[float]:
+        policy = Scale("policy", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["x"], dst="y")
+        trainer = LinearTrainer("trainer", {"num_replicas": ranks, **CPU})
+        cfg = {"sample_per_episode": 12, "num_episode": 2, "train_global_batch_size": gbs, "train_micro_batch_size": micro}
+        engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=cfg)
+        engine.set_dataset([{"x": np.array([0.1 * (i + 1)])} for i in range(12)])
+        engine.learn()
+        return [step[0]["w"] for ep in engine.train_results for step in ep["trainer"]]
+
+    one, three = weights(1), weights(3)  # 3 ranks: shards like 2,2,1 and some ranks empty
+    assert len(one) == len(three) == 2 * -(-12 // gbs)
+    assert np.allclose(one, three, atol=1e-6), (one, three)
+    assert abs(one[-1] - 2.0) < abs(one[0] - 2.0)  # it learns

@@ -230,7 +230,8 @@ async def test_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_i
 
 
 async def test_a_replica_process_that_dies_fails_the_run_with_its_shard_named(ray_cluster):
-    crash = Fail("crash", {"num_replicas": 2, "batch_size": 2, **CPU}, bad_id=4, how="exit")
+    # prefetch=1: the dying replica holds one shard (with prefetch 2 a queued one dies too)
+    crash = Fail("crash", {"num_replicas": 2, "batch_size": 2, "prefetch": 1, **CPU}, bad_id=4, how="exit")
     with pytest.raises(flowrl.ReplicaDiedError) as info:
         async with flowrl.open_pipeline(lambda x: crash.forward_step(x)) as pipe:
             await pipe.run(items(10))
