@@ -1,6 +1,6 @@
 """GRPO on the toy counting task of ppo_tiny.py: group-relative advantages, no value model.
 
-Each prompt is answered ``--group`` times; a response's advantage is its reward minus the
+Each prompt is answered 4 times (a group); a response's advantage is its reward minus the
 mean reward of its group, over the group's standard deviation. flowrl keeps each group's
 copies together (same global batch, same rank), so the trainer can compute it locally.
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ._batch import Batch, Sample
 from ._config import ModelConfig, PipelineConfig
-from ._engine import Engine, EngineStats, EpisodeStats, RankStats, TrainerStats
+from ._engine import Engine
+from ._engine_parts import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._rlhf import RLHFEngine
 from ._run_config import RunConfig
 from ._sampler import EpisodeBuffer

@@ -104,6 +104,7 @@ class Model:
         self.micro_batch_size = 0
         # inference models fed by a trainer: the weight version they run (0: initial weights)
         self.weight_version = 0
+        self.track_version = False  # set by an engine: outputs then carry "<name>_version"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -115,9 +115,9 @@ def live_actor_names() -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
 
 
-async def _setup(spec: ReplicaSpec, actor: Any) -> ReplicaHandle:
+async def _setup(spec: ReplicaSpec, actor: Any, *args: Any) -> ReplicaHandle:
     try:
-        node = await actor.setup.remote()
+        node = await actor.setup.remote(*args)
     except (RayTaskError, RayActorError) as err:
         raise _translate(err, f"{spec.model.name}.setup", spec.replica_id, []) from err
     return ReplicaHandle(spec.model.name, spec.replica_id, node, actor)
@@ -227,28 +227,24 @@ class RayBackend:
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
         await self.prepare(specs)
         ranks = [self._create(_TrainerActor, s, s.model, s.replica_id, len(specs)) for s in specs]
-        init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
-        handles = []
         try:
             with anyio.fail_after(self.config.setup_timeout_s):
-                nodes = await asyncio.gather(*(r.setup.remote(init, timeout_s) for r in ranks))
+                init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
+                return list(await asyncio.gather(*(_setup(s, r, init, timeout_s) for s, r in zip(specs, ranks))))
         except TimeoutError as err:
             raise ClusterError(
-                f"trainer {specs[0].model.name!r} ranks did not start within "
-                f"PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s"
+                f"trainer {specs[0].model.name!r}: its {len(specs)} ranks did not start within "
+                f"PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s (the cluster may lack a "
+                "resource they ask for, or setup() hangs)"
             ) from err
-        except (RayTaskError, RayActorError) as err:
-            raise _translate(err, f"{specs[0].model.name}.setup", -1, []) from err
-        for s, node, actor in zip(specs, nodes, ranks):
-            handles.append(ReplicaHandle(s.model.name, s.replica_id, node, actor))
-        return handles
+        except (RayTaskError, RayActorError) as err:  # the rendezvous itself failed
+            raise _translate(err, f"{specs[0].model.name}.setup", 0, []) from err
 
-    async def train(self, rank: ReplicaHandle, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
-        stage = f"{rank.model}.train_step"
-        try:
-            return await rank.ref.train.remote(batch, step_size, micro_batch, iteration)
+    async def train(self, rank: ReplicaHandle, shard: Any, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        try:  # the shard reference is resolved by Ray inside the rank's process
+            return await rank.ref.train.remote(shard, step_size, micro_batch, iteration)
         except (RayTaskError, RayActorError) as err:
-            raise _translate(err, stage, rank.replica_id, batch.ids.tolist()) from err
+            raise _translate(err, f"{rank.model}.train_step", rank.replica_id, []) from err
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
         # Not awaited here: the reference goes to every receiver, each reads the one copy.

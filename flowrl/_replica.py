@@ -99,8 +99,12 @@ class ReplicaRuntime:
             raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
         info = step_info(self.model, call.method)
         added = new_fields(out, batch, inputs, call, self.replica_id, info.writes)
-        if getattr(self.model, "_flowrl_track_version", False):  # a trainer feeds this model
-            added[f"{self.model.name}_version"] = [self.model.weight_version] * len(batch)
+        if self.model.track_version:  # a trainer feeds this model: record the weights' version
+            version_field = f"{self.model.name}_version"
+            if version_field in added or version_field in inputs:
+                raise OutputError(f"field {version_field!r} is reserved for the weight version", call.stage,
+                                  self.replica_id, call.ids)
+            added[version_field] = [self.model.weight_version] * len(batch)
         result = Batch(batch.ids, added, _check=False)
         meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start, node_id=self.model.node_id)
         return meta, result

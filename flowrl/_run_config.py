@@ -30,6 +30,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     sync_every: int = 1
     eval_every: int = 0
     seed: int = 0
+    collective_timeout_s: float = 600.0
     shuffle: bool = False
     num_samples_per_prompt: int = 1
     colocation: list[list[str]] = msgspec.field(default_factory=list)
@@ -46,6 +47,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             num_training_epoch=self.num_training_epoch,
             sync_every=self.sync_every,
             num_samples_per_prompt=self.num_samples_per_prompt,
+            collective_timeout_s=self.collective_timeout_s,
         )
         _non_negative("RunConfig", eval_every=self.eval_every)
         if self.max_relay_episode < -1:

@@ -92,6 +92,9 @@ class AsyncPipeline(StreamingMixin):
             out[h.model][h.replica_id] = h.node_id
         return out
 
+    def replicas_of(self, model: str) -> list[ReplicaHandle]:
+        return [h for h in self._handles if h.model == model]
+
     def stats(self) -> PipelineStats:
         """Counters so far; a stream in progress counts its time up to now."""
         run = self._run

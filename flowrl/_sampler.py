@@ -28,6 +28,7 @@ class EpisodeSampler:
     shuffle: bool = False
     seed: int = 0
     position: int = 0  # prompts drawn so far, over every episode of the run
+    _perm: tuple[int, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dataset_size <= 0:
@@ -54,7 +55,9 @@ class EpisodeSampler:
         epoch, offset = divmod(k, self.dataset_size)
         if not self.shuffle:
             return offset
-        return int(np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)[offset])
+        if self._perm is None or self._perm[0] != epoch:  # one permutation per pass, cached
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size))
+        return int(self._perm[1][offset])
 
 
 @dataclass
@@ -99,21 +102,38 @@ def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
     return out
 
 
-def plan_steps(num_samples: int, *, global_batch: int, micro_batch: int, dp: int, group: int = 1) -> list[TrainStep]:
+def _groups(num_samples: int, group: int, keys: Sequence[Any] | None) -> list[list[int]]:
+    """Rows in groups: runs of equal ``keys`` (a relay may drop or reorder), else blocks of ``group``."""
+    if keys is None or group == 1:
+        return [list(range(g, min(g + group, num_samples))) for g in range(0, num_samples, group)]
+    out: list[list[int]] = []
+    for row, key in enumerate(keys):
+        if out and keys[out[-1][0]] == key and len(out[-1]) < group:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def plan_steps(
+    num_samples: int, *, global_batch: int, micro_batch: int, dp: int, group: int = 1, keys: Sequence[Any] | None = None
+) -> list[TrainStep]:
     """Cut ``num_samples`` rows (in order) into global batches over ``dp`` ranks.
 
-    Global batches hold whole groups of ``group`` rows (as many as fit in ``global_batch``);
-    the last one may be smaller. Each
-    rank gets a near-equal run of whole groups, cut into micro-batches of at most
-    ``micro_batch`` rows. Losses normalised by ``TrainStep.size`` stay exact when shards are
+    Global batches hold whole groups of ``group`` rows (runs of equal ``keys`` when given);
+    the last one may be smaller. Each rank gets a near-equal run of whole groups, cut into
+    micro-batches of at most ``micro_batch`` rows. Losses normalised by ``TrainStep.size`` stay exact when shards are
     uneven.
     """
     check_train_sizes(global_batch=global_batch, micro_batch=micro_batch, dp=dp, group=group)
-    groups = [list(range(g, min(g + group, num_samples))) for g in range(0, num_samples, group)]
-    per_step = max(1, global_batch // group)
-    steps = []
-    for s in range(0, len(groups), per_step):
-        chunk = groups[s : s + per_step]
+    groups = _groups(num_samples, group, keys)
+    steps, start = [], 0
+    while start < len(groups):
+        chunk, size = [], 0
+        while start < len(groups) and size + len(groups[start]) <= global_batch:
+            chunk.append(groups[start])
+            size += len(groups[start])
+            start += 1
         ranks = []
         for rank_groups in _split(chunk, dp):
             rows = [r for g in rank_groups for r in g]
@@ -126,10 +146,12 @@ def check_train_sizes(*, global_batch: int, micro_batch: int, dp: int, group: in
     for key, value in (("train_global_batch_size", global_batch), ("train_micro_batch_size", micro_batch)):
         if value <= 0:
             raise ConfigError(f"RunConfig.{key} must be > 0, got {value}")
-    if group > global_batch:
+    if global_batch % group:
+        below = global_batch // group * group
+        valid = [v for v in (below, below + group) if v > 0]
         raise ConfigError(
-            f"train_global_batch_size={global_batch} cannot hold one group of num_samples_per_prompt={group} "
-            f"(a group is trained together); use train_global_batch_size >= {group}"
+            f"train_global_batch_size={global_batch} is not a whole number of groups of num_samples_per_prompt="
+            f"{group} (a group is trained together); use e.g. {' or '.join(map(str, valid))}"
         )
     if dp <= 0:
         raise ConfigError(f"a trainer needs at least one data-parallel rank, got {dp}")

@@ -54,7 +54,7 @@ def test_seed_scenario_through_rlhf_engine_with_all_six_models_colocated(ray_clu
         assert ids == list(range(16 * e, 16 * e + 16)) and queries == [float(i) for i in ids]
     for stage in ("policy", "reference", "value", "reward"):
         assert stats.rollout[f"{stage}.forward_step"].samples == 32
-    samples = engine._relay.episodes[-1].buffer  # max_relay_episode=1: the last episode
+    samples = engine.relay_episodes[-1].buffer  # max_relay_episode=1: the last episode
     for st in ("reference", "value", "reward"):
         used = {s[f"{st}_replica"] for s in samples}
         assert used == set(range(8)), (st, used)  # every replica worked in this episode
@@ -81,7 +81,7 @@ def test_colocation_puts_replicas_on_shared_gpus_and_without_it_they_are_disjoin
     for colocate in (True, False):
         engine = flow_models(colocate)
         engine.learn()
-        out = engine._relay.episodes[-1].buffer
+        out = engine.relay_episodes[-1].buffer
         gpus_a = {s["a_replica"]: s["a_gpus"] for s in out}
         gpus_b = {s["b_replica"]: s["b_gpus"] for s in out}
         assert len(gpus_a) == len(gpus_b) == 4
@@ -147,7 +147,7 @@ def test_relay_accumulates_dataset_wraps_and_groups_stay_together(ray_cluster):
     engine.set_relay_sample_fn(lambda eps: windows.append([e.episode_id for e in eps]) or [s for e in eps for s in e.buffer])
     engine.learn()
     assert windows == [[0], [0, 1], [1, 2]]
-    prompts = [s["prompt_index"] for ep in engine._relay.episodes for s in ep.buffer]
+    prompts = [s["prompt_index"] for ep in engine.relay_episodes for s in ep.buffer]
     assert prompts == [2, 2, 2, 0, 0, 0, 1, 1, 1, 2, 2, 2]  # wrap-around, copies consecutive
     for step in engine.train_results[-1]["trainer"]:  # a group never straddles two ranks
         owners = {}
@@ -187,8 +187,9 @@ def test_eval_flow_processes_every_eval_prompt_once(ray_cluster):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"train_global_batch_size": 2, "num_samples_per_prompt": 4, "sample_per_episode": 8}, "cannot hold one group"),
-    ({"sample_per_episode": 10, "num_samples_per_prompt": 4}, "e.g. 8 or 12"),
+    ({"train_global_batch_size": 6, "num_samples_per_prompt": 4, "sample_per_episode": 8}, "use e.g. 4 or 8"),
+    ({"sample_per_episode": 10, "num_samples_per_prompt": 4, "train_global_batch_size": 4}, "e.g. 8 or 12"),
+    ({"sample_per_episode": 8, "eval_every": 2}, "no eval_flow"),
     ({"sample_per_episode": 8, "models": {"nobody": {}}}, "unknown model"),
     ({"sample_per_episode": 8, "colocation": [["policy"], ["policy"]]}, "in groups 0 and 1"),
 ])
@@ -196,8 +197,26 @@ def test_bad_run_settings_are_rejected_when_the_engine_is_built(bad, message):
     policy = Scale("policy", {"num_replicas": 1}, srcs=["x"])
     trainer = CountingTrainer("trainer")
     with pytest.raises(flowrl.ConfigError, match=message):
-        engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=bad)
-        engine.set_dataset([{"x": np.zeros(1)}])
+        flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=bad)
+
+
+def test_learn_twice_inside_with_continues_and_outside_it_runs_once(ray_cluster):
+    policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("trainer", {"num_replicas": 1, **CPU})
+    cfg = {"sample_per_episode": 4, "num_episode": 2, "max_relay_episode": -1}
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)], config=cfg)
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(6)])
+    with engine:
+        engine.learn()
+        stats = engine.learn()
+    seen = [(s.id, float(s["x"][0]), s["policy_version"]) for ep in engine.relay_episodes for s in ep.buffer]
+    assert [i for i, _, _ in seen] == list(range(16))  # ids continue
+    assert [x for _, x, _ in seen] == [float(i % 6) for i in range(16)]  # the sampler continues, wrapping
+    assert [v for _, _, v in seen] == [e for e in range(4) for _ in range(4)]  # weights carried over
+    assert [e.episode for e in stats.episodes] == [0, 1, 2, 3]
+    assert stats.trainers["trainer"].steps == 4
+    with pytest.raises(flowrl.PipelineClosedError, match="with engine"):
+        engine.learn()  # outside `with`, once only: its actors would start from scratch
 
 
 def test_a_failing_trainer_rank_fails_the_run_instead_of_hanging_in_a_collective(ray_cluster):

@@ -48,8 +48,8 @@ GRID = list(itertools.product([1, 7, 16, 33], [1, 4, 5, 16], [1, 2, 3], [1, 2, 4
 
 @pytest.mark.parametrize("num, gbs, dp, micro, group", GRID)
 def test_every_row_is_trained_once_per_epoch_in_order(num, gbs, dp, micro, group):
-    if group > gbs:
-        with pytest.raises(flowrl.ConfigError, match="num_samples_per_prompt"):
+    if gbs % group:
+        with pytest.raises(flowrl.ConfigError, match="whole number of groups.*use e.g."):
             plan_steps(num, global_batch=gbs, micro_batch=micro, dp=dp, group=group)
         return
     steps = plan_steps(num, global_batch=gbs, micro_batch=micro, dp=dp, group=group)
@@ -66,3 +66,15 @@ def test_every_row_is_trained_once_per_epoch_in_order(num, gbs, dp, micro, group
         assert len({g for g, _ in owners}) == len(owners)
     full = num // (gbs // group * group)
     assert len(steps) == full + (num % (gbs // group * group) > 0)
+
+
+def test_groups_follow_prompt_keys_when_a_relay_drops_or_reorders_samples():
+    keys = [7, 7, 7, 3, 3, 9, 9, 9, 4]  # a relay dropped one copy of prompt 3 and two of prompt 4
+    steps = plan_steps(len(keys), global_batch=6, micro_batch=6, dp=2, group=3, keys=keys)
+    for st in steps:
+        for rank in st.ranks:
+            rows = [r for mb in rank for r in mb]
+            # a prompt's copies are never split over ranks or steps
+            assert all(keys[r] not in {keys[x] for other in st.ranks if other is not rank for mb in other for x in mb}
+                       for r in rows)
+    assert [r for st in steps for rank in st.ranks for mb in rank for r in mb] == list(range(len(keys)))
