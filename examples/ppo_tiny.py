@@ -10,7 +10,7 @@ ppo_value (trainers with clipped objectives and GAE). Weights flow ppo_policy ->
 ppo_value -> value after every episode.
 
     python examples/ppo_tiny.py                  # Ray backend, prints the reward curve
-    python examples/ppo_tiny.py --episodes 40 --plot reward.png
+    python examples/ppo_tiny.py --episodes 40 --plot reward.png   # pip install matplotlib first
 """
 
 from __future__ import annotations
