@@ -135,8 +135,7 @@ class PPOPolicy(flowrl.Model):
         self.optimizer.zero_grad()
         total = 0.0
         for mb in self.micro_batches(batch):
-            adv, _ = advantages(mb)
-            adv = (adv - adv.mean()) / (adv.std() + 1e-6) if len(mb) > 1 else adv
+            adv, _ = advantages(mb)  # not whitened per micro-batch: that would tie the gradient to the split
             ratio = torch.exp(logprobs(self.module, torch.as_tensor(mb["prompt"]).long(), mb["response"]) - mb["old_logprobs"])
             loss = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).sum()
             # summed, then divided by the global batch: exact whatever the shard sizes

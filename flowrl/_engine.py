@@ -155,6 +155,8 @@ class Engine:
             raise PipelineClosedError(f"the engine failed earlier: {self._failed!r}") from self._failed
         if self._dataset is None:
             raise ConfigError("call engine.set_dataset(items) before learn()")
+        if self.config.eval_every and not self._eval_dataset:
+            raise ConfigError(f"RunConfig.eval_every={self.config.eval_every}: call engine.set_eval_dataset(items) first")
         if self._runs and self._live is None:
             raise PipelineClosedError(
                 "learn() outside `with engine:` runs once (its actors stop after it); open the engine with "
@@ -164,6 +166,10 @@ class Engine:
     async def __aenter__(self) -> Engine:
         if self._live is not None:
             raise PipelineClosedError("the engine is already running")
+        if self._runs:
+            raise PipelineClosedError(
+                "an engine runs in one `with engine:` block: its actors and trainer state end with the block"
+            )
         live = Live(self.config, self.placement, self.trainers, self.rollout_graph, self.eval_graph)
         await live.start()
         self._live = live
@@ -221,7 +227,7 @@ class Engine:
             async with plain_errors():
                 for _ in range(self.config.num_episode):
                     await self._run_episode(live)
-        except FlowError as err:
+        except Exception as err:
             self._failed = err  # a trainer group may be stuck in a collective: no more runs
             raise
         return self.stats()
@@ -251,10 +257,6 @@ class Engine:
             eval_s=time.perf_counter() - t3, metrics={k: mean_metrics(v) for k, v in results.items()},
             weight_versions=dict(self._versions),
         ))
-        for steps in results.values():  # the bookkeeping fields stay out of train_results
-            for step in steps:
-                for rank in step:
-                    rank.pop("_samples", None), rank.pop("_busy_s", None)
         self._episode += 1
 
     def _episode_items(self) -> list[dict[str, Any]]:
@@ -288,7 +290,7 @@ class Engine:
                         tg.start_soon(one, i, ref)
                 for i, res in enumerate(results):
                     c = counts.setdefault(i, [0, 0, 0.0])
-                    c[0], c[1], c[2] = c[0] + res["_samples"], c[1] + 1, c[2] + res["_busy_s"]
+                    c[0], c[1], c[2] = c[0] + res["_samples"], c[1] + 1, c[2] + res.pop("_busy_s")
                 out.append(results)
 
     async def _sync(self, live: Live) -> None:

@@ -73,7 +73,7 @@ def mean_metrics(steps: list[list[dict[str, Any]]]) -> dict[str, float]:
     sums: dict[str, list[float]] = {}
     for step in steps:
         for rank in step:
-            weight = rank.get("_samples", 1)
+            weight = rank.pop("_samples", 1)
             for k, v in rank.items():
                 if weight and not k.startswith("_") and isinstance(v, (int, float)) and not isinstance(v, bool):
                     acc = sums.setdefault(k, [0.0, 0.0])

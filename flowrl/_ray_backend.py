@@ -71,8 +71,10 @@ class _TrainerActor:
     def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
         return self.runtime.train(batch, step_size, micro_batch, iteration)
 
-    def get_weights(self) -> dict[str, Any]:
-        return self.runtime.get_weights()
+    def get_weights(self) -> list[Any]:
+        # Stored here, returned by reference: the driver learns of a failure at once, and
+        # every receiver reads this one copy.
+        return [ray.put(self.runtime.get_weights())]
 
     @ray.method(concurrency_group="control")
     def ping(self) -> bool:
@@ -247,8 +249,11 @@ class RayBackend:
             raise _translate(err, f"{rank.model}.train_step", rank.replica_id, []) from err
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
-        # Not awaited here: the reference goes to every receiver, each reads the one copy.
-        return rank.ref.get_weights.remote()
+        try:
+            (ref,) = await rank.ref.get_weights.remote()
+        except (RayTaskError, RayActorError) as err:
+            raise _translate(err, f"{rank.model}.get_weights", rank.replica_id, []) from err
+        return ref
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
         try:

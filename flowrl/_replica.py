@@ -8,6 +8,7 @@ small ``CallMeta`` plus the new fields as a ``Batch`` that stays in the object s
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -101,17 +102,21 @@ class ReplicaRuntime:
         added = new_fields(out, batch, inputs, call, self.replica_id, info.writes)
         if self.model.track_version:  # a trainer feeds this model: record the weights' version
             version_field = f"{self.model.name}_version"
-            if version_field in added or version_field in inputs:
+            if version_field in added:
                 raise OutputError(f"field {version_field!r} is reserved for the weight version", call.stage,
                                   self.replica_id, call.ids)
-            added[version_field] = [self.model.weight_version] * len(batch)
+            if version_field not in inputs:  # a later step of the same model keeps the first's
+                added[version_field] = [self.model.weight_version] * len(batch)
         result = Batch(batch.ids, added, _check=False)
         meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start, node_id=self.model.node_id)
         return meta, result
 
     def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
         """New weights from a trainer; runs between shards (the replica runs one call at a time)."""
-        self.model.set_weights(to_tensors(weights))
+        try:
+            self.model.set_weights(to_tensors(weights))
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.set_weights", self.replica_id, []) from err
         self.model.weight_version = version
 
 
@@ -127,8 +132,10 @@ def to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def to_tensors(weights: Mapping[str, Any]) -> dict[str, Any]:
-    import torch
-
+    """Arrays back to tensors for a model that uses torch (one that doesn't keeps numpy)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return dict(weights)
     return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
 
 
@@ -176,4 +183,7 @@ class TrainerRuntime:
         return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch)}
 
     def get_weights(self) -> dict[str, Any]:
-        return to_arrays(self.model.get_weights())
+        try:
+            return to_arrays(self.model.get_weights())
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.get_weights", self.model.rank, []) from err

@@ -51,7 +51,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         )
         _non_negative("RunConfig", eval_every=self.eval_every)
         if self.max_relay_episode < -1:
-            raise ConfigError(f"RunConfig.max_relay_episode must be -1 (all), 0 (off) or > 0, got {self.max_relay_episode}")
+            raise ConfigError(
+                f"RunConfig.max_relay_episode must be -1 (all), 0 (the current episode only) or > 0, "
+                f"got {self.max_relay_episode}"
+            )
         seen: dict[str, int] = {}
         for i, group in enumerate(self.colocation):
             for name in group:
@@ -71,6 +74,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def load(cls, path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
         """Read a ``.yaml``/``.yml``/``.toml`` file, then apply ``key.sub=value`` overrides."""
         path = Path(path)
+        if path.suffix not in (".toml", ".yaml", ".yml"):
+            raise ConfigError(f"{path}: expected a .yaml, .yml or .toml file")
         text = path.read_text()
         if path.suffix == ".toml":
             data: Any = tomllib.loads(text)
