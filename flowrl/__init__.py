@@ -23,6 +23,7 @@ from ._graph import FlowGraph
 from ._model import Model, step
 from ._pipeline import Pipeline, build_flow, open_pipeline, run_flow
 from ._runtime import AsyncPipeline
+from ._simulate import SimResult, SimStage, StageCost, Workload, simulate
 from ._splitter import POLICIES as SPLITTERS
 from ._stats import PipelineStats, ReplicaStats, StageStats
 
@@ -54,6 +55,11 @@ __all__ = [
     "ReplicaDiedError",
     "ReplicaStats",
     "SPLITTERS",
+    "SimResult",
+    "SimStage",
+    "StageCost",
+    "Workload",
+    "simulate",
     "Sample",
     "StageError",
     "StageStats",

@@ -24,6 +24,7 @@ class _StageQueue:
     expected: int = 0
     dispatched: int = 0
     finished: int = 0
+    holders: int = 0  # replicas running samples of this stage
     heap: list[int] = field(default_factory=list)
 
     @property
@@ -40,7 +41,11 @@ class Assignment:
 
 
 class PoolScheduler:
-    """Ready samples per stage, waiting slots per replica, and the splitter between them."""
+    """Ready samples per stage, waiting slots per replica, and the splitter between them.
+
+    Every operation costs O(log replicas) (a heap of waiting replicas with lazy deletion),
+    so a pool of thousands of replicas schedules as fast as a pool of eight.
+    """
 
     def __init__(self, *, replicas: int, policy: str, prefetch: int = 1) -> None:
         self.replicas = replicas
@@ -50,7 +55,9 @@ class PoolScheduler:
         self.in_flight = [0] * replicas
         self._last_served = list(range(-replicas, 0))  # never served: in replica order
         self._stages: dict[str, _StageQueue] = {}
-        self._waiting: dict[int, int] = {}  # replica -> number of its slots waiting
+        self._waiting = [0] * replicas  # slots of each replica waiting for a shard
+        self._version = [0] * replicas  # bumped when a replica's priority changes
+        self._queue: list[tuple[int, int, int, int]] = []  # (in flight, last served, replica, version)
         self._held: dict[tuple[int, str], int] = {}  # (replica, stage) -> samples running there
         self._seq = itertools.count()
 
@@ -71,20 +78,24 @@ class PoolScheduler:
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
-        if self._waiting.get(replica, 0) + self.in_flight[replica] >= self.prefetch:
+        if self._waiting[replica] + self.in_flight[replica] >= self.prefetch:
             raise ValueError(f"replica {replica} asked for more than prefetch={self.prefetch} shards")
-        self._waiting[replica] = self._waiting.get(replica, 0) + 1
+        self._waiting[replica] += 1
+        if self._waiting[replica] == 1:
+            self._enqueue(replica)
 
     def withdraw(self, replica: int) -> None:
         """Forget the waiting slots of ``replica`` (it stopped pulling)."""
-        self._waiting.pop(replica, None)
+        self._waiting[replica] = 0
+        self._version[replica] += 1
 
     def finish(self, assignment: Assignment) -> None:
         """The shard ``assignment`` completed."""
-        n = len(assignment.ids)
-        self.in_flight[assignment.replica] -= 1
-        self._held[(assignment.replica, assignment.stage)] -= n
+        r, n = assignment.replica, len(assignment.ids)
+        self.in_flight[r] -= 1
+        self._held_add(r, self._stages[assignment.stage], -n)
         self._stages[assignment.stage].finished += n
+        self._changed(r)
 
     @property
     def pending(self) -> int:
@@ -92,18 +103,35 @@ class PoolScheduler:
 
     def poll(self) -> list[Assignment]:
         out: list[Assignment] = []
-        while self._waiting:
+        while self._queue:
             stage = self._next_stage()
             if stage is None:
                 break
-            replica = min(self._waiting, key=lambda r: (self.in_flight[r], self._last_served[r]))
+            replica = self._pop_waiting()
+            if replica is None:
+                break
             self._waiting[replica] -= 1
-            if not self._waiting[replica]:
-                del self._waiting[replica]
             out.append(Assignment(replica, stage.name, self._cut(stage, replica)))
             self.in_flight[replica] += 1
             self._last_served[replica] = next(self._seq)
+            self._changed(replica)
         return out
+
+    def _enqueue(self, r: int) -> None:
+        heapq.heappush(self._queue, (self.in_flight[r], self._last_served[r], r, self._version[r]))
+
+    def _changed(self, r: int) -> None:
+        self._version[r] += 1
+        if self._waiting[r]:
+            self._enqueue(r)
+
+    def _pop_waiting(self) -> int | None:
+        """The waiting replica with the fewest shards in flight, then the least recently served."""
+        while self._queue:
+            _, _, r, version = heapq.heappop(self._queue)
+            if version == self._version[r] and self._waiting[r]:
+                return r
+        return None
 
     def _next_stage(self) -> _StageQueue | None:
         # The deepest stage first (stages are added in flow order): it drains the pipeline.
@@ -112,14 +140,19 @@ class PoolScheduler:
                 return q
         return None
 
-    def _cut(self, q: _StageQueue, replica: int) -> list[int]:
+    def _held_add(self, replica: int, q: _StageQueue, n: int) -> None:
         key = (replica, q.name)
-        held = self._held.get(key, 0)
-        busy = sum(1 for (r, stage), rows in self._held.items() if stage == q.name and rows and r != replica)
+        before = self._held.get(key, 0)
+        self._held[key] = before + n
+        q.holders += (before + n > 0) - (before > 0)
+
+    def _cut(self, q: _StageQueue, replica: int) -> list[int]:
+        held = self._held.get((replica, q.name), 0)
+        busy = q.holders - (held > 0)  # other replicas running samples of this stage
         n = shard_size(
             self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.replicas, batch_size=q.batch_size,
             held=held, unassigned=q.expected - q.dispatched, free_replicas=self.replicas - busy,
         )
-        self._held[key] = held + n
+        self._held_add(replica, q, n)
         q.dispatched += n
         return [heapq.heappop(q.heap) for _ in range(n)]

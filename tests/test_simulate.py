@@ -1,0 +1,80 @@
+"""The virtual-clock simulator (sans-IO): same scheduler and splitter, simulated replicas."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import flowrl
+from flowrl._simulate import StageCost, SimStage, Workload, simulate
+
+
+def seed_209(splitter: str = "guided", rounds: int = 1) -> Workload:
+    wide = dict(replicas=8, batch_size=2, cost=StageCost(call_s=0.01, per_sample_s=0.001), splitter=splitter)
+    return Workload(samples=16 * rounds, stages=[
+        SimStage(name="policy", replicas=2, batch_size=4, cost=StageCost(call_s=0.02, tail_median_s=0.01, tail_sigma=0.5)),
+        SimStage(name="reference", inputs=["policy"], **wide),
+        SimStage(name="value", inputs=["policy"], **wide),
+        SimStage(name="reward", inputs=["policy", "reference", "value"], **wide),
+    ])
+
+
+@pytest.mark.parametrize("splitter", sorted(flowrl.SPLITTERS))
+def test_issue_209_uses_every_downstream_replica(splitter):
+    result = simulate(seed_209(splitter))
+    for stage in ("reference", "value", "reward"):
+        assert result.replicas_used[stage] == 8
+        assert max(result.shard_sizes[stage]) <= 2
+        assert sum(size * n for size, n in result.shard_sizes[stage].items()) == 16  # each sample once
+
+
+def random_workload(seed: int) -> Workload:
+    rng = random.Random(seed)
+    stages, names = [], ["input"]
+    for k in range(rng.randint(1, 4)):
+        inputs = rng.sample(names, rng.randint(1, min(2, len(names))))
+        cost = StageCost(call_s=rng.uniform(0, 0.05), per_sample_s=rng.uniform(0, 0.01),
+                    tail_median_s=rng.choice([0.0, 0.02]), tail_sigma=rng.choice([0.0, 1.0]))
+        stages.append(SimStage(name=f"s{k}", inputs=inputs, replicas=rng.randint(1, 9), batch_size=rng.randint(1, 9),
+                               cost=cost, splitter=rng.choice(sorted(flowrl.SPLITTERS)), prefetch=rng.randint(1, 2)))
+        names.append(f"s{k}")
+    return Workload(stages=stages, samples=rng.randint(1, 120), seed=seed, overhead_s=rng.choice([0.0, 0.001]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_sample_runs_once_per_stage_and_no_schedule_beats_the_bound(seed):
+    w = random_workload(seed)
+    result = simulate(w)
+    for st in w.stages:
+        assert sum(size * n for size, n in result.shard_sizes[st.name].items()) == w.samples
+        assert max(result.shard_sizes[st.name]) <= st.batch_size
+    assert result.makespan_s >= result.lower_bound_s - 1e-9
+    assert simulate(w) == result  # deterministic from the seed
+
+
+def test_runtime_overhead_lengthens_the_makespan():
+    free = simulate(seed_209(rounds=4))
+    costly = simulate(msgspec_replace(seed_209(rounds=4), overhead_s=0.005))
+    assert costly.makespan_s > free.makespan_s
+
+
+def test_a_thousand_replicas_and_a_hundred_thousand_samples_simulate():
+    stages = [
+        SimStage(name="policy", replicas=1024, batch_size=8, cost=StageCost(call_s=0.05, tail_median_s=0.1, tail_sigma=1.0)),
+        SimStage(name="reward", inputs=["policy"], replicas=1024, batch_size=16, cost=StageCost(call_s=0.01, per_sample_s=0.002)),
+    ]
+    result = simulate(Workload(stages=stages, samples=100_000))
+    assert result.replicas_used == {"policy": 1024, "reward": 1024}
+    assert 1.0 <= result.ratio < 2.0
+
+
+def test_bad_workloads_are_rejected():
+    with pytest.raises(flowrl.ConfigError, match="reads \\['nope'\\]"):
+        Workload(samples=4, stages=[SimStage(name="a", inputs=["nope"], replicas=1, batch_size=1)])
+
+
+def msgspec_replace(w: Workload, **changes) -> Workload:
+    import msgspec
+
+    return msgspec.structs.replace(w, **changes)
