@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 import anyio
+import msgspec
 import anyio.to_thread
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -41,8 +42,10 @@ class _ReplicaActor:
         return self.runtime.setup(gpu_ids, ray.get_runtime_context().get_node_id())
 
     @ray.method(num_returns=2)
-    def run(self, call: ShardCall) -> tuple[CallMeta, Batch]:
-        return self.runtime.run(call, ray.get)
+    def run(self, call: ShardCall, *objects: Batch) -> tuple[CallMeta, Batch]:
+        # The pieces' references came as arguments (Ray fetched them before the call
+        # started, overlapping the previous shard); each piece names its argument's index.
+        return self.runtime.run(call, lambda indices: [objects[i] for i in indices])
 
     def load_weights(self, version: int, weights: Any) -> None:
         # Default group: queued behind the running shard, so weights change between shards.
@@ -265,7 +268,10 @@ class RayBackend:
         return ray.put(batch)
 
     async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
-        meta_ref, out_ref = replica.ref.run.remote(call)
+        refs = list(dict.fromkeys(p.ref for p in call.pieces))
+        index = {r: i for i, r in enumerate(refs)}
+        slim = msgspec.structs.replace(call, pieces=[msgspec.structs.replace(p, ref=index[p.ref]) for p in call.pieces])
+        meta_ref, out_ref = replica.ref.run.remote(slim, *refs)
         try:
             meta = await meta_ref
         except (RayTaskError, RayActorError) as err:
