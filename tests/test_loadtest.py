@@ -1,0 +1,26 @@
+"""A smoke run of the load-test harness (benchmarks are not tests: no timing is asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from flowrl._cli import main as cli
+from flowrl._loadtest import run_flowrl, run_push, scenarios
+from flowrl.testing import flowrl_actor_names
+
+
+def test_on_the_209_scenario_flowrl_uses_every_replica_and_static_push_half(ray_cluster):
+    w = scenarios()["chatlearn-209"]
+    flow = asyncio.run(run_flowrl(w))
+    push = asyncio.run(run_push(w))
+    for stage in ("reference", "value", "reward"):
+        assert flow["replicas_used"][stage] == 8
+        assert push["replicas_used"][stage] == 4  # each 4-sample batch whole to one replica
+    assert flow["makespan_s"] > 0 and push["makespan_s"] > 0
+    assert flowrl_actor_names() == []
+
+
+def test_cli_lists_the_scenarios(capsys):
+    assert cli(["loadtest", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in scenarios())
