@@ -15,4 +15,5 @@ from flowrl._loadtest import loadtest_main
 
 if __name__ == "__main__":
     out = str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md")
-    sys.exit(loadtest_main([*sys.argv[1:], "--out", out] if "--out" not in sys.argv else sys.argv[1:]))
+    args = sys.argv[1:] if "--out" in sys.argv else [*sys.argv[1:], "--out", out]
+    sys.exit(loadtest_main(args, command="python benchmarks/run.py"))

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from ._batch import Batch
@@ -214,17 +213,13 @@ def report_table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def to_json(obj: Any) -> bytes:
-    return msgspec.json.encode(obj)
-
-
 def median_row(runs: list[dict]) -> dict:
     """The run whose flowrl makespan is the median; ratios were measured within each run."""
     runs = sorted(runs, key=lambda r: r["flowrl"]["makespan_s"])
     return runs[len(runs) // 2]
 
 
-def loadtest_main(argv: list[str] | None = None) -> int:
+def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest") -> int:
     """``flowrl loadtest``: run the scenarios side by side, write a Markdown table and JSON."""
     import ray
 
@@ -250,7 +245,8 @@ def loadtest_main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, Ray {ray.__version__}"
-    command = "flowrl loadtest " + " ".join(argv if argv is not None else sys.argv[1:])
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out"]
+    command = " ".join([command, *shown])
     text = (
         "# Benchmarks\n\n"
         f"Latest run: `{command.strip()}` on {machine}. Model time is a sleep (see `flowrl/_loadtest.py`);\n"
@@ -261,6 +257,7 @@ def loadtest_main(argv: list[str] | None = None) -> int:
         "- sim: the simulator's makespan for the same pull policy with a free runtime.\n"
         "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n\n"
         + report_table(rows)
+        + "\nWhat the numbers say, and what is being tried, is in `docs/dev-notes.md` (performance).\n"
     )
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps({"raw": raw, "rows": rows}, indent=1))
