@@ -171,8 +171,8 @@ class Pipeline:
         pipe = self._pipe
         try:
             return self._portal.call(lambda: pipe.run(items, ordered=ordered, fields=fields))
-        except FlowError as err:
-            self._reported = err
+        except Exception as err:
+            self._reported = err  # seen by the caller: not raised again when the block exits
             raise
 
     def stats(self) -> PipelineStats:
