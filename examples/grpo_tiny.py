@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import flowrl
+import ppo_tiny
 from ppo_tiny import CLIP, KL_COEF, LENGTH, VOCAB, Policy, Reference, Reward, TinyLM, build, logprobs
 
 
@@ -75,7 +76,7 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4) -> flowrl.E
 
 
 def reward_curve(stats: flowrl.EngineStats) -> list[float]:
-    return [e.metrics["grpo_policy"]["score"] for e in stats.episodes]
+    return ppo_tiny.reward_curve(stats, "grpo_policy")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=30)
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="ray")
     args = parser.parse_args(argv)
-    curve = reward_curve(make_engine(args.episodes, args.backend).learn())
-    for e, score in enumerate(curve):
-        print(f"episode {e:3d}  mean reward {score:.3f}  {'#' * round(score * 40)}")
-    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
-    print(f"\nmean reward: first 3 episodes {first:.3f}, last 3 episodes {last:.3f}")
+    first, last = ppo_tiny.print_curve(reward_curve(make_engine(args.episodes, args.backend).learn()))
     return 0 if last > first + 0.2 else 1
 
 

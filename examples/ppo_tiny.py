@@ -189,8 +189,17 @@ def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> 
     return engine
 
 
-def reward_curve(stats: flowrl.EngineStats) -> list[float]:
-    return [e.metrics["ppo_policy"]["score"] for e in stats.episodes]
+def reward_curve(stats: flowrl.EngineStats, trainer: str = "ppo_policy") -> list[float]:
+    return [e.metrics[trainer]["score"] for e in stats.episodes]
+
+
+def print_curve(curve: list[float]) -> tuple[float, float]:
+    """Print the curve as bars; the mean reward of the first and of the last 3 episodes."""
+    for e, score in enumerate(curve):
+        print(f"episode {e:3d}  mean reward {score:.3f}  {'#' * round(score * 40)}")
+    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
+    print(f"\nmean reward: first 3 episodes {first:.3f}, last 3 episodes {last:.3f}")
+    return first, last
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = 2 if args.backend == "ray" else 1
     stats = make_engine(args.episodes, args.backend, ranks).learn()
     curve = reward_curve(stats)
-    for e, score in enumerate(curve):
-        print(f"episode {e:3d}  mean reward {score:.3f}  {'#' * round(score * 40)}")
-    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
-    print(f"\nmean reward: first 3 episodes {first:.3f}, last 3 episodes {last:.3f}")
+    first, last = print_curve(curve)
     if args.plot:
         import matplotlib
 
