@@ -63,8 +63,10 @@ class Backend(Protocol):
         """Start the ranks of one data-parallel trainer group, joined in a process group."""
         ...
 
-    async def train(self, rank: ReplicaHandle, shard: Any, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
-        """One train step on one rank; ``shard`` is a reference from ``put``."""
+    async def train(
+        self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
+    ) -> dict[str, Any]:
+        """One train step on one rank; ``shard`` is a reference from ``put`` holding samples ``ids``."""
         ...
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:

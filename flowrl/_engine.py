@@ -276,18 +276,19 @@ class Engine:
         steps = plan_steps(len(batch), global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                            dp=len(ranks), group=cfg.num_samples_per_prompt, keys=keys)
         # each rank's shard goes to the object store once per episode, whatever the epochs
-        shards = [[live.backend.put(batch.select([r for mb in rank for r in mb])) for rank in s.ranks] for s in steps]
+        rows = [[[r for mb in rank for r in mb] for rank in s.ranks] for s in steps]
+        shards = [[live.backend.put(batch.select(rank)) for rank in step_rows] for step_rows in rows]
         counts = self._counts[model.name]
         for _ in range(cfg.num_training_epoch):
-            for step, refs in zip(steps, shards):
+            for step, refs, step_rows in zip(steps, shards, rows):
                 results: list[Any] = [None] * len(ranks)
 
-                async def one(i: int, ref: Any, size: int = step.size) -> None:
-                    results[i] = await live.backend.train(ranks[i], ref, size, cfg.micro_batch, episode)
+                async def one(i: int, ref: Any, ids: list[int], size: int = step.size) -> None:
+                    results[i] = await live.backend.train(ranks[i], ref, ids, size, cfg.micro_batch, episode)
 
                 async with anyio.create_task_group() as tg:
                     for i, ref in enumerate(refs):
-                        tg.start_soon(one, i, ref)
+                        tg.start_soon(one, i, ref, batch.ids[step_rows[i]].tolist())
                 for i, res in enumerate(results):
                     c = counts.setdefault(i, [0, 0, 0.0])
                     c[0], c[1], c[2] = c[0] + res["_samples"], c[1] + 1, c[2] + res.pop("_busy_s")

@@ -18,7 +18,7 @@ class FlowDefinitionError(FlowError):
 
 
 class PipelineClosedError(FlowError):
-    """The pipeline was used after it closed, or used twice at once."""
+    """The pipeline (or engine) was used after it closed or failed, or a stream was superseded."""
 
 
 class ClusterError(FlowError):

@@ -85,7 +85,9 @@ class InProcessBackend:
         runtime.setup(None, [], "local", timeout_s)
         return [ReplicaHandle(specs[0].model.name, 0, "local", runtime)]
 
-    async def train(self, rank: ReplicaHandle, shard: Any, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+    async def train(
+        self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
+    ) -> dict[str, Any]:
         return rank.ref.train(shard.value, step_size, micro_batch, iteration)
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:

@@ -245,11 +245,13 @@ class RayBackend:
         except (RayTaskError, RayActorError) as err:  # the rendezvous itself failed
             raise _translate(err, f"{specs[0].model.name}.setup", 0, []) from err
 
-    async def train(self, rank: ReplicaHandle, shard: Any, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+    async def train(
+        self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
+    ) -> dict[str, Any]:
         try:  # the shard reference is resolved by Ray inside the rank's process
             return await rank.ref.train.remote(shard, step_size, micro_batch, iteration)
         except (RayTaskError, RayActorError) as err:
-            raise _translate(err, f"{rank.model}.train_step", rank.replica_id, []) from err
+            raise _translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
         try:
