@@ -103,6 +103,9 @@ class FlowGraph:
         for o in outputs:
             out.update(dict.fromkeys(self._visible[o]))
         self.output_producers = tuple(out)
+        # Looked up for every shard on the driver: computed once here.
+        self._inputs = {s: tuple(p for p in self._visible[s] if p != s) for s in self.stages}
+        self._consumers = {n: [s for s in self.stages.values() if n in s.inputs] for n in (SOURCE, *self.stages)}
 
     def visible(self, node: str) -> tuple[str, ...]:
         """Producers whose fields a sample carries after ``node`` (``node`` included)."""
@@ -110,10 +113,11 @@ class FlowGraph:
 
     def inputs_of(self, stage: str) -> tuple[str, ...]:
         """Producers whose fields ``stage`` reads: the union over its inputs."""
-        return tuple(p for p in self._visible[stage] if p != stage)
+        return self._inputs[stage]
 
-    def consumers(self, node: str) -> list[str]:
-        return [s.name for s in self.stages.values() if node in s.inputs]
+    def consumers(self, node: str) -> list[StageSpec]:
+        """The stages that take ``node`` (a stage or the input) as a direct input."""
+        return self._consumers[node]
 
     def stages_of(self, model: str) -> list[str]:
         return [s.name for s in self.stages.values() if s.model == model]

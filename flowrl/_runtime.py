@@ -122,10 +122,9 @@ class AsyncPipeline(StreamingMixin):
         for row, sid in enumerate(ids):
             self._samples[sid] = _SampleState({SOURCE: (ref, row)}, run)
         run.admitted += len(chunk)
-        for stage in self.graph.consumers(SOURCE):
-            spec = self.graph.stages[stage]
+        for spec in self.graph.consumers(SOURCE):
             if all(i == SOURCE for i in spec.inputs):  # others wait for their upstream stages
-                self._pools[spec.model].ready(stage, ids)
+                self._pools[spec.model].ready(spec.name, ids)
 
     # ---- pullers ----
     async def _slot(self, handle: ReplicaHandle) -> None:
@@ -198,8 +197,8 @@ class AsyncPipeline(StreamingMixin):
             self.graph.validate(fields)
 
     def _complete(self, stage: str, ids: list[int], out_ref: Any) -> None:
-        consumers = [(c, self.graph.stages[c]) for c in self.graph.consumers(stage)]
-        ready: dict[str, list[int]] = {c: [] for c, _ in consumers}
+        consumers = self.graph.consumers(stage)
+        ready: dict[str, list[int]] = {spec.name: [] for spec in consumers}
         finished: list[int] = []
         for row, sid in enumerate(ids):
             state = self._samples[sid]
@@ -207,29 +206,29 @@ class AsyncPipeline(StreamingMixin):
                 raise FlowError(f"internal: stage {stage!r} processed sample {sid} twice")
             state.done.add(stage)
             state.loc[stage] = (out_ref, row)
-            for c, spec in consumers:
+            for spec in consumers:
                 if all(i == SOURCE or i in state.done for i in spec.inputs):
-                    ready[c].append(sid)
+                    ready[spec.name].append(sid)
             if len(state.done) == len(self.graph.stages):
                 finished.append(sid)
-        for c, spec in consumers:
-            if ready[c]:
-                self._pools[spec.model].ready(c, ready[c])
+        for spec in consumers:
+            if ready[spec.name]:
+                self._pools[spec.model].ready(spec.name, ready[spec.name])
         self._finish(finished)
 
     def _finish(self, ids: list[int]) -> None:
-        runs: set[Run] = set()
+        producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
         for sid in ids:
             state = self._samples.pop(sid)
             run = state.run
-            runs.add(run)
             run.finished += 1
+            if run not in producers:
+                producers[run] = self._output_producers(run.fields)
             if run.abandoned:
                 self._window.release(1)
             else:
-                producers = self._output_producers(run.fields)
-                run.send.send_nowait((sid, {p: state.loc[p] for p in producers}))
-        for run in runs:
+                run.send.send_nowait((sid, {p: state.loc[p] for p in producers[run]}))
+        for run in producers:
             run.maybe_close()
 
     def _output_producers(self, fields: frozenset[str] | None) -> tuple[str, ...]:

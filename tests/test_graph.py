@@ -87,7 +87,7 @@ def test_fan_out_returns_a_tuple_of_outputs():
 
     graph = trace(flow)
     assert graph.outputs == ("b.forward_step", "c.forward_step")
-    assert graph.consumers("a.forward_step") == ["b.forward_step", "c.forward_step"]
+    assert [s.name for s in graph.consumers("a.forward_step")] == ["b.forward_step", "c.forward_step"]
     assert set(graph.output_producers) == {SOURCE, "a.forward_step", "b.forward_step", "c.forward_step"}
 
 
@@ -96,7 +96,7 @@ def test_fan_in_joins_independent_branches():
     graph = trace(lambda x: c.forward_step(a.forward_step(x), b.forward_step(x)))
     assert graph.stages["c.forward_step"].inputs == ("a.forward_step", "b.forward_step")
     assert set(graph.inputs_of("c.forward_step")) == {SOURCE, "a.forward_step", "b.forward_step"}
-    assert graph.consumers(SOURCE) == ["a.forward_step", "b.forward_step"]
+    assert [s.name for s in graph.consumers(SOURCE)] == ["a.forward_step", "b.forward_step"]
 
 
 def test_diamond_sees_shared_ancestor_once():
