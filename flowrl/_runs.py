@@ -8,7 +8,7 @@ supersedes a run whose consumer left early. Mixed into ``AsyncPipeline``.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sized
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sized
 from typing import Any
 
 import anyio
@@ -20,6 +20,7 @@ from ._pool import Window
 
 Loc = tuple[Any, int]  # (object reference, row)
 Items = Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
+Take = Callable[[int], Awaitable[tuple[list[Any], bool]]]
 
 
 class Run:
@@ -139,7 +140,7 @@ class StreamingMixin:
         total = len(items) if isinstance(items, Sized) else None
         if total:
             self._expect(total)  # type: ignore[attr-defined]
-        take = await self._taker(items)
+        take, close = self._taker(items)
         exhausted = False
         try:
             while not exhausted and not run.abandoned:
@@ -154,14 +155,14 @@ class StreamingMixin:
                     expected = total is not None and run.admitted + len(chunk) <= total
                     self._admit_chunk(run, chunk, expected=expected)  # type: ignore[attr-defined]
         finally:
-            getattr(take, "close", lambda: None)()  # stops an async source's pump
+            close()  # stops an async source's pump
             if total is not None and run.admitted < total:
                 self._expect(run.admitted - total)  # type: ignore[attr-defined]  # fewer than len() said
             run.admission_done = True
             run.maybe_close()
 
-    async def _taker(self, items: Any) -> Any:
-        """A function ``take(room) -> (items, exhausted)`` that never waits for a full chunk."""
+    def _taker(self, items: Any) -> tuple[Take, Callable[[], None]]:
+        """``take(room) -> (items, exhausted)``, which never waits for a full chunk, and its closer."""
         if not isinstance(items, AsyncIterable):
             iterator = iter(items)
 
@@ -173,7 +174,7 @@ class StreamingMixin:
                         return chunk, False
                 return chunk, True
 
-            return take_sync
+            return take_sync, lambda: None
         # An async source may wait for results before it yields more (a feedback loop):
         # admit what is ready now rather than wait for a full chunk. Unbuffered: at most one
         # item is drawn ahead of the window.
@@ -195,8 +196,7 @@ class StreamingMixin:
                     return chunk, True
             return chunk, False
 
-        take_async.close = recv.close  # type: ignore[attr-defined]
-        return take_async
+        return take_async, recv.close
 
     async def _pump_source(self, items: AsyncIterable[Any], send: Any) -> None:
         try:
