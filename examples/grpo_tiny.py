@@ -17,27 +17,20 @@ import torch
 
 import flowrl
 import ppo_tiny
-from ppo_tiny import CLIP, KL_COEF, LENGTH, VOCAB, Policy, Reference, Reward, TinyLM, build, logprobs
+from ppo_tiny import CLIP, KL_COEF, VOCAB, Policy, Reference, Reward, Trainer, logprobs, mean_score
 
 
-class GRPOPolicy(flowrl.Model):
-    def setup(self) -> None:
-        self.module = build(TinyLM)
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=1e-2)
+class GRPOPolicy(Trainer):
+    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+        new = logprobs(self.module, torch.as_tensor(mb["prompt"]).long(), mb["response"])
+        ratio = torch.exp(new - mb["old_logprobs"])
+        adv = mb["advantage"][:, None]
+        clipped = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+        return (clipped + KL_COEF * (new - mb["ref_logprobs"])).sum()
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
-        self.optimizer.zero_grad()
-        for mb in self.micro_batches(self._with_advantages(batch)):
-            prompt = torch.as_tensor(mb["prompt"]).long()
-            new = logprobs(self.module, prompt, mb["response"])
-            ratio = torch.exp(new - mb["old_logprobs"])
-            adv = mb["advantage"][:, None]
-            clipped = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
-            kl = KL_COEF * (new - mb["ref_logprobs"])
-            ((clipped + kl).sum() / (self.global_batch_size * LENGTH)).backward()
-        self.all_reduce_grads(self.module)
-        self.optimizer.step()
-        return {"score": float(batch["score"].mean()) if len(batch) else 0.0}
+        self.step(self._with_advantages(batch))
+        return {"score": mean_score(batch)}
 
     def _with_advantages(self, batch: flowrl.Batch) -> flowrl.Batch:
         score = batch["score"]

@@ -126,43 +126,56 @@ def advantages(batch: flowrl.Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return adv, adv + values
 
 
-class PPOPolicy(flowrl.Model):
+class Trainer(flowrl.Model):
+    """Trains ``self.module``: one optimizer step per global batch on ``loss`` (summed over a
+    micro-batch's tokens), divided by the global batch: exact whatever the shard sizes."""
+
+    net: type[nn.Module] = TinyLM
+
     def setup(self) -> None:
-        self.module = build(TinyLM)
+        self.module = build(self.net)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=1e-2)
 
-    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
+    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, batch: flowrl.Batch) -> float:
+        """One optimizer step; the mean loss per token of this rank's shard."""
         self.optimizer.zero_grad()
         total = 0.0
         for mb in self.micro_batches(batch):
-            adv, _ = advantages(mb)  # not whitened per micro-batch: that would tie the gradient to the split
-            ratio = torch.exp(logprobs(self.module, torch.as_tensor(mb["prompt"]).long(), mb["response"]) - mb["old_logprobs"])
-            loss = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).sum()
-            # summed, then divided by the global batch: exact whatever the shard sizes
+            loss = self.loss(mb)
             (loss / (self.global_batch_size * LENGTH)).backward()
             total += float(loss)
         self.all_reduce_grads(self.module)
         self.optimizer.step()
-        return {"policy_loss": total / max(1, len(batch) * LENGTH), "score": float(batch["score"].mean()) if len(batch) else 0.0}
+        return total / max(1, len(batch) * LENGTH)
 
 
-class PPOValue(flowrl.Model):
-    def setup(self) -> None:
-        self.module = build(ValueHead)
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=1e-2)
+def mean_score(batch: flowrl.Batch) -> float:
+    return float(batch["score"].mean()) if len(batch) else 0.0
+
+
+class PPOPolicy(Trainer):
+    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+        adv, _ = advantages(mb)  # not whitened per micro-batch: that would tie the gradient to the split
+        ratio = torch.exp(logprobs(self.module, torch.as_tensor(mb["prompt"]).long(), mb["response"]) - mb["old_logprobs"])
+        return -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).sum()
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
-        self.optimizer.zero_grad()
-        total = 0.0
-        for mb in self.micro_batches(batch):
-            _, returns = advantages(mb)
-            values = self.module(previous_tokens(torch.as_tensor(mb["prompt"]).long(), mb["response"]))
-            loss = 0.5 * ((values - returns) ** 2).sum()
-            (loss / (self.global_batch_size * LENGTH)).backward()
-            total += float(loss)
-        self.all_reduce_grads(self.module)
-        self.optimizer.step()
-        return {"value_loss": total / max(1, len(batch) * LENGTH)}
+        return {"policy_loss": self.step(batch), "score": mean_score(batch)}
+
+
+class PPOValue(Trainer):
+    net = ValueHead
+
+    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+        _, returns = advantages(mb)
+        values = self.module(previous_tokens(torch.as_tensor(mb["prompt"]).long(), mb["response"]))
+        return 0.5 * ((values - returns) ** 2).sum()
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
+        return {"value_loss": self.step(batch)}
 
 
 def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> flowrl.RLHFEngine:
