@@ -50,25 +50,38 @@ async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backe
         assert flowrl_actor_names() == []
 
 
-class Sleepy(flowrl.Model):
+class LastOne(flowrl.Model):
+    """Sample ``k == 0`` finishes only after every other sample of its run has been processed:
+    the others leave a mark in ``marks`` (a directory all replicas of this one-node cluster see)."""
+
+    def __init__(self, name, config, marks, others):
+        super().__init__(name, config)
+        self.marks, self.others = marks, others
+
     def forward_step(self, batch, iteration):
         import time
+        from pathlib import Path
 
-        time.sleep(float(max(batch["delay"])))
-        return {"waited": [True] * len(batch)}
+        keys = [int(k) for k in batch["k"]]
+        if 0 in keys:  # wait (bounded) for the others: real synchronisation, not a guessed delay
+            deadline = time.monotonic() + 60
+            while len(list(Path(self.marks).glob(f"{iteration}-*"))) < self.others and time.monotonic() < deadline:
+                time.sleep(0.005)
+        for k in keys:
+            (Path(self.marks) / f"{iteration}-{k}").touch()
+        return {"waited": [True] * len(keys)}
 
 
-async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster):
-    # sample 0 sleeps on its replica while the other replicas finish the rest
-    # prefetch=1: no second shard waits inside the slow replica behind sample 0
-    wait = Sleepy("wait", {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU})
-    delayed = [{"delay": 1.0 if i == 0 else 0.0} for i in range(6)]
-    async with flowrl.open_pipeline(lambda x: wait.forward_step(x)) as pipe:
-        ordered = [s.id for s in await pipe.run(delayed)]
-        completed = [s.id - 6 for s in await pipe.run(delayed, ordered=False)]
+async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster, tmp_path):
+    # prefetch=1: no second shard waits inside the replica that holds sample 0
+    last = LastOne("last", {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU}, str(tmp_path), others=5)
+    keyed = [{"k": i} for i in range(6)]
+    async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
+        ordered = [s.id for s in await pipe.run(keyed)]
+        completed = [s.id - 6 for s in await pipe.run(keyed, ordered=False)]
     assert ordered == list(range(6))
     assert sorted(completed) == list(range(6))
-    assert completed[-1] == 0  # as completed: the slow sample arrives last
+    assert completed[-1] == 0  # as completed: the sample that finished last arrives last
 
 
 async def test_user_exception_names_stage_replica_and_samples_and_cleans_up(ray_cluster):
