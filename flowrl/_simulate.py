@@ -62,8 +62,10 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             missing = [i for i in st.inputs if i not in seen]
             if missing:
                 raise ConfigError(f"stage {st.name!r} reads {missing}, which no earlier stage (or 'input') is")
-            if st.replicas <= 0 or st.batch_size <= 0 or st.prefetch <= 0:
-                raise ConfigError(f"stage {st.name!r}: replicas, batch_size and prefetch must be > 0")
+            bad = {k: v for k, v in (("replicas", st.replicas), ("batch_size", st.batch_size),
+                                     ("prefetch", st.prefetch)) if v <= 0}
+            if bad:
+                raise ConfigError(f"stage {st.name!r}: {', '.join(bad)} must be > 0, got {bad}")
             seen.add(st.name)
 
 
