@@ -37,11 +37,12 @@ def test_seed_scenario_through_rlhf_engine_with_all_six_models_colocated(ray_clu
     config = {"sample_per_episode": 16, "num_episode": 2, "train_global_batch_size": 8, "train_micro_batch_size": 4,
               "max_relay_episode": 1, "colocation": [names]}
     engine = flowrl.RLHFEngine(*models, config)
-    relayed = []
+    relayed, used = [], []
 
     def relay(episodes):
         buffer = episodes[-1].buffer
         relayed.append((episodes[-1].episode_id, [s.id for s in buffer], [float(s["query"][0]) for s in buffer]))
+        used.append({st: {s[f"{st}_replica"] for s in buffer} for st in ("reference", "value", "reward")})
         return buffer
 
     engine.set_relay_sample_fn(relay)
@@ -54,10 +55,10 @@ def test_seed_scenario_through_rlhf_engine_with_all_six_models_colocated(ray_clu
         assert ids == list(range(16 * e, 16 * e + 16)) and queries == [float(i) for i in ids]
     for stage in ("policy", "reference", "value", "reward"):
         assert stats.rollout[f"{stage}.forward_step"].samples == 32
+    assert len(used) == 2
+    for episode in used:  # every replica of every scorer worked in each episode
+        assert all(replicas == set(range(8)) for replicas in episode.values()), episode
     samples = engine.relay_episodes[-1].buffer  # max_relay_episode=1: the last episode
-    for st in ("reference", "value", "reward"):
-        used = {s[f"{st}_replica"] for s in samples}
-        assert used == set(range(8)), (st, used)  # every replica worked in this episode
     # all six models share the same 8 logical GPUs: replica r of each scorer sits on bundle r,
     # so the three scorers' replicas r hold one GPU together, and a model's 8 replicas hold 8
     gpus = {st: {s[f"{st}_replica"]: s[f"{st}_gpus"] for s in samples} for st in ("policy", "reference", "value", "reward")}
