@@ -146,7 +146,7 @@ class Trainer(flowrl.Model):
         for mb in self.micro_batches(batch):
             loss = self.loss(mb)
             (loss / (self.global_batch_size * LENGTH)).backward()
-            total += float(loss)
+            total += float(loss.detach())
         self.all_reduce_grads(self.module)
         self.optimizer.step()
         return total / max(1, len(batch) * LENGTH)
