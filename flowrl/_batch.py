@@ -64,6 +64,23 @@ def _stack(values: list[Any]) -> Column:
     return list(values)
 
 
+def approx_nbytes(batch: Batch) -> int:
+    """About how many bytes ``batch`` pickles to; exact for array and tensor columns."""
+    total = batch.ids.nbytes
+    for value in batch._fields.values():
+        nbytes = _nbytes(value)
+        if nbytes is None:  # a list column: its items' sizes
+            nbytes = sum(_nbytes(v) or (len(v) if isinstance(v, (str, bytes)) else 16) for v in value)
+        total += nbytes
+    return total
+
+
+def _nbytes(value: Any) -> int | None:
+    if _is_tensor(value):
+        return value.element_size() * value.numel()
+    return value.nbytes if isinstance(value, np.ndarray) else None
+
+
 def _encode(value: Column) -> Any:
     # numpy buffers are read zero-copy from Ray's shared memory; torch tensors are pickled.
     if _is_tensor(value) and value.device.type == "cpu":

@@ -175,3 +175,21 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float
     node_id: str = ""
 
+
+
+# Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.
+_ENCODER = msgspec.msgpack.Encoder()
+_CALL_DECODER = msgspec.msgpack.Decoder(ShardCall)
+_META_DECODER = msgspec.msgpack.Decoder(CallMeta)
+
+
+def encode_message(message: ShardCall | CallMeta) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode_call(data: bytes) -> ShardCall:
+    return _CALL_DECODER.decode(data)
+
+
+def decode_meta(data: bytes) -> CallMeta:
+    return _META_DECODER.decode(data)

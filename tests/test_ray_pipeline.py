@@ -51,12 +51,13 @@ async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backe
 
 
 class LastOne(flowrl.Model):
-    """Sample ``k == 0`` finishes only after every other sample of its run has been processed:
-    the others leave a mark in ``marks`` (a directory all replicas of this one-node cluster see)."""
+    """Sample ``k == 0`` finishes only after ``others`` marks ``<wait_on>-<iteration>-*`` exist in
+    ``marks`` (a directory all replicas of this one-node cluster see). Replicas leave a ``done``
+    mark per sample they processed; a test leaves ``delivered`` marks as samples reach it."""
 
-    def __init__(self, name, config, marks, others):
+    def __init__(self, name, config, marks, others, wait_on="done"):
         super().__init__(name, config)
-        self.marks, self.others = marks, others
+        self.marks, self.others, self.wait_on = marks, others, wait_on
 
     def forward_step(self, batch, iteration):
         import time
@@ -65,23 +66,30 @@ class LastOne(flowrl.Model):
         keys = [int(k) for k in batch["k"]]
         if 0 in keys:  # wait (bounded) for the others: real synchronisation, not a guessed delay
             deadline = time.monotonic() + 60
-            while len(list(Path(self.marks).glob(f"{iteration}-*"))) < self.others and time.monotonic() < deadline:
+            pattern = f"{self.wait_on}-{iteration}-*"
+            while len(list(Path(self.marks).glob(pattern))) < self.others and time.monotonic() < deadline:
                 time.sleep(0.005)
         for k in keys:
-            (Path(self.marks) / f"{iteration}-{k}").touch()
+            (Path(self.marks) / f"done-{iteration}-{k}").touch()
         return {"waited": [True] * len(keys)}
 
 
 async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster, tmp_path):
     # prefetch=1: no second shard waits inside the replica that holds sample 0
-    last = LastOne("last", {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU}, str(tmp_path), others=5)
+    config = {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU}
     keyed = [{"k": i} for i in range(6)]
+    last = LastOne("last", config, str(tmp_path), others=5)
     async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
         ordered = [s.id for s in await pipe.run(keyed)]
-        completed = [s.id - 6 for s in await pipe.run(keyed, ordered=False)]
-    assert ordered == list(range(6))
-    assert sorted(completed) == list(range(6))
-    assert completed[-1] == 0  # as completed: the sample that finished last arrives last
+    assert ordered == list(range(6))  # sample 0 finished last, yet comes first
+    # As completed: sample 0 finishes only once the five others have reached this loop.
+    last = LastOne("last", config, str(tmp_path), others=5, wait_on="delivered")
+    completed = []
+    async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
+        async for s in pipe.stream(keyed, ordered=False):
+            completed.append(s.id)
+            (tmp_path / f"delivered-0-{s.id}").touch()
+    assert sorted(completed) == list(range(6)) and completed[-1] == 0
 
 
 async def test_user_exception_names_stage_replica_and_samples_and_cleans_up(ray_cluster):
@@ -209,7 +217,7 @@ def test_sync_helper_runs_several_rounds_and_reports_stats(ray_cluster):
     assert flowrl_actor_names() == []
 
 
-async def test_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_it_returns(ray_cluster, monkeypatch):
+def _spy_backend(monkeypatch) -> tuple[list, list, list]:
     from flowrl._ray_backend import RayBackend
 
     put, fetched, pieces = [], [], []
@@ -231,14 +239,42 @@ async def test_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_i
     monkeypatch.setattr(RayBackend, "put", spy_put)
     monkeypatch.setattr(RayBackend, "fetch", spy_fetch)
     monkeypatch.setattr(RayBackend, "call", spy_call)
+    return put, fetched, pieces
+
+
+def _two_stage_flow():
     first = Scale("first", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["x"], dst="big")
     second = Scale("second", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["big"], dst="score", factor=0.5)
-    async with flowrl.open_pipeline(lambda x: second.forward_step(first.forward_step(x))) as pipe:
-        out = await pipe.run(items(9), fields=["score"])
+    return lambda x: second.forward_step(first.forward_step(x))
+
+
+async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_it_returns(ray_cluster, monkeypatch):
+    from flowrl._ray_backend import INLINE_BYTES, SMALL_BYTES
+
+    put, fetched, pieces = _spy_backend(monkeypatch)
+    width = max(SMALL_BYTES, INLINE_BYTES // 9) // 8 + 1  # x and big are over what rides inline
+    data = [{"x": np.full(width, float(i))} for i in range(9)]
+    assert 9 * width * 8 > INLINE_BYTES
+    async with flowrl.open_pipeline(_two_stage_flow()) as pipe:
+        out = await pipe.run(data, fields=["score"])
     assert [sorted(s) for s in out] == [["score"]] * 9 and all(np.allclose(s["score"], s.id / 2) for s in out)
     assert put and all(keys == {"x"} for keys in put)  # the driver only stores the input
     assert all(isinstance(p.ref, ray_cluster.ObjectRef) for p in pieces)  # shards are references
     assert {p.producer for p in pieces} == {"input", "first.forward_step"}
+    assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
+
+
+async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch):
+    from flowrl._ray_backend import _Inline
+
+    put, fetched, pieces = _spy_backend(monkeypatch)
+    async with flowrl.open_pipeline(_two_stage_flow()) as pipe:
+        out = await pipe.run(items(9), fields=["score"])
+    assert all(np.allclose(s["score"], s.id / 2) for s in out)
+    inputs = [p for p in pieces if p.producer == "input"]
+    upstream = [p for p in pieces if p.producer == "first.forward_step"]
+    assert inputs and all(isinstance(p.ref, _Inline) for p in inputs)  # never in shared memory
+    assert upstream and all(isinstance(p.ref, ray_cluster.ObjectRef) for p in upstream)  # the reply
     assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
 
 
