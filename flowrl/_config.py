@@ -106,7 +106,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """How a pipeline runs.
 
     ``max_inflight`` bounds every queue of the pipeline: samples admitted from the input but
-    not yet handed back to the caller never exceed it.
+    not yet handed back to the caller never exceed it. ``cost_field`` names an input field
+    holding an estimate of each sample's cost (a number, e.g. the length its response had in
+    the previous epoch): every stage then takes the costliest pending samples first.
     """
 
     backend: BackendName = "ray"
@@ -119,6 +121,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ordered: bool = True
     setup_timeout_s: float = 300.0
     inprocess_threads: bool = False
+    cost_field: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("PipelineConfig", "backend", self.backend, BackendName)
@@ -173,6 +176,7 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     rows: int
     fields: list[str]
     busy_s: float
+    out_bytes: int = 0  # about how many bytes the new fields take
     node_id: str = ""
 
 

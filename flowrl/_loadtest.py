@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
+from ._baselines import run_push, run_ray_data, substrate
 from ._batch import Batch
 from ._model import Model
 from ._pipeline import open_pipeline
-from ._simulate import INPUT, SimStage, StageCost, Workload, simulate, tails
+from ._simulate import INPUT, SimStage, StageCost, Workload, cost_hints, simulate, tails
+from ._stats import StageStats
 
 
 def scenarios() -> dict[str, Workload]:
@@ -44,9 +47,12 @@ def scenarios() -> dict[str, Workload]:
 
     heavy = StageCost(call_s=0.020, tail_median_s=0.030, tail_sigma=1.2)
     tiny = StageCost(call_s=0.001, per_sample_s=0.0005)
+    heavy_tail = rlhf(256, 4, 16, 8, 8, seed=1, cost=heavy)
     return {
         "chatlearn-209": rlhf(16, 2, 4, 8, 2, seed=209),
-        "heavy-tail-256": rlhf(256, 4, 16, 8, 8, seed=1, cost=heavy),
+        "heavy-tail-256": heavy_tail,
+        # the same, each prompt carrying an estimate of its cost (off by a log-normal factor, sigma 0.5)
+        "heavy-tail-256-hinted": msgspec.structs.replace(heavy_tail, cost_hint_sigma=0.5),
         "prime-97": Workload(samples=97, seed=7, stages=[
             SimStage(name="policy", replicas=7, batch_size=5, cost=policy),
             SimStage(name="reward", inputs=["policy"], replicas=3, batch_size=7, cost=scorer),
@@ -89,128 +95,101 @@ def workload_flow(w: Workload) -> Any:
 
 
 async def run_flowrl(w: Workload) -> dict[str, Any]:
-    items = [{"k": i} for i in range(w.samples)]
-    async with open_pipeline(workload_flow(w)) as pipe:
+    """flowrl on the workload (after a warm-up run), with what the harness reports of it."""
+    hints = cost_hints(w, tails(w))
+    items = [{"k": i} if hints is None else {"k": i, "cost": float(hints[i])} for i in range(w.samples)]
+    config = {} if hints is None else {"cost_field": "cost"}
+    async with open_pipeline(workload_flow(w), config) as pipe:
         await pipe.run(items[: min(8, len(items))])  # warm-up: imports, first calls
         before = pipe.stats()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         await pipe.run(items, fields=[f"{w.stages[-1].name}_done"])
         makespan = time.perf_counter() - start
+        cpu = time.process_time() - cpu
         after = pipe.stats()
-    used = {s: sum(1 for a, b in zip(after[f"{s}.forward_step"].replicas, before[f"{s}.forward_step"].replicas)
-                   if a.samples > b.samples) for s in (st.name for st in w.stages)}
-    return {"makespan_s": makespan, "replicas_used": used}
-
-
-async def run_push(w: Workload) -> dict[str, Any]:
-    """ChatLearn's static push: each upstream batch goes whole, round-robin, to a replica."""
-    import ray
-
-    tail = tails(w)
-    worker = _push_worker()
-    actors = {st.name: [worker.options(num_cpus=0.05).remote(st.cost, tail[st.name]) for _ in range(st.replicas)]
+    stages = {st.name: _stage_report(after[f"{st.name}.forward_step"], before[f"{st.name}.forward_step"], makespan)
               for st in w.stages}
-    await asyncio.gather(*(a.ping.remote() for group in actors.values() for a in group))
-    counters = {st.name: 0 for st in w.stages}
-    used = {st.name: set() for st in w.stages}
-    first = w.stages[0]
-    batches = [list(range(i, min(i + first.batch_size, w.samples))) for i in range(0, w.samples, first.batch_size)]
-
-    async def call(stage: str, ids: list[int]) -> None:
-        r = counters[stage] % len(actors[stage])
-        counters[stage] += 1
-        used[stage].add(r)
-        await actors[stage][r].work.remote(ids)
-
-    async def one(ids: list[int]) -> None:  # a batch keeps its identity through the flow
-        done: dict[str, asyncio.Task[None]] = {}
-        for st in w.stages:
-            deps = [done[i] for i in st.inputs if i != INPUT]
-            done[st.name] = asyncio.ensure_future(_after(deps, call(st.name, ids)))
-        await asyncio.gather(*done.values())
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(b) for b in batches))
-    makespan = time.perf_counter() - start
-    for group in actors.values():
-        for a in group:
-            ray.kill(a)
-    return {"makespan_s": makespan, "replicas_used": {k: len(v) for k, v in used.items()}}
+    return {
+        "makespan_s": makespan,
+        "replicas_used": {name: r["replicas_used"] for name, r in stages.items()},
+        "stages": stages,
+        "driver_cpu_s": cpu,
+        "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
-async def _after(deps: list[Any], coro: Any) -> None:
-    await asyncio.gather(*deps)
-    await coro
+def _stage_report(after: StageStats, before: StageStats, makespan: float) -> dict[str, Any]:
+    """One stage's share of one run: the difference of two stats snapshots."""
+    busy = [a.busy_s - b.busy_s for a, b in zip(after.replicas, before.replicas)]
+    samples = [a.samples - b.samples for a, b in zip(after.replicas, before.replicas)]
+    sizes = {k: v - before.shard_sizes.get(k, 0) for k, v in after.shard_sizes.items()}
+    return {
+        "calls": after.calls - before.calls,
+        "replicas_used": sum(1 for n in samples if n),
+        "busy_fraction": sum(busy) / (len(busy) * makespan),
+        "replica_busy_fraction": [round(b / makespan, 3) for b in busy],
+        "shard_sizes": {k: v for k, v in sizes.items() if v},
+        "out_bytes": after.out_bytes - before.out_bytes,
+    }
 
 
-@functools.cache
-def _push_worker() -> Any:
-    import ray  # the baselines are Ray programs; only this module and the backend import it
-
-    @ray.remote
-    class PushWorker:
-        def __init__(self, cost: StageCost, tail: np.ndarray) -> None:
-            self.cost, self.tail = cost, tail
-
-        def ping(self) -> bool:
-            return True
-
-        def work(self, ids: list[int]) -> int:
-            time.sleep(self.cost.call_s + len(ids) * self.cost.per_sample_s + float(self.tail[ids].max()))
-            return len(ids)
-
-    return PushWorker
-
-
-def raw_substrate(actors: int = 8, calls: int = 400) -> dict[str, float]:
-    """A no-op actor call's round trip and ``ray.util.ActorPool`` throughput over ``actors``."""
-    import ray
-    from ray.util import ActorPool
-
-    worker = _push_worker()
-    pool = [worker.options(num_cpus=0.05).remote(StageCost(), np.zeros(1)) for _ in range(actors)]
-    ray.get([a.ping.remote() for a in pool])
-    start = time.perf_counter()
-    for _ in range(calls // 4):
-        ray.get(pool[0].ping.remote())
-    rtt = (time.perf_counter() - start) / (calls // 4)
-    start = time.perf_counter()
-    list(ActorPool(pool).map_unordered(lambda a, _: a.ping.remote(), range(calls)))
-    throughput = calls / (time.perf_counter() - start)
-    for a in pool:
-        ray.kill(a)
-    return {"round_trip_ms": rtt * 1e3, "actor_pool_calls_per_s": throughput}
-
-
-def run_scenario(name: str, w: Workload) -> dict[str, Any]:
+def run_scenario(name: str, w: Workload, overhead_s: float, ray_data: bool) -> dict[str, Any]:
     zero = simulate(w)
+    loaded = simulate(msgspec.structs.replace(w, overhead_s=overhead_s))
     flow = asyncio.run(run_flowrl(w))
     push = asyncio.run(run_push(w))
+    data = run_ray_data(w) if ray_data else None
     return {
         "scenario": name,
         "samples": w.samples,
         "lower_bound_s": zero.lower_bound_s,
         "simulated_s": zero.makespan_s,
+        "simulated_with_overhead_s": loaded.makespan_s,
         "flowrl": flow,
         "push": push,
+        "ray_data": data,
         "flowrl_over_sim": flow["makespan_s"] / zero.makespan_s,
+        "flowrl_over_sim_with_overhead": flow["makespan_s"] / loaded.makespan_s,
         "flowrl_over_bound": flow["makespan_s"] / zero.lower_bound_s,
         "push_over_flowrl": push["makespan_s"] / flow["makespan_s"],
+        "ray_data_over_flowrl": data["makespan_s"] / flow["makespan_s"] if data else None,
     }
 
 
-def report_table(rows: list[dict[str, Any]]) -> str:
-    head = "| scenario | samples | bound s | sim s | flowrl s | push s | flowrl/sim | flowrl/bound | push/flowrl | replicas used (flowrl / push) |\n"
-    head += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
-    lines = []
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report_tables(rows: list[dict[str, Any]]) -> str:
+    main = _table(
+        ["scenario", "samples", "bound s", "sim s", "sim+ovh s", "flowrl s", "push s", "Ray Data s", "flowrl/sim",
+         "flowrl/sim+ovh", "flowrl/bound", "push/flowrl", "Ray Data/flowrl"],
+        [[r["scenario"], r["samples"], _f(r["lower_bound_s"], 3), _f(r["simulated_s"], 3),
+          _f(r["simulated_with_overhead_s"], 3), _f(r["flowrl"]["makespan_s"], 3), _f(r["push"]["makespan_s"], 3),
+          _f((r["ray_data"] or {}).get("makespan_s"), 3), _f(r["flowrl_over_sim"]),
+          _f(r["flowrl_over_sim_with_overhead"]), _f(r["flowrl_over_bound"]), _f(r["push_over_flowrl"]),
+          _f(r["ray_data_over_flowrl"])] for r in rows],
+    )
+    stages = []
     for r in rows:
-        used = ", ".join(f"{k} {r['flowrl']['replicas_used'][k]}/{r['push']['replicas_used'][k]}" for k in r["flowrl"]["replicas_used"])
-        lines.append(
-            f"| {r['scenario']} | {r['samples']} | {r['lower_bound_s']:.3f} | {r['simulated_s']:.3f} | "
-            f"{r['flowrl']['makespan_s']:.3f} | {r['push']['makespan_s']:.3f} | {r['flowrl_over_sim']:.2f} | "
-            f"{r['flowrl_over_bound']:.2f} | {r['push_over_flowrl']:.2f} | {used} |"
-        )
-    return head + "\n".join(lines) + "\n"
+        for stage, st in r["flowrl"]["stages"].items():
+            used = [str(st["replicas_used"]), str(r["push"]["replicas_used"][stage])]
+            used.append(str(r["ray_data"]["replicas_used"][stage]) if r["ray_data"] else "-")
+            sizes = " ".join(f"{k}:{v}" for k, v in sorted(st["shard_sizes"].items()))
+            stages.append([r["scenario"], stage, " / ".join(used), f"{100 * st['busy_fraction']:.0f}",
+                           f"{100 * (1 - st['busy_fraction']):.0f}", st["calls"], sizes, f"{st['out_bytes'] / 1024:.1f}"])
+    detail = _table(["scenario", "stage", "replicas used (flowrl / push / Ray Data)", "busy %", "starved %",
+                     "calls", "shard sizes (size:calls)", "output KiB"], stages)
+    driver = _table(["scenario", "driver CPU s", "driver peak RSS MiB", "Ray Data wall s (incl. actor start)"],
+                    [[r["scenario"], _f(r["flowrl"]["driver_cpu_s"]), f"{r['flowrl']['driver_peak_rss_mib']:.0f}",
+                      _f((r["ray_data"] or {}).get("wall_s"), 1)] for r in rows])
+    return main + "\n" + detail + "\n" + driver
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -219,8 +198,17 @@ def median_row(runs: list[dict]) -> dict:
     return runs[len(runs) // 2]
 
 
+def _has_ray_data() -> bool:
+    try:
+        import pandas  # noqa: F401  (Ray Data needs it; the `bench` extra installs it)
+        import ray.data  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest") -> int:
-    """``flowrl loadtest``: run the scenarios side by side, write a Markdown table and JSON."""
+    """``flowrl loadtest``: run the scenarios side by side, write a Markdown report and JSON."""
     import ray
 
     parser = argparse.ArgumentParser(prog="flowrl loadtest", description="run the load-test scenarios side by side")
@@ -228,38 +216,65 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
     parser.add_argument("--scenario", action="append", help="only these scenarios")
     parser.add_argument("--out", default="benchmarks.md", help="the Markdown report (a .json lands beside it)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--no-ray-data", action="store_true", help="skip the Ray Data baseline")
     args = parser.parse_args(argv)
     if args.list:
         for name, w in scenarios().items():
             print(f"{name}: {w.samples} samples, stages " + ", ".join(f"{s.name}({s.replicas}x{s.batch_size})" for s in w.stages))
         return 0
+    unknown = sorted(set(args.scenario or []) - set(scenarios()))
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; expected some of {sorted(scenarios())}")
+    ray_data = not args.no_ray_data and _has_ray_data()
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
-        raw = raw_substrate()
+        raw = asyncio.run(substrate())
+        print(json.dumps(raw), flush=True)
         rows = []
         for name, w in scenarios().items():
             if args.scenario and name not in args.scenario:
                 continue
-            rows.append(median_row([run_scenario(name, w) for _ in range(args.repeats)]))
+            runs = [run_scenario(name, w, raw["shard_ms"] / 1e3, ray_data) for _ in range(args.repeats)]
+            rows.append(median_row(runs))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         ray.shutdown()
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, Ray {ray.__version__}"
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out"]
-    command = " ".join([command, *shown])
-    text = (
-        "# Benchmarks\n\n"
-        f"Latest run: `{command.strip()}` on {machine}. Model time is a sleep (see `flowrl/_loadtest.py`);\n"
-        "each row is the median of the repeats, and every ratio was measured within one run.\n\n"
-        f"Raw substrate: no-op actor round trip {raw['round_trip_ms']:.2f} ms; `ray.util.ActorPool` over 8 actors "
-        f"{raw['actor_pool_calls_per_s']:.0f} calls/s.\n\n"
-        "- bound: the strict lower bound (busiest stage's least work per replica, slowest sample's path).\n"
-        "- sim: the simulator's makespan for the same pull policy with a free runtime.\n"
-        "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n\n"
-        + report_table(rows)
-        + "\nWhat the numbers say, and what is being tried, is in `docs/dev-notes.md` (performance).\n"
-    )
+    text = _report(" ".join([command, *shown]).strip(), raw, rows, ray_data)
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps({"raw": raw, "rows": rows}, indent=1))
     print(text)
     return 0
+
+
+def _report(command: str, raw: dict[str, float], rows: list[dict[str, Any]], ray_data: bool) -> str:
+    import ray
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, Ray {ray.__version__}"
+    return (
+        "# Benchmarks\n\n"
+        f"Latest run: `{command}` on {machine}. Model time is a sleep (see `flowrl/_loadtest.py`);\n"
+        "each row is the median of the repeats, and every ratio was measured within one run.\n\n"
+        "## The substrate: flowrl against raw Ray calls to the same replica actors\n\n"
+        f"- no-op round trip {raw['round_trip_ms']:.2f} ms; flowrl one-sample shard back to back "
+        f"{raw['shard_ms']:.2f} ms: flowrl's overhead {raw['overhead_ms']:.2f} ms per shard = "
+        f"{raw['overhead_over_round_trip']:.2f}x the round trip (target <= 1.5x)\n"
+        f"- `ray.util.ActorPool` over 8 replica actors {raw['actor_pool_calls_per_s']:.0f} calls/s; flowrl no-op "
+        f"shards over the same actors {raw['flowrl_shards_per_s']:.0f}/s = {raw['throughput_ratio']:.2f}x "
+        "(target >= 0.67x)\n\n"
+        "## Scenarios\n\n"
+        "- bound: the strict lower bound (busiest stage's least work per replica, slowest sample's path).\n"
+        "- sim: the simulator's makespan for the same pull policy with a free runtime; sim+ovh: the same\n"
+        "  with the measured cost of a shard above (`Workload.overhead_s`) added to every call.\n"
+        "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n"
+        + ("- Ray Data: `map_batches` with an actor pool per stage (`concurrency=replicas`), stages chained in\n"
+           "  flow order; timed from its first model call to its last, because its actor pools start with\n"
+           "  each execution (the wall time with actor start is in the last table).\n" if ray_data
+           else "- Ray Data: not run (`pip install -e .[bench]` installs what it needs).\n")
+        + "\n" + report_tables(rows)
+        + "\nbusy % / starved %: the stage's replicas' time inside calls / outside them, over the makespan\n"
+        "(flowrl replicas never block on a full downstream queue: outputs go to the object store and\n"
+        "admission is bounded at the source, so there is no blocked time to report).\n\n"
+        "What the numbers say, and what was tried, is in the notes below the tables of earlier runs and in\n"
+        "`docs/dev-notes.md` (performance).\n"
+    )

@@ -34,8 +34,8 @@ class AsyncPool:
         assert waiter.assignment is not None
         return waiter.assignment
 
-    def ready(self, stage: str, ids: list[int]) -> None:
-        self.scheduler.ready(stage, ids)
+    def ready(self, stage: str, ids: list[int], costs: list[float] | None = None) -> None:
+        self.scheduler.ready(stage, ids, costs)
         self.pump()
 
     def finish(self, assignment: Assignment) -> None:

@@ -24,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ._batch import Batch, approx_nbytes
+from ._batch import Batch
 from ._config import CallMeta, Piece, PipelineConfig, ShardCall, decode_call, decode_meta, encode_message
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
@@ -52,7 +52,7 @@ class _ReplicaActor:
             return [_open(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
 
         meta, out = self.runtime.run(decode_call(head), fetch)
-        if approx_nbytes(out) <= SMALL_BYTES:
+        if meta.out_bytes <= SMALL_BYTES:
             return _frame(encode_message(meta), ray.cloudpickle.dumps(out)), None
         return _frame(encode_message(meta), b""), out
 

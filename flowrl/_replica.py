@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._batch import Batch, column_length
+from ._batch import Batch, approx_nbytes, column_length
 from ._config import CallMeta, ShardCall
 from ._errors import FlowError, OutputError, StageError
 from ._model import Model, step_info
@@ -108,7 +108,8 @@ class ReplicaRuntime:
             if version_field not in inputs:  # a later step of the same model keeps the first's
                 added[version_field] = [self.model.weight_version] * len(batch)
         result = Batch(batch.ids, added, _check=False)
-        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start, node_id=self.model.node_id)
+        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start,
+                        out_bytes=approx_nbytes(result), node_id=self.model.node_id)
         return meta, result
 
     def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:

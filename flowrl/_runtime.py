@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import anyio
+import numpy as np
 from anyio.abc import TaskGroup
 
 from ._backend import Backend, ReplicaHandle
@@ -55,6 +56,7 @@ class AsyncPipeline(StreamingMixin):
         )
         self._window = Window(config.max_inflight)
         self._samples: dict[int, _SampleState] = {}
+        self._costs: dict[int, float] | None = {} if config.cost_field else None
         self._fields: dict[str, frozenset[str]] = {}
         self._next_id = 0
         self._runs = 0
@@ -113,6 +115,7 @@ class AsyncPipeline(StreamingMixin):
                     "field -> value, e.g. {'prompt': x}"
                 )
         ids = list(range(self._next_id, self._next_id + len(chunk)))
+        costs = self._read_costs(run, chunk, ids)
         batch = Batch.from_samples(ids, chunk)
         self._note_fields(SOURCE, frozenset(batch.keys()))
         ref = self._backend.put(batch)
@@ -124,7 +127,24 @@ class AsyncPipeline(StreamingMixin):
         run.admitted += len(chunk)
         for spec in self.graph.consumers(SOURCE):
             if all(i == SOURCE for i in spec.inputs):  # others wait for their upstream stages
-                self._pools[spec.model].ready(spec.name, ids)
+                self._pools[spec.model].ready(spec.name, ids, costs)
+
+    def _read_costs(self, run: Run, chunk: list[Any], ids: list[int]) -> list[float] | None:
+        if self._costs is None:
+            return None
+        field = self.config.cost_field
+        costs = []
+        for pos, item in enumerate(chunk):
+            value = item.get(field)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                got = "no such field" if field not in item else f"a {type(value).__name__}"
+                raise FlowDefinitionError(
+                    f"input item {run.admitted + pos}: PipelineConfig.cost_field={field!r} must name a number "
+                    f"in every item (a cost estimate), got {got}"
+                )
+            costs.append(float(value))
+        self._costs.update(zip(ids, costs))
+        return costs
 
     # ---- pullers ----
     async def _slot(self, handle: ReplicaHandle) -> None:
@@ -144,7 +164,7 @@ class AsyncPipeline(StreamingMixin):
         call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=self._pieces(a.stage, a.ids))
         meta, out_ref = await self._backend.call(handle, call)
         self._check_output(a, handle, meta)
-        self._recorder.record(a.stage, handle.replica_id, meta.rows, meta.busy_s)
+        self._recorder.record(a.stage, handle.replica_id, meta)
         self._complete(a.stage, a.ids, out_ref)
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:
@@ -212,14 +232,18 @@ class AsyncPipeline(StreamingMixin):
             if len(state.done) == len(self.graph.stages):
                 finished.append(sid)
         for spec in consumers:
-            if ready[spec.name]:
-                self._pools[spec.model].ready(spec.name, ready[spec.name])
+            ids_ready = ready[spec.name]
+            if ids_ready:
+                costs = None if self._costs is None else [self._costs[sid] for sid in ids_ready]
+                self._pools[spec.model].ready(spec.name, ids_ready, costs)
         self._finish(finished)
 
     def _finish(self, ids: list[int]) -> None:
         producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
         for sid in ids:
             state = self._samples.pop(sid)
+            if self._costs is not None:
+                del self._costs[sid]
             run = state.run
             run.finished += 1
             if run not in producers:

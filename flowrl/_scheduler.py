@@ -5,13 +5,20 @@ per replica). Samples become ready per stage. ``poll`` pairs waiting slots with 
 the splitter at that moment, never ahead of a request. Among waiting replicas, those with
 fewer shards in flight go first, then the least recently served, so a second slot is served
 only when every replica already has work, and work rotates over the whole pool.
+
+Pending samples leave in order of their cost estimate, costliest first, then oldest first
+(without estimates: oldest first). Starting the long samples first keeps them off the end of
+the episode, and a shard then holds samples of similar cost, so a call that lasts as long as
+its longest sample wastes little.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from ._splitter import policy as check_policy
 from ._splitter import shard_size
@@ -25,7 +32,7 @@ class _StageQueue:
     dispatched: int = 0
     finished: int = 0
     holders: int = 0  # replicas running samples of this stage
-    heap: list[int] = field(default_factory=list)
+    heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
 
     @property
     def remaining(self) -> int:
@@ -69,12 +76,13 @@ class PoolScheduler:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
         self._stages[stage].expected += count
 
-    def ready(self, stage: str, ids: list[int]) -> None:
+    def ready(self, stage: str, ids: list[int], costs: Sequence[float] | None = None) -> None:
+        """Samples ``ids`` can run on ``stage``; ``costs``: an estimate of each one's cost."""
         q = self._stages[stage]
         if q.dispatched + len(q.heap) + len(ids) > q.expected:
             raise ValueError(f"stage {stage!r}: more samples ready than expected ({q.expected})")
-        for i in ids:
-            heapq.heappush(q.heap, i)
+        for i, cost in zip(ids, repeat(0.0) if costs is None else costs):
+            heapq.heappush(q.heap, (-cost, i))
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
@@ -155,4 +163,4 @@ class PoolScheduler:
         )
         self._held_add(replica, q, n)
         q.dispatched += n
-        return [heapq.heappop(q.heap) for _ in range(n)]
+        return [heapq.heappop(q.heap)[1] for _ in range(n)]

@@ -49,12 +49,18 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Stages in flow order (each reads ``input`` or earlier stages), samples, seed, and the
-    runtime's overhead per call (0 for the zero-overhead yardstick)."""
+    runtime's overhead per call (0 for the zero-overhead yardstick).
+
+    ``cost_hint_sigma``: when set, every sample carries an estimate of its cost (as with
+    ``PipelineConfig.cost_field``): the first stage's tail times a log-normal error of that
+    shape (0: exact estimates).
+    """
 
     stages: list[SimStage]
     samples: int
     seed: int = 0
     overhead_s: float = 0.0
+    cost_hint_sigma: float | None = None
 
     def __post_init__(self) -> None:
         seen = {INPUT}
@@ -67,6 +73,8 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if bad:
                 raise ConfigError(f"stage {st.name!r}: {', '.join(bad)} must be > 0, got {bad}")
             seen.add(st.name)
+        if self.cost_hint_sigma is not None and self.cost_hint_sigma < 0:
+            raise ConfigError(f"Workload.cost_hint_sigma must be >= 0 (or None: no estimates), got {self.cost_hint_sigma}")
 
 
 class SimResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +109,15 @@ def tails(workload: Workload) -> dict[str, np.ndarray]:
     return out
 
 
+def cost_hints(workload: Workload, tail: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Each sample's cost estimate, or None when the workload gives none."""
+    sigma = workload.cost_hint_sigma
+    if sigma is None:
+        return None
+    noise = np.random.default_rng([workload.seed, 1 << 20]).lognormal(0.0, sigma, workload.samples) if sigma else 1.0
+    return tail[workload.stages[0].name] * noise
+
+
 def lower_bound(workload: Workload, tail: dict[str, np.ndarray]) -> float:
     """A makespan no schedule can beat: the busiest stage's least possible work per replica,
     and the slowest sample's path through the flow (each stage with a call of its own)."""
@@ -108,11 +125,19 @@ def lower_bound(workload: Workload, tail: dict[str, np.ndarray]) -> float:
     stage_bounds, path = [], {INPUT: np.zeros(n)}
     for st in workload.stages:
         c, t = st.cost, tail[st.name]
-        work = math.ceil(n / st.batch_size) * c.call_s + n * c.per_sample_s + t.sum() / st.batch_size
-        stage_bounds.append(work / st.replicas)
+        stage_bounds.append(least_work(c, t, st.batch_size) / st.replicas)
         start = np.max([path[i] for i in st.inputs], axis=0)
         path[st.name] = start + c.call_s + c.per_sample_s + t
     return max(max(stage_bounds), max(float(p.max()) for p in path.values()))
+
+
+def least_work(cost: StageCost, tail: np.ndarray, batch_size: int) -> float:
+    """The least total call time of a stage over all ways to cut its samples into calls of at
+    most ``batch_size``: a call lasts as long as its longest sample, so the cheapest cut knows
+    every sample's time, sorts them and fills full calls of similar samples (a shard policy,
+    which cannot know them, pays more)."""
+    longest = np.sort(tail)[::-1][::batch_size]  # the longest sample of each sorted full call
+    return len(longest) * cost.call_s + len(tail) * cost.per_sample_s + float(longest.sum())
 
 
 def simulate(workload: Workload) -> SimResult:
@@ -125,6 +150,7 @@ class _Sim:
     def __init__(self, w: Workload) -> None:
         self.w = w
         self.tail = tails(w)
+        self.hints = cost_hints(w, self.tail)
         self.pools = {}
         for st in w.stages:
             pool = PoolScheduler(replicas=st.replicas, policy=st.splitter, prefetch=st.prefetch)
@@ -145,7 +171,7 @@ class _Sim:
         ids = list(range(self.w.samples))
         for st in self.consumers[INPUT]:
             if st.inputs == [INPUT]:
-                self.pools[st.name].ready(st.name, ids)
+                self.pools[st.name].ready(st.name, ids, self._costs(ids))
         for st in self.w.stages:
             for r in range(st.replicas):
                 for _ in range(st.prefetch):
@@ -154,6 +180,9 @@ class _Sim:
         while self.events:
             self.now, _, name, a = heapq.heappop(self.events)
             self._finish(name, a)
+
+    def _costs(self, ids: list[int]) -> list[float] | None:
+        return None if self.hints is None else self.hints[ids].tolist()
 
     def _dispatch(self, stages: list[SimStage]) -> None:
         for st in stages:
@@ -178,7 +207,7 @@ class _Sim:
         for st in self.consumers[name]:
             ready = [i for i in a.ids if all(x == INPUT or self.done[x][i] for x in st.inputs)]
             if ready:
-                self.pools[st.name].ready(st.name, ready)
+                self.pools[st.name].ready(st.name, ready, self._costs(ready))
                 touched.append(st)
         pool.request(a.replica)
         self._dispatch(touched)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 import msgspec
+
+from ._config import CallMeta
 
 
 class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -16,6 +19,7 @@ class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float
     idle_s: float
     max_shard: int
+    out_bytes: int = 0
 
 
 class StageStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -26,6 +30,8 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float
     max_shard: int
     replicas: list[ReplicaStats]
+    shard_sizes: dict[int, int] = {}  # shard size -> calls
+    out_bytes: int = 0  # about how many bytes of new fields the stage produced
 
 
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,11 +45,12 @@ class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Cell:
-    __slots__ = ("samples", "calls", "busy_s", "max_shard")
+    __slots__ = ("samples", "calls", "busy_s", "max_shard", "out_bytes", "sizes")
 
     def __init__(self) -> None:
-        self.samples = self.calls = self.max_shard = 0
+        self.samples = self.calls = self.max_shard = self.out_bytes = 0
         self.busy_s = 0.0
+        self.sizes: Counter[int] = Counter()
 
 
 class StatsRecorder:
@@ -56,13 +63,15 @@ class StatsRecorder:
         self._model_busy = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
 
-    def record(self, stage: str, replica: int, rows: int, busy_s: float) -> None:
+    def record(self, stage: str, replica: int, meta: CallMeta) -> None:
         cell = self._cells[(stage, replica)]
-        cell.samples += rows
+        cell.samples += meta.rows
         cell.calls += 1
-        cell.busy_s += busy_s
-        cell.max_shard = max(cell.max_shard, rows)
-        self._model_busy[(self._stage_models[stage], replica)] += busy_s
+        cell.busy_s += meta.busy_s
+        cell.max_shard = max(cell.max_shard, meta.rows)
+        cell.out_bytes += meta.out_bytes
+        cell.sizes[meta.rows] += 1
+        self._model_busy[(self._stage_models[stage], replica)] += meta.busy_s
 
     def add_active(self, seconds: float) -> None:
         self.active_s += seconds
@@ -72,6 +81,7 @@ class StatsRecorder:
         stages = {}
         for stage, model in self._stage_models.items():
             reps = [self._replica(stage, model, r, active) for r in range(self._replicas[model])]
+            sizes = sum((self._cells[(stage, r)].sizes for r in range(self._replicas[model])), Counter())
             stages[stage] = StageStats(
                 name=stage,
                 model=model,
@@ -80,6 +90,8 @@ class StatsRecorder:
                 busy_s=sum(r.busy_s for r in reps),
                 max_shard=max((r.max_shard for r in reps), default=0),
                 replicas=reps,
+                shard_sizes=dict(sorted(sizes.items())),
+                out_bytes=sum(r.out_bytes for r in reps),
             )
         return PipelineStats(active_s=active, stages=stages)
 
@@ -87,5 +99,6 @@ class StatsRecorder:
         cell = self._cells[(stage, r)]
         idle = max(0.0, active - self._model_busy[(model, r)])
         return ReplicaStats(
-            replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle, max_shard=cell.max_shard
+            replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
+            max_shard=cell.max_shard, out_bytes=cell.out_bytes,
         )

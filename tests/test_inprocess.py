@@ -173,3 +173,37 @@ async def test_an_input_that_raises_surfaces_as_its_own_error_and_time_is_counte
         await pipe.run(items(5))
         wall = time.perf_counter() - start
         assert pipe.stats().active_s <= wall
+
+
+async def test_stats_count_shard_sizes_and_output_bytes_per_stage():
+    async with flowrl.open_pipeline(chain(), INPROC) as pipe:
+        await pipe.run(items(11))
+        stats = pipe.stats()
+    for stage, batch in (("a.forward_step", 3), ("b.forward_step", 2)):
+        st = stats[stage]
+        assert sum(st.shard_sizes.values()) == st.calls
+        assert sum(size * n for size, n in st.shard_sizes.items()) == st.samples == 11
+        assert max(st.shard_sizes) == st.max_shard <= batch
+        # each sample adds a float64 pair (16 bytes) and Scale's three counters (8+ bytes each)
+        assert st.out_bytes == sum(r.out_bytes for r in st.replicas) >= 11 * (16 + 3 * 8)
+
+
+async def test_a_cost_field_runs_the_costliest_samples_first():
+    one = Scale("one", {"num_replicas": 1, "batch_size": 1, "prefetch": 1}, srcs=["x"], dst="y")
+    costs = [3.0, 7.0, 1.0, 7.5, 2.0]
+    data = [{"x": np.full(2, float(i)), "cost": c} for i, c in enumerate(costs)]
+    config = {**INPROC, "cost_field": "cost", "input_chunk": 8}
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), config) as pipe:
+        out = await pipe.run(data)
+    assert [s.id for s in out] == [0, 1, 2, 3, 4]  # delivered in input order all the same
+    ran = sorted(out, key=lambda s: s["one_consumed"])  # the replica's running count
+    assert [s.id for s in ran] == [3, 1, 0, 4, 2]
+
+
+@pytest.mark.parametrize("value, got", [(None, "no such field"), ("long", "a str"), (True, "a bool")])
+async def test_a_cost_field_that_is_not_a_number_is_named(value, got):
+    one = Scale("one", {"num_replicas": 1, "batch_size": 1}, srcs=["x"], dst="y")
+    data = [{"x": np.zeros(2), "cost": 1.0}, {"x": np.zeros(2)} if value is None else {"x": np.zeros(2), "cost": value}]
+    with pytest.raises(flowrl.FlowDefinitionError, match=f"input item 1: PipelineConfig.cost_field='cost' .*got {got}"):
+        async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "cost_field": "cost"}) as pipe:
+            await pipe.run(data)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from flowrl._cli import main as cli
-from flowrl._loadtest import run_flowrl, run_push, scenarios
+from flowrl._baselines import run_push
+from flowrl._loadtest import run_flowrl, scenarios
 from flowrl.testing import flowrl_actor_names
 
 

@@ -276,3 +276,25 @@ def simulate(replicas: int, batch: int, samples: int, policy: str, seed: str) ->
 def test_randomised_pull_simulation(replicas, batch, samples, policy):
     for run in range(2):
         simulate(replicas, batch, samples, policy, seed=f"{replicas}-{batch}-{samples}-{policy}-{run}")
+
+
+def test_costliest_pending_samples_leave_first_then_the_oldest():
+    s = make(replicas=1, batch=2, expected=6)
+    s.ready(STAGE, [0, 1, 2], costs=[1.0, 5.0, 1.0])
+    s.ready(STAGE, [3, 4, 5], costs=[5.0, 0.5, 9.0])
+    order = []
+    while s.pending:
+        s.request(0)
+        (a,) = s.poll()
+        order.append(a.ids)
+        s.finish(a)
+    assert order == [[5, 1], [3, 0], [2, 4]]
+
+
+def test_without_costs_samples_leave_oldest_first():
+    s = make(replicas=1, batch=2, expected=4)
+    s.ready(STAGE, [3, 1])
+    s.ready(STAGE, [0, 2])
+    s.request(0)
+    (a,) = s.poll()
+    assert a.ids == [0, 1]

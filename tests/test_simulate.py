@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 import flowrl
@@ -39,7 +40,8 @@ def random_workload(seed: int) -> Workload:
         stages.append(SimStage(name=f"s{k}", inputs=inputs, replicas=rng.randint(1, 9), batch_size=rng.randint(1, 9),
                                cost=cost, splitter=rng.choice(sorted(flowrl.SPLITTERS)), prefetch=rng.randint(1, 2)))
         names.append(f"s{k}")
-    return Workload(stages=stages, samples=rng.randint(1, 120), seed=seed, overhead_s=rng.choice([0.0, 0.001]))
+    return Workload(stages=stages, samples=rng.randint(1, 120), seed=seed, overhead_s=rng.choice([0.0, 0.001]),
+                    cost_hint_sigma=rng.choice([None, 0.0, 0.5]))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -69,7 +71,25 @@ def test_a_thousand_replicas_and_a_hundred_thousand_samples_simulate():
     assert 1.0 <= result.ratio < 2.0
 
 
+def one_tailed_stage(seed: int, hints: float | None, batch_size: int = 4) -> Workload:
+    cost = StageCost(call_s=0.02, tail_median_s=0.03, tail_sigma=1.2)
+    stage = SimStage(name="policy", replicas=4, batch_size=batch_size, cost=cost)
+    return Workload(samples=64, seed=seed, stages=[stage], cost_hint_sigma=hints)
+
+
+def test_exact_cost_estimates_meet_the_bound_and_rough_ones_close_most_of_the_gap():
+    # A call lasts as long as its longest sample: pulled in arrival order, calls mix short and
+    # long samples; with estimates the costliest go first, in calls of similar samples.
+    ratios = {h: [simulate(one_tailed_stage(seed, h)).ratio for seed in range(10)] for h in (None, 0.0, 0.5)}
+    oblivious, exact, rough = (np.array(ratios[h]) for h in (None, 0.0, 0.5))
+    assert np.median(oblivious) > 1.5
+    assert exact.max() < 1.05  # longest-first list scheduling: not always perfect, close
+    assert (rough - 1).sum() < 0.25 * (oblivious - 1).sum()
+
+
 def test_bad_workloads_are_rejected():
+    with pytest.raises(flowrl.ConfigError, match="cost_hint_sigma must be >= 0"):
+        one_tailed_stage(0, -1.0)
     with pytest.raises(flowrl.ConfigError, match="reads \\['nope'\\]"):
         Workload(samples=4, stages=[SimStage(name="a", inputs=["nope"], replicas=1, batch_size=1)])
 
