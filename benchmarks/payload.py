@@ -11,12 +11,12 @@ memory grew during the run, for a small and a big payload.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from typing import Any
 
 import numpy as np
-import psutil
 import ray
 
 from flowrl import Model, open_pipeline
@@ -56,19 +56,24 @@ class _Plain:
         return float(b.sum())
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:  # Linux: resident pages are the second number
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class _PeakRss:
     """The driver's resident memory, sampled every 10 ms while a run goes on."""
 
     def __enter__(self) -> _PeakRss:
-        self.proc, self.base, self.peak, self._stop = psutil.Process(), 0, 0, threading.Event()
-        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self.base = self.peak = _rss()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.peak = max(self.peak, _rss())
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()

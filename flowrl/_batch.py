@@ -65,7 +65,7 @@ def _stack(values: list[Any]) -> Column:
 
 
 def approx_nbytes(batch: Batch) -> int:
-    """About how many bytes ``batch`` pickles to; exact for array and tensor columns."""
+    """About how many bytes of data ``batch`` holds (what it pickles to, less the framing)."""
     total = batch.ids.nbytes
     for value in batch._fields.values():
         nbytes = _nbytes(value)

@@ -130,30 +130,43 @@ def _stage_report(after: StageStats, before: StageStats, makespan: float) -> dic
         "replica_busy_fraction": [round(b / makespan, 3) for b in busy],
         "shard_sizes": {k: v for k, v in sizes.items() if v},
         "out_bytes": after.out_bytes - before.out_bytes,
+        "overhead_ms_per_shard": 1e3 * (after.overhead_s - before.overhead_s) / max(1, after.calls - before.calls),
     }
 
 
-def run_scenario(name: str, w: Workload, overhead_s: float, ray_data: bool) -> dict[str, Any]:
+def run_scenario(name: str, w: Workload, overhead_s: float) -> dict[str, Any]:
     zero = simulate(w)
     loaded = simulate(msgspec.structs.replace(w, overhead_s=overhead_s))
     flow = asyncio.run(run_flowrl(w))
     push = asyncio.run(run_push(w))
-    data = run_ray_data(w) if ray_data else None
+    stages = flow["stages"].values()
+    measured = sum(st["overhead_ms_per_shard"] * st["calls"] for st in stages) / sum(st["calls"] for st in stages)
+    fitted = simulate(msgspec.structs.replace(w, overhead_s=measured / 1e3))
     return {
         "scenario": name,
         "samples": w.samples,
         "lower_bound_s": zero.lower_bound_s,
         "simulated_s": zero.makespan_s,
         "simulated_with_overhead_s": loaded.makespan_s,
+        "run_overhead_ms": measured,
+        "simulated_with_run_overhead_s": fitted.makespan_s,
         "flowrl": flow,
         "push": push,
-        "ray_data": data,
+        "ray_data": None,
         "flowrl_over_sim": flow["makespan_s"] / zero.makespan_s,
         "flowrl_over_sim_with_overhead": flow["makespan_s"] / loaded.makespan_s,
+        "flowrl_over_sim_with_run_overhead": flow["makespan_s"] / fitted.makespan_s,
         "flowrl_over_bound": flow["makespan_s"] / zero.lower_bound_s,
         "push_over_flowrl": push["makespan_s"] / flow["makespan_s"],
-        "ray_data_over_flowrl": data["makespan_s"] / flow["makespan_s"] if data else None,
+        "ray_data_over_flowrl": None,
     }
+
+
+def with_ray_data(row: dict[str, Any], w: Workload) -> dict[str, Any]:
+    """``row`` with a Ray Data run of the same workload (once per scenario: on this machine its
+    actor pools take about 45 s to start for each execution)."""
+    data = run_ray_data(w)
+    return {**row, "ray_data": data, "ray_data_over_flowrl": data["makespan_s"] / row["flowrl"]["makespan_s"]}
 
 
 def _table(head: list[str], rows: list[list[Any]]) -> str:
@@ -183,13 +196,21 @@ def report_tables(rows: list[dict[str, Any]]) -> str:
             used.append(str(r["ray_data"]["replicas_used"][stage]) if r["ray_data"] else "-")
             sizes = " ".join(f"{k}:{v}" for k, v in sorted(st["shard_sizes"].items()))
             stages.append([r["scenario"], stage, " / ".join(used), f"{100 * st['busy_fraction']:.0f}",
-                           f"{100 * (1 - st['busy_fraction']):.0f}", st["calls"], sizes, f"{st['out_bytes'] / 1024:.1f}"])
+                           f"{100 * (1 - st['busy_fraction']):.0f}", st["calls"], sizes, f"{st['out_bytes'] / 1024:.1f}",
+                           _f(st.get("overhead_ms_per_shard"), 1)])
+    predicted = _table(
+        ["scenario", "flowrl s", "sim+ovh s", "flowrl/sim+ovh", "call overhead in the run ms", "sim with it s",
+         "flowrl/sim with it"],
+        [[r["scenario"], _f(r["flowrl"]["makespan_s"], 3), _f(r["simulated_with_overhead_s"], 3),
+          _f(r["flowrl_over_sim_with_overhead"]), _f(r["run_overhead_ms"]), _f(r["simulated_with_run_overhead_s"], 3),
+          _f(r["flowrl_over_sim_with_run_overhead"])] for r in rows],
+    )
     detail = _table(["scenario", "stage", "replicas used (flowrl / push / Ray Data)", "busy %", "starved %",
-                     "calls", "shard sizes (size:calls)", "output KiB"], stages)
+                     "calls", "shard sizes (size:calls)", "output KiB", "call overhead ms per shard"], stages)
     driver = _table(["scenario", "driver CPU s", "driver peak RSS MiB", "Ray Data wall s (incl. actor start)"],
                     [[r["scenario"], _f(r["flowrl"]["driver_cpu_s"]), f"{r['flowrl']['driver_peak_rss_mib']:.0f}",
                       _f((r["ray_data"] or {}).get("wall_s"), 1)] for r in rows])
-    return main + "\n" + detail + "\n" + driver
+    return main + "\n" + predicted + "\n" + detail + "\n" + driver
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -234,8 +255,8 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
         for name, w in scenarios().items():
             if args.scenario and name not in args.scenario:
                 continue
-            runs = [run_scenario(name, w, raw["shard_ms"] / 1e3, ray_data) for _ in range(args.repeats)]
-            rows.append(median_row(runs))
+            row = median_row([run_scenario(name, w, raw["shard_ms"] / 1e3) for _ in range(args.repeats)])
+            rows.append(with_ray_data(row, w) if ray_data else row)
             print(json.dumps(rows[-1]), flush=True)
     finally:
         ray.shutdown()
@@ -269,12 +290,16 @@ def _report(command: str, raw: dict[str, float], rows: list[dict[str, Any]], ray
         "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n"
         + ("- Ray Data: `map_batches` with an actor pool per stage (`concurrency=replicas`), stages chained in\n"
            "  flow order; timed from its first model call to its last, because its actor pools start with\n"
-           "  each execution (the wall time with actor start is in the last table).\n" if ray_data
+           "  each execution (the wall time with actor start is in the last table); run once per scenario.\n"
+           if ray_data
            else "- Ray Data: not run (`pip install -e .[bench]` installs what it needs).\n")
         + "\n" + report_tables(rows)
         + "\nbusy % / starved %: the stage's replicas' time inside calls / outside them, over the makespan\n"
         "(flowrl replicas never block on a full downstream queue: outputs go to the object store and\n"
-        "admission is bounded at the source, so there is no blocked time to report).\n\n"
-        "What the numbers say, and what was tried, is in the notes below the tables of earlier runs and in\n"
-        "`docs/dev-notes.md` (performance).\n"
+        "admission is bounded at the source, so there is no blocked time to report). Call overhead: a\n"
+        "call's time seen from the driver beyond its time inside the replica's step (Ray's round trip,\n"
+        "gathering the shard, flowrl's dispatch, waiting for a CPU); \"sim with it\" feeds the run's own\n"
+        "mean call overhead to the simulator.\n\n"
+        "What the numbers say, and what was tried, is at the end of this page (`benchmarks/run.py` writes it\n"
+        "all; `flowrl loadtest` alone writes these tables).\n"
     )

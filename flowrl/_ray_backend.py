@@ -24,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ._batch import Batch
+from ._batch import Batch, approx_nbytes
 from ._config import CallMeta, Piece, PipelineConfig, ShardCall, decode_call, decode_meta, encode_message
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
@@ -122,9 +122,9 @@ def _ship_by_value(model: Model) -> None:
 # Shard data rides inside the calls while it is small. An object in Ray's shared memory
 # costs its reader a trip through the raylet (~2 ms of CPU on 2 cores), and an object Ray
 # pickles itself costs a few times a no-op call on each side; bytes take Ray's fast path.
-# Input batches up to INLINE_BYTES stay in the driver and travel sliced per shard; outputs up
-# to SMALL_BYTES return inside the call's reply; bigger ones stay Batch objects, whose numpy
-# buffers are read zero-copy from shared memory.
+# Input batches of up to INLINE_BYTES (``approx_nbytes``) stay in the driver and travel
+# sliced per shard; outputs of up to SMALL_BYTES return inside the call's reply; bigger ones
+# are Batch objects in shared memory, whose numpy buffers are read zero-copy.
 INLINE_BYTES = 1 << 20
 SMALL_BYTES = 64 << 10
 
@@ -136,12 +136,6 @@ class _Inline:
 
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
-
-
-def _serialized_bytes(batch: Batch) -> int:
-    buffers: list[Any] = []
-    inband = ray.cloudpickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
-    return len(inband) + sum(memoryview(b).nbytes for b in buffers)
 
 
 def _by_value(ref: Any) -> Any:
@@ -341,14 +335,15 @@ class RayBackend:
             raise _translate(err, f"{replica.model}.set_weights", replica.replica_id, []) from err
 
     def put(self, batch: Batch) -> Any:
-        if _serialized_bytes(batch) <= INLINE_BYTES:
+        if approx_nbytes(batch) <= INLINE_BYTES:
             return _Inline(batch)
         return ray.put(batch)
 
     async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
         refs, values, pieces = _call_args(call)
-        body = ray.cloudpickle.dumps(values) if values else b""
-        head_ref, big_ref = replica.ref.run.remote(_frame(encode_message(msgspec.structs.replace(call, pieces=pieces)), body), *refs)
+        blob = _frame(encode_message(msgspec.structs.replace(call, pieces=pieces)),
+                      ray.cloudpickle.dumps(values) if values else b"")
+        head_ref, big_ref = replica.ref.run.remote(blob, *refs)
         try:
             head, rows = _unframe(await head_ref)
         except (RayTaskError, RayActorError) as err:

@@ -162,9 +162,10 @@ class AsyncPipeline(StreamingMixin):
         spec = self.graph.stages[a.stage]
         iteration = self._samples[a.ids[0]].run.index
         call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=self._pieces(a.stage, a.ids))
+        start = time.perf_counter()
         meta, out_ref = await self._backend.call(handle, call)
         self._check_output(a, handle, meta)
-        self._recorder.record(a.stage, handle.replica_id, meta)
+        self._recorder.record(a.stage, handle.replica_id, meta, time.perf_counter() - start)
         self._complete(a.stage, a.ids, out_ref)
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:

@@ -20,6 +20,7 @@ class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float
     max_shard: int
     out_bytes: int = 0
+    overhead_s: float = 0.0
 
 
 class StageStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +33,9 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     replicas: list[ReplicaStats]
     shard_sizes: dict[int, int] = {}  # shard size -> calls
     out_bytes: int = 0  # about how many bytes of new fields the stage produced
+    # Seconds the calls took, seen from the driver, beyond their busy time: transport, the
+    # wait behind a shard queued first on the replica (prefetch > 1), the runtime's own work.
+    overhead_s: float = 0.0
 
 
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,11 +49,11 @@ class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Cell:
-    __slots__ = ("samples", "calls", "busy_s", "max_shard", "out_bytes", "sizes")
+    __slots__ = ("samples", "calls", "busy_s", "max_shard", "out_bytes", "sizes", "overhead_s")
 
     def __init__(self) -> None:
         self.samples = self.calls = self.max_shard = self.out_bytes = 0
-        self.busy_s = 0.0
+        self.busy_s = self.overhead_s = 0.0
         self.sizes: Counter[int] = Counter()
 
 
@@ -63,8 +67,9 @@ class StatsRecorder:
         self._model_busy = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
 
-    def record(self, stage: str, replica: int, meta: CallMeta) -> None:
+    def record(self, stage: str, replica: int, meta: CallMeta, latency_s: float) -> None:
         cell = self._cells[(stage, replica)]
+        cell.overhead_s += max(0.0, latency_s - meta.busy_s)
         cell.samples += meta.rows
         cell.calls += 1
         cell.busy_s += meta.busy_s
@@ -92,6 +97,7 @@ class StatsRecorder:
                 replicas=reps,
                 shard_sizes=dict(sorted(sizes.items())),
                 out_bytes=sum(r.out_bytes for r in reps),
+                overhead_s=sum(r.overhead_s for r in reps),
             )
         return PipelineStats(active_s=active, stages=stages)
 
@@ -100,5 +106,5 @@ class StatsRecorder:
         idle = max(0.0, active - self._model_busy[(model, r)])
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
-            max_shard=cell.max_shard, out_bytes=cell.out_bytes,
+            max_shard=cell.max_shard, out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,
         )

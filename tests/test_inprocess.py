@@ -186,6 +186,7 @@ async def test_stats_count_shard_sizes_and_output_bytes_per_stage():
         assert max(st.shard_sizes) == st.max_shard <= batch
         # each sample adds a float64 pair (16 bytes) and Scale's three counters (8+ bytes each)
         assert st.out_bytes == sum(r.out_bytes for r in st.replicas) >= 11 * (16 + 3 * 8)
+        assert st.overhead_s == pytest.approx(sum(r.overhead_s for r in st.replicas)) and st.overhead_s >= 0
 
 
 async def test_a_cost_field_runs_the_costliest_samples_first():

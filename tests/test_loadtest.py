@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from flowrl._cli import main as cli
 from flowrl._baselines import run_push
 from flowrl._loadtest import run_flowrl, scenarios
@@ -25,3 +27,15 @@ def test_cli_lists_the_scenarios(capsys):
     assert cli(["loadtest", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in scenarios())
+
+
+@pytest.mark.slow
+def test_ray_data_runs_the_same_workload_and_stamps_every_stage(ray_cluster):
+    pytest.importorskip("pandas", reason="Ray Data needs pandas: pip install -e .[bench]")
+    from flowrl._baselines import run_ray_data
+
+    w = scenarios()["prime-97"]
+    data = run_ray_data(w)
+    assert data["samples"] == 97
+    assert data["makespan_s"] > 0 and data["wall_s"] >= data["makespan_s"]
+    assert 1 <= data["replicas_used"]["policy"] <= 7 and 1 <= data["replicas_used"]["reward"] <= 3
