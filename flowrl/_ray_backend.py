@@ -138,6 +138,16 @@ class _Inline:
         self.batch = batch
 
 
+class _Reply:
+    """A call's reply holding its rows: the object reference (downstream calls take it as an
+    argument, which Ray inlines) and the bytes already in the driver (delivery reads them)."""
+
+    __slots__ = ("ref", "blob")
+
+    def __init__(self, ref: Any, blob: bytes) -> None:
+        self.ref, self.blob = ref, blob
+
+
 def _by_value(ref: Any) -> Any:
     return ref.batch if isinstance(ref, _Inline) else ref
 
@@ -151,6 +161,10 @@ def _unframe(blob: bytes) -> tuple[memoryview, memoryview]:
     n = int.from_bytes(blob[:4], "little")
     view = memoryview(blob)
     return view[4 : 4 + n], view[4 + n :]
+
+
+def _local(ref: _Inline | _Reply) -> Batch:
+    return ref.batch if isinstance(ref, _Inline) else _open(ref.blob)
 
 
 def _open(stored: Any) -> Batch:
@@ -181,10 +195,11 @@ def _call_args(call: ShardCall) -> tuple[list[Any], list[Batch], list[Piece]]:
             values.append(p.ref.batch.select(p.rows))
             pieces.append(Piece(producer=p.producer, ref=-len(values), rows=list(range(len(p.rows)))))
             continue
-        if p.ref not in index:
-            index[p.ref] = len(refs)
-            refs.append(p.ref)
-        pieces.append(msgspec.structs.replace(p, ref=index[p.ref]))
+        ref = p.ref.ref if isinstance(p.ref, _Reply) else p.ref
+        if ref not in index:
+            index[ref] = len(refs)
+            refs.append(ref)
+        pieces.append(msgspec.structs.replace(p, ref=index[ref]))
     return refs, values, pieces
 
 
@@ -345,17 +360,18 @@ class RayBackend:
                       ray.cloudpickle.dumps(values) if values else b"")
         head_ref, big_ref = replica.ref.run.remote(blob, *refs)
         try:
-            head, rows = _unframe(await head_ref)
+            reply = await head_ref
         except (RayTaskError, RayActorError) as err:
             with contextlib.suppress(Exception):  # consume the twin error, or Ray logs it as unhandled
                 await big_ref
             raise _translate(err, call.stage, replica.replica_id, call.ids) from err
-        return decode_meta(head), head_ref if len(rows) else big_ref
+        head, rows = _unframe(reply)
+        return decode_meta(head), _Reply(head_ref, reply) if len(rows) else big_ref
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
-        stored = [r for r in refs if not isinstance(r, _Inline)]
+        stored = [r for r in refs if not isinstance(r, (_Inline, _Reply))]
         fetched = dict(zip(stored, await asyncio.gather(*stored)))
-        return [r.batch if isinstance(r, _Inline) else _open(fetched[r]) for r in refs]
+        return [_local(r) if isinstance(r, (_Inline, _Reply)) else _open(fetched[r]) for r in refs]
 
     async def close(self) -> None:
         actors, self._actors = self._actors, []

@@ -24,6 +24,7 @@ from ._graph import SOURCE, FlowGraph
 from ._pool import AsyncPool, Window
 from ._runs import Loc, Run, StreamingMixin
 from ._scheduler import Assignment, PoolScheduler
+from ._splitter import ShardFloor
 from ._stats import PipelineStats, StatsRecorder
 
 
@@ -46,6 +47,7 @@ class AsyncPipeline(StreamingMixin):
         self._backend = backend
         self._handles = handles
         self._pools: dict[str, AsyncPool] = {}
+        self._floors = {name: ShardFloor() for name in graph.stages}
         for name, model in graph.models.items():
             sched = PoolScheduler(replicas=model.config.replicas, policy=model.config.splitter, prefetch=model.config.prefetch)
             for stage in graph.stages_of(name):
@@ -164,8 +166,12 @@ class AsyncPipeline(StreamingMixin):
         call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=self._pieces(a.stage, a.ids))
         start = time.perf_counter()
         meta, out_ref = await self._backend.call(handle, call)
+        latency = time.perf_counter() - start
         self._check_output(a, handle, meta)
-        self._recorder.record(a.stage, handle.replica_id, meta, time.perf_counter() - start)
+        self._recorder.record(a.stage, handle.replica_id, meta, latency)
+        floor = self._floors[a.stage]
+        floor.observe(meta.rows, meta.busy_s, latency - meta.busy_s)
+        self._pools[spec.model].scheduler.set_floor(a.stage, floor.floor(self.graph.models[spec.model].config.batch_size))
         self._complete(a.stage, a.ids, out_ref)
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:

@@ -32,6 +32,7 @@ class _StageQueue:
     dispatched: int = 0
     finished: int = 0
     holders: int = 0  # replicas running samples of this stage
+    floor: int = 1  # the smallest shard worth a call (see ShardFloor)
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
 
     @property
@@ -75,6 +76,10 @@ class PoolScheduler:
     def expect(self, stage: str, count: int) -> None:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
         self._stages[stage].expected += count
+
+    def set_floor(self, stage: str, floor: int) -> None:
+        """Cut no shard of ``stage`` below ``floor`` samples while that many are pending."""
+        self._stages[stage].floor = max(1, floor)
 
     def ready(self, stage: str, ids: list[int], costs: Sequence[float] | None = None) -> None:
         """Samples ``ids`` can run on ``stage``; ``costs``: an estimate of each one's cost."""
@@ -159,7 +164,7 @@ class PoolScheduler:
         busy = q.holders - (held > 0)  # other replicas running samples of this stage
         n = shard_size(
             self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.replicas, batch_size=q.batch_size,
-            held=held, unassigned=q.expected - q.dispatched, free_replicas=self.replicas - busy,
+            held=held, unassigned=q.expected - q.dispatched, free_replicas=self.replicas - busy, floor=q.floor,
         )
         self._held_add(replica, q, n)
         q.dispatched += n

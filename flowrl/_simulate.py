@@ -20,6 +20,7 @@ import numpy as np
 
 from ._errors import ConfigError
 from ._scheduler import Assignment, PoolScheduler
+from ._splitter import ShardFloor
 
 INPUT = "input"
 
@@ -158,6 +159,7 @@ class _Sim:
             pool.expect(st.name, w.samples)
             self.pools[st.name] = pool
         self.stage = {st.name: st for st in w.stages}
+        self.floors = {st.name: ShardFloor() for st in w.stages}
         self.consumers = {name: [st for st in w.stages if name in st.inputs] for name in [INPUT, *self.stage]}
         self.done = {name: np.zeros(w.samples, dtype=bool) for name in self.stage}
         self.free_at = {st.name: [0.0] * st.replicas for st in w.stages}
@@ -189,9 +191,12 @@ class _Sim:
             for a in self.pools[st.name].poll():
                 self._start(st, a)
 
+    def _duration(self, st: SimStage, ids: list[int]) -> float:
+        c = st.cost
+        return c.call_s + len(ids) * c.per_sample_s + float(self.tail[st.name][ids].max())
+
     def _start(self, st: SimStage, a: Assignment) -> None:
-        c, n = st.cost, len(a.ids)
-        duration = c.call_s + n * c.per_sample_s + float(self.tail[st.name][a.ids].max())
+        n, duration = len(a.ids), self._duration(st, a.ids)
         begin = max(self.now, self.free_at[st.name][a.replica]) + self.w.overhead_s  # one call at a time
         end = begin + duration
         self.free_at[st.name][a.replica] = end
@@ -202,6 +207,9 @@ class _Sim:
     def _finish(self, name: str, a: Assignment) -> None:
         pool = self.pools[name]
         pool.finish(a)
+        st, floor = self.stage[name], self.floors[name]  # the runtime measures each call as it completes
+        floor.observe(len(a.ids), self._duration(st, a.ids), self.w.overhead_s)
+        pool.set_floor(name, floor.floor(st.batch_size))
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
         for st in self.consumers[name]:

@@ -266,7 +266,7 @@ async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_wh
 
 
 async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch):
-    from flowrl._ray_backend import _Inline
+    from flowrl._ray_backend import _Inline, _Reply
 
     put, fetched, pieces = _spy_backend(monkeypatch)
     async with flowrl.open_pipeline(_two_stage_flow()) as pipe:
@@ -275,7 +275,7 @@ async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch):
     inputs = [p for p in pieces if p.producer == "input"]
     upstream = [p for p in pieces if p.producer == "first.forward_step"]
     assert inputs and all(isinstance(p.ref, _Inline) for p in inputs)  # never in shared memory
-    assert upstream and all(isinstance(p.ref, ray_cluster.ObjectRef) for p in upstream)  # the reply
+    assert upstream and all(isinstance(p.ref, _Reply) for p in upstream)  # inside the reply
     assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
 
 

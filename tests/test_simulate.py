@@ -98,3 +98,12 @@ def msgspec_replace(w: Workload, **changes) -> Workload:
     import msgspec
 
     return msgspec.structs.replace(w, **changes)
+
+
+def test_when_calls_cost_more_than_they_carry_shards_stay_full_and_every_replica_still_works():
+    free = simulate(seed_209(rounds=2))
+    costly = simulate(msgspec_replace(seed_209(rounds=2), overhead_s=0.012))  # 12 ms a call; 7 ms a sample
+    assert 1 in free.shard_sizes["reference"]  # a free runtime spreads each wave one sample a replica
+    for stage in ("reference", "value", "reward"):
+        assert costly.shard_sizes[stage] == {2: 16}
+        assert costly.replicas_used[stage] == 8

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._splitter import shard_size
+from flowrl._splitter import ShardFloor, shard_size
 
 POLICIES = sorted(flowrl.SPLITTERS)
 ADAPTIVE = ["guided", "factoring"]
@@ -186,3 +186,39 @@ def test_seed_issue_every_replica_gets_exactly_its_share(policy):
         per_replica[r] += len(ids)
     share = SEED_SAMPLES // SEED_REPLICAS
     assert dict(per_replica) == {r: share for r in range(SEED_REPLICAS)}
+
+
+@pytest.mark.parametrize(
+    "calls, batch, expected",
+    [
+        ([], 8, 1),  # nothing measured: spread freely
+        ([(2, 0.200, 0.002)], 8, 1),  # GPU-like: 100 ms a sample, 2 ms overhead
+        ([(2, 0.014, 0.012)], 2, 2),  # #209 on 2 cores: 7 ms a sample, 12 ms overhead
+        ([(8, 0.026, 0.016)], 8, 5),  # 3.25 ms a sample, 16 ms overhead
+        ([(1, 0.0015, 0.011)], 1, 1),  # never above the batch size
+        ([(4, 0.0, 0.001)], 6, 6),  # free steps: every call is all overhead
+    ],
+)
+def test_shard_floor_is_the_smallest_shard_carrying_a_calls_overhead(calls, batch, expected):
+    floor = ShardFloor()
+    for rows, busy, overhead in calls:
+        floor.observe(rows, busy, overhead)
+    assert floor.floor(batch) == expected
+
+
+def test_shard_floor_follows_recent_calls():
+    floor = ShardFloor(weight=0.5)
+    floor.observe(1, 0.010, 0.030)  # 3 samples' work per overhead
+    assert floor.floor(8) == 3
+    for _ in range(12):
+        floor.observe(1, 0.010, 0.001)  # the machine quietened down
+    assert floor.floor(8) == 1
+
+
+@pytest.mark.parametrize("policy", ["guided", "factoring"])
+def test_a_floor_raises_small_shards_while_enough_is_pending(policy):
+    kw = dict(pending=6, remaining=6, replicas=6, batch_size=4)
+    assert shard_size(policy, **kw) == 1  # spread over six idle replicas
+    assert shard_size(policy, **kw, floor=3) == 3
+    assert shard_size(policy, **{**kw, "pending": 2, "remaining": 2}, floor=3) == 2  # only 2 pending
+    assert shard_size(policy, **kw, floor=9) == 4  # never above the batch size
