@@ -12,6 +12,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from ._batch import Sample
@@ -223,6 +224,9 @@ class StreamingMixin:
                     sid = next_id if run.ordered else next(iter(held))
                     if sid not in held:
                         break
+                    # Each sample handed out is a cancellation point, also when its data is
+                    # already in the driver and nothing below would wait.
+                    await anyio.lowlevel.checkpoint_if_cancelled()
                     sample = await self._materialize(sid, held[sid], cache, run.fields)
                     del held[sid]
                     self._window.release(1)

@@ -82,30 +82,45 @@ def shard_size(
 
 
 class ShardFloor:
-    """The smallest shard worth a call, from measured calls: one that carries at least as much
-    work as a call's overhead (its time outside the step: transport, dispatch, waiting for a
-    CPU). Where model time dominates (a GPU), this is 1 and the splitter spreads freely; where
-    calls are short and overhead long, spreading a wave over every idle replica would cost
-    more than it saves, so shards stay fuller. Recent calls weigh more (moving averages).
+    """The smallest shard worth a call, from measured calls: one whose samples' work covers a
+    call's overhead (its time outside the step: transport, dispatch, waiting for a CPU).
+
+    The work of a sample is the step's marginal time per sample, fitted as ``busy = a + b * n``
+    over recent calls (moving averages); a call's fixed time ``a`` is not counted, since each
+    replica pays its own, while the overhead loads what replicas share (the driver, the CPUs).
+    While every call had the same size there is nothing to fit and ``busy / n`` stands in.
+    Where model time dominates (a GPU) the floor is 1 and the splitter spreads freely; where
+    steps are short and calls costly, waves are not spread thinner than they are worth.
     """
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
-        self.per_sample_s: float | None = None
-        self.overhead_s: float | None = None
+        self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
 
     def observe(self, rows: int, busy_s: float, overhead_s: float) -> None:
         if rows <= 0:
             return
-        self.per_sample_s = self._mix(self.per_sample_s, busy_s / rows)
-        self.overhead_s = self._mix(self.overhead_s, overhead_s)
+        new = {"n": rows, "y": busy_s, "nn": rows * rows, "ny": rows * busy_s, "o": overhead_s}
+        for key, value in new.items():
+            old = self._avg.get(key)
+            self._avg[key] = value if old is None else old + self.weight * (value - old)
 
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.weight * (new - old)
+    def per_sample_s(self) -> float | None:
+        """The step's marginal time per sample (None before any call)."""
+        if not self._avg:
+            return None
+        m = self._avg
+        var = m["nn"] - m["n"] ** 2
+        if var > 0.01 * m["nn"]:  # several sizes seen: fit the slope
+            slope = (m["ny"] - m["n"] * m["y"]) / var
+            if slope > 0:
+                return slope
+        return m["y"] / m["n"]
 
     def floor(self, batch_size: int) -> int:
-        if self.per_sample_s is None or self.overhead_s is None:
+        per_sample = self.per_sample_s()
+        if per_sample is None:
             return 1
-        if self.per_sample_s <= 0:
+        if per_sample <= 0:
             return batch_size
-        return max(1, min(batch_size, math.ceil(self.overhead_s / self.per_sample_s - 1e-9)))
+        return max(1, min(batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))

@@ -222,3 +222,12 @@ def test_a_floor_raises_small_shards_while_enough_is_pending(policy):
     assert shard_size(policy, **kw, floor=3) == 3
     assert shard_size(policy, **{**kw, "pending": 2, "remaining": 2}, floor=3) == 2  # only 2 pending
     assert shard_size(policy, **kw, floor=9) == 4  # never above the batch size
+
+
+def test_shard_floor_counts_a_samples_marginal_time_not_the_calls_fixed_time():
+    floor = ShardFloor(weight=0.5)
+    for _ in range(6):  # 10 ms a call + 2 ms a sample, 10 ms overhead
+        floor.observe(1, 0.012, 0.010)
+        floor.observe(2, 0.014, 0.010)
+    assert floor.per_sample_s() == pytest.approx(0.002, rel=0.05)
+    assert floor.floor(8) == 5  # 5 samples' work covers a call's overhead
