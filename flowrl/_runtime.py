@@ -164,14 +164,17 @@ class AsyncPipeline(StreamingMixin):
         spec = self.graph.stages[a.stage]
         iteration = self._samples[a.ids[0]].run.index
         call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=self._pieces(a.stage, a.ids))
+        scheduler = self._pools[spec.model].scheduler
+        alone = scheduler.in_flight[handle.replica_id] == 1  # no other shard of this replica ahead
         start = time.perf_counter()
         meta, out_ref = await self._backend.call(handle, call)
         latency = time.perf_counter() - start
         self._check_output(a, handle, meta)
         self._recorder.record(a.stage, handle.replica_id, meta, latency)
         floor = self._floors[a.stage]
-        floor.observe(meta.rows, meta.busy_s, latency - meta.busy_s)
-        self._pools[spec.model].scheduler.set_floor(a.stage, floor.floor(self.graph.models[spec.model].config.batch_size))
+        alone = alone and scheduler.in_flight[handle.replica_id] == 1
+        floor.observe(meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
+        scheduler.set_floor(a.stage, floor.floor(self.graph.models[spec.model].config.batch_size))
         self._complete(a.stage, a.ids, out_ref)
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:

@@ -97,10 +97,14 @@ class ShardFloor:
         self.weight = weight
         self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
 
-    def observe(self, rows: int, busy_s: float, overhead_s: float) -> None:
+    def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
+        """One completed call; ``overhead_s`` None when it is not known (the call waited
+        behind another shard on its replica, so its time outside the step says nothing)."""
         if rows <= 0:
             return
-        new = {"n": rows, "y": busy_s, "nn": rows * rows, "ny": rows * busy_s, "o": overhead_s}
+        new = {"n": rows, "y": busy_s, "nn": rows * rows, "ny": rows * busy_s}
+        if overhead_s is not None:
+            new["o"] = overhead_s
         for key, value in new.items():
             old = self._avg.get(key)
             self._avg[key] = value if old is None else old + self.weight * (value - old)
@@ -119,7 +123,7 @@ class ShardFloor:
 
     def floor(self, batch_size: int) -> int:
         per_sample = self.per_sample_s()
-        if per_sample is None:
+        if per_sample is None or "o" not in self._avg:
             return 1
         if per_sample <= 0:
             return batch_size

@@ -231,3 +231,12 @@ def test_shard_floor_counts_a_samples_marginal_time_not_the_calls_fixed_time():
         floor.observe(2, 0.014, 0.010)
     assert floor.per_sample_s() == pytest.approx(0.002, rel=0.05)
     assert floor.floor(8) == 5  # 5 samples' work covers a call's overhead
+
+
+def test_shard_floor_ignores_calls_that_waited_behind_another_shard():
+    floor = ShardFloor()
+    for _ in range(10):
+        floor.observe(2, 0.004, None)  # each queued behind a shard on its replica: overhead unknown
+    assert floor.floor(8) == 1
+    floor.observe(2, 0.004, 0.010)  # one that ran alone: 2 ms a sample, 10 ms overhead
+    assert floor.floor(8) == 5
