@@ -180,7 +180,6 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str = ""
 
 
-
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.
 _ENCODER = msgspec.msgpack.Encoder()
 _CALL_DECODER = msgspec.msgpack.Decoder(ShardCall)

@@ -29,12 +29,13 @@ from ._stats import PipelineStats, StatsRecorder
 
 
 class _SampleState:
-    __slots__ = ("loc", "done", "run")
+    __slots__ = ("loc", "done", "run", "cost")
 
-    def __init__(self, loc: dict[str, Loc], run: Run) -> None:
+    def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
         self.loc = loc
         self.done: set[str] = set()
         self.run = run
+        self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
 
 
 class AsyncPipeline(StreamingMixin):
@@ -47,7 +48,6 @@ class AsyncPipeline(StreamingMixin):
         self._backend = backend
         self._handles = handles
         self._pools: dict[str, AsyncPool] = {}
-        self._floors = {name: ShardFloor() for name in graph.stages}
         for name, model in graph.models.items():
             sched = PoolScheduler(replicas=model.config.replicas, policy=model.config.splitter, prefetch=model.config.prefetch)
             for stage in graph.stages_of(name):
@@ -58,7 +58,7 @@ class AsyncPipeline(StreamingMixin):
         )
         self._window = Window(config.max_inflight)
         self._samples: dict[int, _SampleState] = {}
-        self._costs: dict[int, float] | None = {} if config.cost_field else None
+        self._floors = {s.name: ShardFloor(graph.models[s.model].config.batch_size) for s in graph.stages.values()}
         self._fields: dict[str, frozenset[str]] = {}
         self._next_id = 0
         self._runs = 0
@@ -117,7 +117,7 @@ class AsyncPipeline(StreamingMixin):
                     "field -> value, e.g. {'prompt': x}"
                 )
         ids = list(range(self._next_id, self._next_id + len(chunk)))
-        costs = self._read_costs(run, chunk, ids)
+        costs = self._read_costs(run, chunk)
         batch = Batch.from_samples(ids, chunk)
         self._note_fields(SOURCE, frozenset(batch.keys()))
         ref = self._backend.put(batch)
@@ -125,16 +125,16 @@ class AsyncPipeline(StreamingMixin):
         if not expected:
             self._expect(len(chunk))
         for row, sid in enumerate(ids):
-            self._samples[sid] = _SampleState({SOURCE: (ref, row)}, run)
+            self._samples[sid] = _SampleState({SOURCE: (ref, row)}, run, costs[row] if costs else 0.0)
         run.admitted += len(chunk)
         for spec in self.graph.consumers(SOURCE):
             if all(i == SOURCE for i in spec.inputs):  # others wait for their upstream stages
                 self._pools[spec.model].ready(spec.name, ids, costs)
 
-    def _read_costs(self, run: Run, chunk: list[Any], ids: list[int]) -> list[float] | None:
-        if self._costs is None:
-            return None
+    def _read_costs(self, run: Run, chunk: list[Any]) -> list[float] | None:
         field = self.config.cost_field
+        if field is None:
+            return None
         costs = []
         for pos, item in enumerate(chunk):
             value = item.get(field)
@@ -145,7 +145,6 @@ class AsyncPipeline(StreamingMixin):
                     f"in every item (a cost estimate), got {got}"
                 )
             costs.append(float(value))
-        self._costs.update(zip(ids, costs))
         return costs
 
     # ---- pullers ----
@@ -165,7 +164,9 @@ class AsyncPipeline(StreamingMixin):
         iteration = self._samples[a.ids[0]].run.index
         call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=self._pieces(a.stage, a.ids))
         scheduler = self._pools[spec.model].scheduler
-        alone = scheduler.in_flight[handle.replica_id] == 1  # no other shard of this replica ahead
+        # A call's time outside the step tells its overhead only if no other shard of its
+        # replica was in flight meanwhile (one queued ahead would be counted as overhead).
+        alone = scheduler.in_flight[handle.replica_id] == 1
         start = time.perf_counter()
         meta, out_ref = await self._backend.call(handle, call)
         latency = time.perf_counter() - start
@@ -174,7 +175,7 @@ class AsyncPipeline(StreamingMixin):
         floor = self._floors[a.stage]
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         floor.observe(meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
-        scheduler.set_floor(a.stage, floor.floor(self.graph.models[spec.model].config.batch_size))
+        scheduler.set_floor(a.stage, floor.floor())
         self._complete(a.stage, a.ids, out_ref)
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:
@@ -244,7 +245,7 @@ class AsyncPipeline(StreamingMixin):
         for spec in consumers:
             ids_ready = ready[spec.name]
             if ids_ready:
-                costs = None if self._costs is None else [self._costs[sid] for sid in ids_ready]
+                costs = [self._samples[sid].cost for sid in ids_ready] if self.config.cost_field else None
                 self._pools[spec.model].ready(spec.name, ids_ready, costs)
         self._finish(finished)
 
@@ -252,8 +253,6 @@ class AsyncPipeline(StreamingMixin):
         producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
         for sid in ids:
             state = self._samples.pop(sid)
-            if self._costs is not None:
-                del self._costs[sid]
             run = state.run
             run.finished += 1
             if run not in producers:

@@ -159,13 +159,13 @@ class _Sim:
             pool.expect(st.name, w.samples)
             self.pools[st.name] = pool
         self.stage = {st.name: st for st in w.stages}
-        self.floors = {st.name: ShardFloor() for st in w.stages}
+        self.floors = {st.name: ShardFloor(st.batch_size) for st in w.stages}
         self.consumers = {name: [st for st in w.stages if name in st.inputs] for name in [INPUT, *self.stage]}
         self.done = {name: np.zeros(w.samples, dtype=bool) for name in self.stage}
         self.free_at = {st.name: [0.0] * st.replicas for st in w.stages}
         self.busy = {st.name: [0.0] * st.replicas for st in w.stages}
         self.sizes = {st.name: Counter() for st in w.stages}
-        self.events: list[tuple[float, int, str, Assignment]] = []
+        self.events: list[tuple[float, int, str, Assignment, float]] = []  # (end, seq, stage, shard, duration)
         self.seq = itertools.count()
         self.now = 0.0
 
@@ -180,8 +180,8 @@ class _Sim:
                     self.pools[st.name].request(r)
         self._dispatch(self.w.stages)
         while self.events:
-            self.now, _, name, a = heapq.heappop(self.events)
-            self._finish(name, a)
+            self.now, _, name, a, duration = heapq.heappop(self.events)
+            self._finish(name, a, duration)
 
     def _costs(self, ids: list[int]) -> list[float] | None:
         return None if self.hints is None else self.hints[ids].tolist()
@@ -191,25 +191,22 @@ class _Sim:
             for a in self.pools[st.name].poll():
                 self._start(st, a)
 
-    def _duration(self, st: SimStage, ids: list[int]) -> float:
-        c = st.cost
-        return c.call_s + len(ids) * c.per_sample_s + float(self.tail[st.name][ids].max())
-
     def _start(self, st: SimStage, a: Assignment) -> None:
-        n, duration = len(a.ids), self._duration(st, a.ids)
+        c, n = st.cost, len(a.ids)
+        duration = c.call_s + n * c.per_sample_s + float(self.tail[st.name][a.ids].max())
         begin = max(self.now, self.free_at[st.name][a.replica]) + self.w.overhead_s  # one call at a time
         end = begin + duration
         self.free_at[st.name][a.replica] = end
         self.busy[st.name][a.replica] += duration
         self.sizes[st.name][n] += 1
-        heapq.heappush(self.events, (end, next(self.seq), st.name, a))
+        heapq.heappush(self.events, (end, next(self.seq), st.name, a, duration))
 
-    def _finish(self, name: str, a: Assignment) -> None:
+    def _finish(self, name: str, a: Assignment, duration: float) -> None:
         pool = self.pools[name]
         pool.finish(a)
-        st, floor = self.stage[name], self.floors[name]  # the runtime measures each call as it completes
-        floor.observe(len(a.ids), self._duration(st, a.ids), self.w.overhead_s)
-        pool.set_floor(name, floor.floor(st.batch_size))
+        floor = self.floors[name]  # the runtime measures each call as it completes
+        floor.observe(len(a.ids), duration, self.w.overhead_s)
+        pool.set_floor(name, floor.floor())
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
         for st in self.consumers[name]:

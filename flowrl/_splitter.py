@@ -93,8 +93,8 @@ class ShardFloor:
     steps are short and calls costly, waves are not spread thinner than they are worth.
     """
 
-    def __init__(self, weight: float = 0.2) -> None:
-        self.weight = weight
+    def __init__(self, batch_size: int, weight: float = 0.2) -> None:
+        self.batch_size, self.weight = batch_size, weight
         self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
 
     def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
@@ -121,10 +121,10 @@ class ShardFloor:
                 return slope
         return m["y"] / m["n"]
 
-    def floor(self, batch_size: int) -> int:
+    def floor(self) -> int:
         per_sample = self.per_sample_s()
         if per_sample is None or "o" not in self._avg:
             return 1
         if per_sample <= 0:
-            return batch_size
-        return max(1, min(batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))
+            return self.batch_size
+        return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))

@@ -49,10 +49,10 @@ class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Cell:
-    __slots__ = ("samples", "calls", "busy_s", "max_shard", "out_bytes", "sizes", "overhead_s")
+    __slots__ = ("samples", "calls", "busy_s", "out_bytes", "sizes", "overhead_s")
 
     def __init__(self) -> None:
-        self.samples = self.calls = self.max_shard = self.out_bytes = 0
+        self.samples = self.calls = self.out_bytes = 0
         self.busy_s = self.overhead_s = 0.0
         self.sizes: Counter[int] = Counter()
 
@@ -73,7 +73,6 @@ class StatsRecorder:
         cell.samples += meta.rows
         cell.calls += 1
         cell.busy_s += meta.busy_s
-        cell.max_shard = max(cell.max_shard, meta.rows)
         cell.out_bytes += meta.out_bytes
         cell.sizes[meta.rows] += 1
         self._model_busy[(self._stage_models[stage], replica)] += meta.busy_s
@@ -106,5 +105,5 @@ class StatsRecorder:
         idle = max(0.0, active - self._model_busy[(model, r)])
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
-            max_shard=cell.max_shard, out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,
+            max_shard=max(cell.sizes, default=0), out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,
         )

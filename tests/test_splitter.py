@@ -200,19 +200,19 @@ def test_seed_issue_every_replica_gets_exactly_its_share(policy):
     ],
 )
 def test_shard_floor_is_the_smallest_shard_carrying_a_calls_overhead(calls, batch, expected):
-    floor = ShardFloor()
+    floor = ShardFloor(batch)
     for rows, busy, overhead in calls:
         floor.observe(rows, busy, overhead)
-    assert floor.floor(batch) == expected
+    assert floor.floor() == expected
 
 
 def test_shard_floor_follows_recent_calls():
-    floor = ShardFloor(weight=0.5)
+    floor = ShardFloor(8, weight=0.5)
     floor.observe(1, 0.010, 0.030)  # 3 samples' work per overhead
-    assert floor.floor(8) == 3
+    assert floor.floor() == 3
     for _ in range(12):
         floor.observe(1, 0.010, 0.001)  # the machine quietened down
-    assert floor.floor(8) == 1
+    assert floor.floor() == 1
 
 
 @pytest.mark.parametrize("policy", ["guided", "factoring"])
@@ -225,18 +225,18 @@ def test_a_floor_raises_small_shards_while_enough_is_pending(policy):
 
 
 def test_shard_floor_counts_a_samples_marginal_time_not_the_calls_fixed_time():
-    floor = ShardFloor(weight=0.5)
+    floor = ShardFloor(8, weight=0.5)
     for _ in range(6):  # 10 ms a call + 2 ms a sample, 10 ms overhead
         floor.observe(1, 0.012, 0.010)
         floor.observe(2, 0.014, 0.010)
     assert floor.per_sample_s() == pytest.approx(0.002, rel=0.05)
-    assert floor.floor(8) == 5  # 5 samples' work covers a call's overhead
+    assert floor.floor() == 5  # 5 samples' work covers a call's overhead
 
 
 def test_shard_floor_ignores_calls_that_waited_behind_another_shard():
-    floor = ShardFloor()
+    floor = ShardFloor(8)
     for _ in range(10):
         floor.observe(2, 0.004, None)  # each queued behind a shard on its replica: overhead unknown
-    assert floor.floor(8) == 1
+    assert floor.floor() == 1
     floor.observe(2, 0.004, 0.010)  # one that ran alone: 2 ms a sample, 10 ms overhead
-    assert floor.floor(8) == 5
+    assert floor.floor() == 5
