@@ -21,7 +21,7 @@ from flowrl import open_pipeline
 from flowrl._baselines import Noop
 from flowrl._batch import Batch
 from flowrl._config import Piece, ShardCall, encode_message
-from flowrl._ray_backend import _frame
+from flowrl._ray_wire import frame as _frame
 
 CALLS = 400
 TICK = os.sysconf("SC_CLK_TCK")

@@ -1,4 +1,5 @@
-"""The Ray backend (layer 4): one Ray actor per replica. The only module that imports ray.
+"""The Ray backend (layer 4): one Ray actor per replica. With ``_ray_wire`` (how shard data
+travels), the only module that imports ray.
 
 A replica actor runs one call at a time (a second shard sent ahead waits inside the actor,
 and weights load between shards). It has no extra concurrency group: one costs every call
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import math
 import os
+import pickle
 import socket
 import sys
 import uuid
@@ -25,10 +27,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ._batch import Batch, approx_nbytes
-from ._config import CallMeta, Piece, PipelineConfig, ShardCall, decode_call, decode_meta, encode_message
+from ._config import CallMeta, PipelineConfig, ShardCall, decode_call, decode_meta, encode_message
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
 from ._model import Model
+from ._ray_wire import INLINE_BYTES, SMALL_BYTES, Inline, Reply, by_value, call_args, dumps, frame, local, open_stored, unframe
 from ._replica import ReplicaRuntime, TrainerRuntime
 
 
@@ -45,16 +48,16 @@ class _ReplicaActor:
     def run(self, blob: bytes, *stored: Any) -> tuple[bytes, Batch | None]:
         # The pieces' object references came as arguments (Ray fetched them before the call
         # started, overlapping the previous shard); small input rows came inside ``blob``.
-        head, body = _unframe(blob)
-        values = ray.cloudpickle.loads(body) if body else []
+        head, body = unframe(blob)
+        values = pickle.loads(body) if body else []
 
         def fetch(indices: list[int]) -> list[Batch]:
-            return [_open(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
+            return [open_stored(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
 
         meta, out = self.runtime.run(decode_call(head), fetch)
         if meta.out_bytes <= SMALL_BYTES:
-            return _frame(encode_message(meta), ray.cloudpickle.dumps(out)), None
-        return _frame(encode_message(meta), b""), out
+            return frame(encode_message(meta), dumps(out)), None
+        return frame(encode_message(meta), b""), out
 
     def load_weights(self, version: int, weights: Any) -> None:
         # Default group: queued behind the running shard, so weights change between shards.
@@ -119,61 +122,6 @@ def _ship_by_value(model: Model) -> None:
             ray.cloudpickle.register_pickle_by_value(module)
 
 
-# Shard data rides inside the calls while it is small. An object in Ray's shared memory
-# costs its reader a trip through the raylet (~2 ms of CPU on 2 cores), and an object Ray
-# pickles itself costs a few times a no-op call on each side; bytes take Ray's fast path.
-# Input batches of up to INLINE_BYTES (``approx_nbytes``) stay in the driver and travel
-# sliced per shard; outputs of up to SMALL_BYTES return inside the call's reply; bigger ones
-# are Batch objects in shared memory, whose numpy buffers are read zero-copy.
-INLINE_BYTES = 1 << 20
-SMALL_BYTES = 64 << 10
-
-
-class _Inline:
-    """A small batch kept by the driver in place of an object-store reference."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch: Batch) -> None:
-        self.batch = batch
-
-
-class _Reply:
-    """A call's reply holding its rows: the object reference (downstream calls take it as an
-    argument, which Ray inlines) and the bytes already in the driver (delivery reads them)."""
-
-    __slots__ = ("ref", "blob")
-
-    def __init__(self, ref: Any, blob: bytes) -> None:
-        self.ref, self.blob = ref, blob
-
-
-def _by_value(ref: Any) -> Any:
-    return ref.batch if isinstance(ref, _Inline) else ref
-
-
-def _frame(head: bytes, body: bytes) -> bytes:
-    """A control message and a pickled payload as one bytes object."""
-    return len(head).to_bytes(4, "little") + head + body
-
-
-def _unframe(blob: bytes) -> tuple[memoryview, memoryview]:
-    n = int.from_bytes(blob[:4], "little")
-    view = memoryview(blob)
-    return view[4 : 4 + n], view[4 + n :]
-
-
-def _local(ref: _Inline | _Reply) -> Batch:
-    return ref.batch if isinstance(ref, _Inline) else _open(ref.blob)
-
-
-def _open(stored: Any) -> Batch:
-    """A shard's output as stored: a reply with the rows inside, or a Batch object."""
-    if isinstance(stored, bytes):
-        return ray.cloudpickle.loads(_unframe(stored)[1])
-    return stored
-
-
 # Pipelines of this process that use a cluster flowrl started; the last one to close stops it.
 _owned = {"started": False, "users": 0}
 
@@ -181,26 +129,6 @@ _owned = {"started": False, "users": 0}
 def live_actor_names() -> list[str]:
     """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
-
-
-def _call_args(call: ShardCall) -> tuple[list[Any], list[Batch], list[Piece]]:
-    """The call's object references (each once), the rows of inline batches it reads, and its
-    pieces naming them: index i >= 0 is reference i, -1 - j is inline rows j."""
-    refs: list[Any] = []
-    values: list[Batch] = []
-    index: dict[Any, int] = {}
-    pieces = []
-    for p in call.pieces:
-        if isinstance(p.ref, _Inline):
-            values.append(p.ref.batch.select(p.rows))
-            pieces.append(Piece(producer=p.producer, ref=-len(values), rows=list(range(len(p.rows)))))
-            continue
-        ref = p.ref.ref if isinstance(p.ref, _Reply) else p.ref
-        if ref not in index:
-            index[ref] = len(refs)
-            refs.append(ref)
-        pieces.append(msgspec.structs.replace(p, ref=index[ref]))
-    return refs, values, pieces
 
 
 async def _setup(spec: ReplicaSpec, actor: Any, *args: Any) -> ReplicaHandle:
@@ -332,7 +260,7 @@ class RayBackend:
         self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
     ) -> dict[str, Any]:
         try:  # the shard reference is resolved by Ray inside the rank's process
-            return await rank.ref.train.remote(_by_value(shard), step_size, micro_batch, iteration)
+            return await rank.ref.train.remote(by_value(shard), step_size, micro_batch, iteration)
         except (RayTaskError, RayActorError) as err:
             raise _translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
 
@@ -351,13 +279,13 @@ class RayBackend:
 
     def put(self, batch: Batch) -> Any:
         if approx_nbytes(batch) <= INLINE_BYTES:
-            return _Inline(batch)
+            return Inline(batch)
         return ray.put(batch)
 
     async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
-        refs, values, pieces = _call_args(call)
-        blob = _frame(encode_message(msgspec.structs.replace(call, pieces=pieces)),
-                      ray.cloudpickle.dumps(values) if values else b"")
+        refs, values, pieces = call_args(call)
+        blob = frame(encode_message(msgspec.structs.replace(call, pieces=pieces)),
+                      dumps(values) if values else b"")
         head_ref, big_ref = replica.ref.run.remote(blob, *refs)
         try:
             reply = await head_ref
@@ -365,13 +293,13 @@ class RayBackend:
             with contextlib.suppress(Exception):  # consume the twin error, or Ray logs it as unhandled
                 await big_ref
             raise _translate(err, call.stage, replica.replica_id, call.ids) from err
-        head, rows = _unframe(reply)
-        return decode_meta(head), _Reply(head_ref, reply) if len(rows) else big_ref
+        head, rows = unframe(reply)
+        return decode_meta(head), Reply(head_ref, reply) if len(rows) else big_ref
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
-        stored = [r for r in refs if not isinstance(r, (_Inline, _Reply))]
+        stored = [r for r in refs if not isinstance(r, (Inline, Reply))]
         fetched = dict(zip(stored, await asyncio.gather(*stored)))
-        return [_local(r) if isinstance(r, (_Inline, _Reply)) else _open(fetched[r]) for r in refs]
+        return [local(r) if isinstance(r, (Inline, Reply)) else open_stored(fetched[r]) for r in refs]
 
     async def close(self) -> None:
         actors, self._actors = self._actors, []

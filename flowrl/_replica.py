@@ -35,16 +35,15 @@ def gather(call: ShardCall, fetch: Fetch) -> Batch:
     by_producer: dict[str, list[Batch]] = {}
     for piece in call.pieces:
         by_producer.setdefault(piece.producer, []).append(objects[index[piece.ref]].select(piece.rows))
-    ids = np.asarray(call.ids, dtype=np.int64)
-    merged = Batch(ids)
+    merged: Batch | None = None
     for producer, parts in by_producer.items():
-        part = Batch.concat(parts)
-        if not np.array_equal(part.ids, ids):
+        part = parts[0] if len(parts) == 1 else Batch.concat(parts)
+        if part.ids.tolist() != call.ids:
             raise FlowError(
                 f"internal: rows gathered from {producer!r} are samples {part.ids.tolist()}, expected {call.ids}"
             )
-        merged = merged.merge(part)
-    return merged
+        merged = part if merged is None else merged.merge(part)
+    return merged if merged is not None else Batch(call.ids)
 
 
 def new_fields(out: Any, batch: Batch, input_fields: set[str], call: ShardCall, replica: int, writes: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import anyio
@@ -250,7 +251,7 @@ def _two_stage_flow():
 
 
 async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_it_returns(ray_cluster, monkeypatch):
-    from flowrl._ray_backend import INLINE_BYTES, SMALL_BYTES
+    from flowrl._ray_wire import INLINE_BYTES, SMALL_BYTES
 
     put, fetched, pieces = _spy_backend(monkeypatch)
     width = max(SMALL_BYTES, INLINE_BYTES // 9) // 8 + 1  # x and big are over what rides inline
@@ -266,7 +267,7 @@ async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_wh
 
 
 async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch):
-    from flowrl._ray_backend import _Inline, _Reply
+    from flowrl._ray_wire import Inline as _Inline, Reply as _Reply
 
     put, fetched, pieces = _spy_backend(monkeypatch)
     async with flowrl.open_pipeline(_two_stage_flow()) as pipe:
@@ -295,3 +296,30 @@ async def test_setup_failure_names_the_model_and_replica(ray_cluster):
         async with flowrl.open_pipeline(lambda x: broken.forward_step(x)):
             pass
     assert flowrl_actor_names() == []
+
+
+class _LocalRow:
+    """A value class defined in a test module: replicas import it only because its module
+    travels by value, so the fast pickler must leave it to cloudpickle."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_wire_dumps_falls_back_to_cloudpickle_for_by_value_and_local_objects() -> None:
+    import pickle
+
+    import ray.cloudpickle
+
+    from flowrl._ray_wire import dumps
+
+    assert dumps([1, "a"]) == pickle.dumps([1, "a"], protocol=5)  # the C pickler where safe
+    local = lambda x: x + 1  # noqa: E731  (the C pickler refuses it)
+    assert pickle.loads(dumps(local))(1) == 2
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        data = dumps(_LocalRow(3))
+        assert __name__.encode() in pickle.dumps(_LocalRow(3)) and data != pickle.dumps(_LocalRow(3))
+        assert pickle.loads(data).n == 3
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
