@@ -31,7 +31,7 @@ from ._config import CallMeta, PipelineConfig, ShardCall, decode_call, decode_me
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
 from ._model import Model
-from ._ray_wire import INLINE_BYTES, SMALL_BYTES, Inline, Reply, by_value, call_args, dumps, frame, local, open_stored, unframe
+from ._ray_wire import INLINE_BYTES, SMALL_BYTES, Inline, Replies, Reply, by_value, call_args, dumps, frame, local, open_stored, unframe
 from ._replica import ReplicaRuntime, TrainerRuntime
 
 
@@ -148,6 +148,7 @@ class RayBackend:
         self._groups: dict[str, Any] = {}
         self._names: dict[str, int] = {}
         self._tag = uuid.uuid4().hex[:8]
+        self._replies = Replies()
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
         if self._connected:
@@ -288,7 +289,7 @@ class RayBackend:
                       dumps(values) if values else b"")
         head_ref, big_ref = replica.ref.run.remote(blob, *refs)
         try:
-            reply = await head_ref
+            reply = await self._replies.wait(head_ref)
         except (RayTaskError, RayActorError) as err:
             with contextlib.suppress(Exception):  # consume the twin error, or Ray logs it as unhandled
                 await big_ref
@@ -302,6 +303,7 @@ class RayBackend:
         return [local(r) if isinstance(r, (Inline, Reply)) else open_stored(fetched[r]) for r in refs]
 
     async def close(self) -> None:
+        await anyio.to_thread.run_sync(self._replies.close)
         actors, self._actors = self._actors, []
         for actor in actors:
             ray.kill(actor, no_restart=True)

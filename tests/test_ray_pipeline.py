@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import traceback
 
 import anyio
@@ -297,29 +296,3 @@ async def test_setup_failure_names_the_model_and_replica(ray_cluster):
             pass
     assert flowrl_actor_names() == []
 
-
-class _LocalRow:
-    """A value class defined in a test module: replicas import it only because its module
-    travels by value, so the fast pickler must leave it to cloudpickle."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-
-def test_wire_dumps_falls_back_to_cloudpickle_for_by_value_and_local_objects() -> None:
-    import pickle
-
-    import ray.cloudpickle
-
-    from flowrl._ray_wire import dumps
-
-    assert dumps([1, "a"]) == pickle.dumps([1, "a"], protocol=5)  # the C pickler where safe
-    local = lambda x: x + 1  # noqa: E731  (the C pickler refuses it)
-    assert pickle.loads(dumps(local))(1) == 2
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        data = dumps(_LocalRow(3))
-        assert __name__.encode() in pickle.dumps(_LocalRow(3)) and data != pickle.dumps(_LocalRow(3))
-        assert pickle.loads(data).n == 3
-    finally:
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
