@@ -295,4 +295,3 @@ async def test_setup_failure_names_the_model_and_replica(ray_cluster):
         async with flowrl.open_pipeline(lambda x: broken.forward_step(x)):
             pass
     assert flowrl_actor_names() == []
-
