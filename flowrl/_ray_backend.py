@@ -1,5 +1,5 @@
-"""The Ray backend (layer 4): one Ray actor per replica. With ``_ray_wire`` (how shard data
-travels), the only module that imports ray.
+"""The Ray backend (layer 4): one Ray actor per replica. It and ``_ray_wire`` (how shard data
+and replies travel) are the only modules that import ray.
 
 A replica actor runs one call at a time (a second shard sent ahead waits inside the actor,
 and weights load between shards). It has no extra concurrency group: one costs every call
