@@ -50,7 +50,13 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Stages in flow order (each reads ``input`` or earlier stages), samples, seed, and the
-    runtime's overhead per call (0 for the zero-overhead yardstick).
+    runtime's cost per call (0 for the zero-overhead yardstick).
+
+    ``overhead_s``: a call's latency beyond its step (every call pays it, in parallel).
+    ``dispatch_s``: the runtime's capacity: each call holds one shared dispatcher (the
+    driver, or a small machine's CPUs) that long before it is sent, so no more than
+    ``1 / dispatch_s`` calls a second go out however many replicas wait. With many replicas
+    and short calls this, not the replicas, sets the makespan.
 
     ``cost_hint_sigma``: when set, every sample carries an estimate of its cost (as with
     ``PipelineConfig.cost_field``): the first stage's tail times a log-normal error of that
@@ -61,6 +67,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     samples: int
     seed: int = 0
     overhead_s: float = 0.0
+    dispatch_s: float = 0.0
     cost_hint_sigma: float | None = None
 
     def __post_init__(self) -> None:
@@ -74,6 +81,9 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if bad:
                 raise ConfigError(f"stage {st.name!r}: {', '.join(bad)} must be > 0, got {bad}")
             seen.add(st.name)
+        negative = {k: v for k, v in (("overhead_s", self.overhead_s), ("dispatch_s", self.dispatch_s)) if v < 0}
+        if negative:
+            raise ConfigError(f"Workload: {', '.join(negative)} must be >= 0, got {negative}")
         if self.cost_hint_sigma is not None and self.cost_hint_sigma < 0:
             raise ConfigError(f"Workload.cost_hint_sigma must be >= 0 (or None: no estimates), got {self.cost_hint_sigma}")
 
@@ -168,6 +178,7 @@ class _Sim:
         self.events: list[tuple[float, int, str, Assignment, float]] = []  # (end, seq, stage, shard, duration)
         self.seq = itertools.count()
         self.now = 0.0
+        self.dispatcher_free = 0.0  # when the shared dispatcher can send the next call
 
     def run(self) -> None:
         ids = list(range(self.w.samples))
@@ -194,7 +205,10 @@ class _Sim:
     def _start(self, st: SimStage, a: Assignment) -> None:
         c, n = st.cost, len(a.ids)
         duration = c.call_s + n * c.per_sample_s + float(self.tail[st.name][a.ids].max())
-        begin = max(self.now, self.free_at[st.name][a.replica]) + self.w.overhead_s  # one call at a time
+        sent = self.now
+        if self.w.dispatch_s:
+            sent = self.dispatcher_free = max(sent, self.dispatcher_free) + self.w.dispatch_s
+        begin = max(sent, self.free_at[st.name][a.replica]) + self.w.overhead_s  # one call at a time
         end = begin + duration
         self.free_at[st.name][a.replica] = end
         self.busy[st.name][a.replica] += duration

@@ -61,6 +61,17 @@ def test_runtime_overhead_lengthens_the_makespan():
     assert costly.makespan_s > free.makespan_s
 
 
+@pytest.mark.parametrize("dispatch_s", [0.0, 0.001, 0.004])
+def test_the_dispatch_capacity_caps_calls_per_second_however_many_replicas_wait(dispatch_s):
+    stage = SimStage(name="a", replicas=64, batch_size=1, cost=StageCost(call_s=0.002))
+    result = simulate(Workload(samples=500, stages=[stage], dispatch_s=dispatch_s))
+    # 500 one-sample calls of 2 ms: free dispatch runs them in ceil(500 / 64) = 8 waves; with a
+    # dispatcher, call k goes out at k * dispatch_s and the replicas are never what waits
+    expected = 500 * dispatch_s + 0.002 if dispatch_s else 8 * 0.002
+    assert result.makespan_s == pytest.approx(expected)
+    assert result.calls == {"a": 500}
+
+
 def test_a_thousand_replicas_and_a_hundred_thousand_samples_simulate():
     stages = [
         SimStage(name="policy", replicas=1024, batch_size=8, cost=StageCost(call_s=0.05, tail_median_s=0.1, tail_sigma=1.0)),
@@ -90,6 +101,8 @@ def test_exact_cost_estimates_meet_the_bound_and_rough_ones_close_most_of_the_ga
 def test_bad_workloads_are_rejected():
     with pytest.raises(flowrl.ConfigError, match="cost_hint_sigma must be >= 0"):
         one_tailed_stage(0, -1.0)
+    with pytest.raises(flowrl.ConfigError, match="dispatch_s must be >= 0"):
+        Workload(samples=4, dispatch_s=-0.1, stages=[SimStage(name="a", replicas=1, batch_size=1)])
     with pytest.raises(flowrl.ConfigError, match="reads \\['nope'\\]"):
         Workload(samples=4, stages=[SimStage(name="a", inputs=["nope"], replicas=1, batch_size=1)])
 
