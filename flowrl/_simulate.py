@@ -175,7 +175,8 @@ class _Sim:
         self.free_at = {st.name: [0.0] * st.replicas for st in w.stages}
         self.busy = {st.name: [0.0] * st.replicas for st in w.stages}
         self.sizes = {st.name: Counter() for st in w.stages}
-        self.events: list[tuple[float, int, str, Assignment, float]] = []  # (end, seq, stage, shard, duration)
+        # (end, seq, stage, shard, duration, overhead seen)
+        self.events: list[tuple[float, int, str, Assignment, float, float | None]] = []
         self.seq = itertools.count()
         self.now = 0.0
         self.dispatcher_free = 0.0  # when the shared dispatcher can send the next call
@@ -191,8 +192,8 @@ class _Sim:
                     self.pools[st.name].request(r)
         self._dispatch(self.w.stages)
         while self.events:
-            self.now, _, name, a, duration = heapq.heappop(self.events)
-            self._finish(name, a, duration)
+            self.now, _, name, a, duration, overhead = heapq.heappop(self.events)
+            self._finish(name, a, duration, overhead)
 
     def _costs(self, ids: list[int]) -> list[float] | None:
         return None if self.hints is None else self.hints[ids].tolist()
@@ -208,18 +209,21 @@ class _Sim:
         sent = self.now
         if self.w.dispatch_s:
             sent = self.dispatcher_free = max(sent, self.dispatcher_free) + self.w.dispatch_s
+        queued = self.free_at[st.name][a.replica] > sent  # behind another shard of its replica
         begin = max(sent, self.free_at[st.name][a.replica]) + self.w.overhead_s  # one call at a time
         end = begin + duration
         self.free_at[st.name][a.replica] = end
         self.busy[st.name][a.replica] += duration
         self.sizes[st.name][n] += 1
-        heapq.heappush(self.events, (end, next(self.seq), st.name, a, duration))
+        # what the runtime would measure as the call's overhead (unknown when it queued)
+        overhead = None if queued else begin - self.now
+        heapq.heappush(self.events, (end, next(self.seq), st.name, a, duration, overhead))
 
-    def _finish(self, name: str, a: Assignment, duration: float) -> None:
+    def _finish(self, name: str, a: Assignment, duration: float, overhead: float | None) -> None:
         pool = self.pools[name]
         pool.finish(a)
         floor = self.floors[name]  # the runtime measures each call as it completes
-        floor.observe(len(a.ids), duration, self.w.overhead_s)
+        floor.observe(len(a.ids), duration, overhead)
         pool.set_floor(name, floor.floor())
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
