@@ -299,7 +299,7 @@ class RayBackend:
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         stored = [r for r in refs if not isinstance(r, (Inline, Reply))]
-        fetched = dict(zip(stored, await asyncio.gather(*stored)))
+        fetched = dict(zip(stored, await asyncio.gather(*stored))) if stored else {}
         return [local(r) if isinstance(r, (Inline, Reply)) else open_stored(fetched[r]) for r in refs]
 
     async def close(self) -> None:
