@@ -204,13 +204,13 @@ def report_tables(rows: list[dict[str, Any]]) -> str:
             sizes = " ".join(f"{k}:{v}" for k, v in sorted(st["shard_sizes"].items()))
             stages.append([r["scenario"], stage, " / ".join(used), f"{100 * st['busy_fraction']:.0f}",
                            f"{100 * (1 - st['busy_fraction']):.0f}", st["calls"], sizes, f"{st['out_bytes'] / 1024:.1f}",
-                           _f(st.get("overhead_ms_per_shard"), 1)])
+                           _f(st["overhead_ms_per_shard"], 1)])
     predicted = _table(
         ["scenario", "flowrl s", "sim+ovh s", "flowrl/sim+ovh", "sim+cap s", "flowrl/sim+cap",
          "call overhead in the run ms", "sim with it s", "flowrl/sim with it"],
         [[r["scenario"], _f(r["flowrl"]["makespan_s"], 3), _f(r["simulated_with_overhead_s"], 3),
-          _f(r["flowrl_over_sim_with_overhead"]), _f(r.get("simulated_with_capacity_s"), 3),
-          _f(r.get("flowrl_over_sim_with_capacity")), _f(r["run_overhead_ms"]),
+          _f(r["flowrl_over_sim_with_overhead"]), _f(r["simulated_with_capacity_s"], 3),
+          _f(r["flowrl_over_sim_with_capacity"]), _f(r["run_overhead_ms"]),
           _f(r["simulated_with_run_overhead_s"], 3), _f(r["flowrl_over_sim_with_run_overhead"])] for r in rows],
     )
     detail = _table(["scenario", "stage", "replicas used (flowrl / push / Ray Data)", "busy %", "starved %",

@@ -24,7 +24,6 @@ from ._graph import SOURCE, FlowGraph
 from ._pool import AsyncPool, Window
 from ._runs import Loc, Run, StreamingMixin
 from ._scheduler import Assignment, PoolScheduler
-from ._splitter import ShardFloor
 from ._stats import PipelineStats, StatsRecorder
 
 
@@ -58,7 +57,6 @@ class AsyncPipeline(StreamingMixin):
         )
         self._window = Window(config.max_inflight)
         self._samples: dict[int, _SampleState] = {}
-        self._floors = {s.name: ShardFloor(graph.models[s.model].config.batch_size) for s in graph.stages.values()}
         self._fields: dict[str, frozenset[str]] = {}
         self._next_id = 0
         self._runs = 0
@@ -172,10 +170,8 @@ class AsyncPipeline(StreamingMixin):
         latency = time.perf_counter() - start
         self._check_output(a, handle, meta)
         self._recorder.record(a.stage, handle.replica_id, meta, latency)
-        floor = self._floors[a.stage]
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
-        floor.observe(meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
-        scheduler.set_floor(a.stage, floor.floor())
+        scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
         self._complete(a.stage, a.ids, out_ref)
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:

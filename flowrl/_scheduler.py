@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
+from ._splitter import ShardFloor, shard_size
 from ._splitter import policy as check_policy
-from ._splitter import shard_size
 
 
 @dataclass
@@ -32,8 +32,12 @@ class _StageQueue:
     dispatched: int = 0
     finished: int = 0
     holders: int = 0  # replicas running samples of this stage
-    floor: int = 1  # the smallest shard worth a call (see ShardFloor)
+    floor: int = 1  # the smallest shard worth a call, from ``measure``
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
+    fit: ShardFloor = field(init=False)  # the floor, refitted from measured calls
+
+    def __post_init__(self) -> None:
+        self.fit = ShardFloor(self.batch_size)
 
     @property
     def remaining(self) -> int:
@@ -77,9 +81,12 @@ class PoolScheduler:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
         self._stages[stage].expected += count
 
-    def set_floor(self, stage: str, floor: int) -> None:
-        """Cut no shard of ``stage`` below ``floor`` samples while that many are pending."""
-        self._stages[stage].floor = max(1, floor)
+    def measure(self, stage: str, rows: int, busy_s: float, overhead_s: float | None) -> None:
+        """A finished call of ``stage``: its step time and its overhead (None when unknown),
+        from which the smallest shard worth a call is refitted (``ShardFloor``)."""
+        q = self._stages[stage]
+        q.fit.observe(rows, busy_s, overhead_s)
+        q.floor = q.fit.floor()
 
     def ready(self, stage: str, ids: list[int], costs: Sequence[float] | None = None) -> None:
         """Samples ``ids`` can run on ``stage``; ``costs``: an estimate of each one's cost."""

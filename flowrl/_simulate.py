@@ -20,7 +20,6 @@ import numpy as np
 
 from ._errors import ConfigError
 from ._scheduler import Assignment, PoolScheduler
-from ._splitter import ShardFloor
 
 INPUT = "input"
 
@@ -169,7 +168,6 @@ class _Sim:
             pool.expect(st.name, w.samples)
             self.pools[st.name] = pool
         self.stage = {st.name: st for st in w.stages}
-        self.floors = {st.name: ShardFloor(st.batch_size) for st in w.stages}
         self.consumers = {name: [st for st in w.stages if name in st.inputs] for name in [INPUT, *self.stage]}
         self.done = {name: np.zeros(w.samples, dtype=bool) for name in self.stage}
         self.free_at = {st.name: [0.0] * st.replicas for st in w.stages}
@@ -222,9 +220,7 @@ class _Sim:
     def _finish(self, name: str, a: Assignment, duration: float, overhead: float | None) -> None:
         pool = self.pools[name]
         pool.finish(a)
-        floor = self.floors[name]  # the runtime measures each call as it completes
-        floor.observe(len(a.ids), duration, overhead)
-        pool.set_floor(name, floor.floor())
+        pool.measure(name, len(a.ids), duration, overhead)  # as the runtime does with each call
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
         for st in self.consumers[name]:

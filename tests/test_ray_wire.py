@@ -66,6 +66,7 @@ async def test_replies_arrive_while_older_calls_run_errors_pass_through_and_clos
 
     ray = ray_cluster
     gate, echo, boom = _gate_and_echo(ray)
+    closed_gate = _gate_and_echo(ray)[0]  # never opened
     replies = Replies()
     try:
         slow = replies.wait(gate.wait.remote())
@@ -82,14 +83,13 @@ async def test_replies_arrive_while_older_calls_run_errors_pass_through_and_clos
         # a reply collected later comes with every reply that was ready before it
         await asyncio.wait_for(replies.wait(echo.remote(0)), 30)
         assert not replies._waiting
-        closed_gate = _gate_and_echo(ray)[0]
         stranded = replies.wait(closed_gate.wait.remote())  # never answered before close
         replies.close()
-        ray.kill(closed_gate)
         with pytest.raises(PipelineClosedError):
             await asyncio.wait_for(stranded, 30)
         assert await asyncio.wait_for(replies.wait(echo.remote(5)), 30) == 5  # usable again
     finally:
         replies.close()
         ray.kill(gate)
+        ray.kill(closed_gate)
     assert replies._thread is None

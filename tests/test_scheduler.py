@@ -298,3 +298,13 @@ def test_without_costs_samples_leave_oldest_first():
     s.request(0)
     (a,) = s.poll()
     assert a.ids == [0, 1]
+
+
+@pytest.mark.parametrize("overhead_s, expected", [(0.001, [1] * 6), (0.030, [3, 3])])
+def test_measured_calls_set_the_smallest_shard_worth_a_call(overhead_s, expected):
+    s = make(replicas=6, policy="guided", batch=4, expected=6)
+    s.measure(STAGE, 1, 0.010, overhead_s)  # 10 ms a sample against 1 ms or 30 ms outside the step
+    s.ready(STAGE, list(range(6)))
+    for r in range(6):
+        s.request(r)
+    assert sorted(len(a.ids) for a in s.poll()) == expected  # spread over six, or 3 at a time
