@@ -16,6 +16,7 @@ import pickle
 import socket
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -27,11 +28,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ._batch import Batch, approx_nbytes
-from ._config import CallMeta, PipelineConfig, ShardCall, decode_call, decode_meta, encode_message
+from ._config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
 from ._model import Model
-from ._ray_wire import INLINE_BYTES, SMALL_BYTES, Inline, Replies, Reply, by_value, call_args, dumps, frame, local, open_stored, unframe
+from ._ray_channel import ERR, OK, ChannelLost, ChannelServer, DriverEnd, ReplicaEnd
+from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, by_value, call_args, dumps, error_blob, frame, local,
+                        open_stored, raise_remote, run_call, unframe)
 from ._replica import ReplicaRuntime, TrainerRuntime
 
 
@@ -39,29 +42,41 @@ from ._replica import ReplicaRuntime, TrainerRuntime
 class _ReplicaActor:
     def __init__(self, model: Model, replica_id: int) -> None:
         self.runtime = ReplicaRuntime(model, replica_id)
+        # User code runs on this one thread whichever way a shard comes (a Ray call or the
+        # channel): one shard at a time, weights loaded between shards, and thread-local state
+        # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-replica")
+        self.held: dict[int, Batch] = {}  # channel calls' outputs too big for the socket
+        self.channel: ReplicaEnd | None = None
 
     def setup(self) -> str:
         gpu_ids = [int(g) for g in ray.get_gpu_ids()]
-        return self.runtime.setup(gpu_ids, ray.get_runtime_context().get_node_id())
+        node = ray.get_runtime_context().get_node_id()
+        return self.worker.submit(self.runtime.setup, gpu_ids, node).result()
 
     @ray.method(num_returns=2)
     def run(self, blob: bytes, *stored: Any) -> tuple[bytes, Batch | None]:
         # The pieces' object references came as arguments (Ray fetched them before the call
         # started, overlapping the previous shard); small input rows came inside ``blob``.
-        head, body = unframe(blob)
-        values = pickle.loads(body) if body else []
+        return self.worker.submit(run_call, self.runtime, blob, stored).result()
 
-        def fetch(indices: list[int]) -> list[Batch]:
-            return [open_stored(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
+    def open_channel(self, path: str, token: str) -> None:
+        self.channel = ReplicaEnd(path, token, self.worker, self._answer)
 
-        meta, out = self.runtime.run(decode_call(head), fetch)
-        if meta.out_bytes <= SMALL_BYTES:
-            return frame(encode_message(meta), dumps(out)), None
-        return frame(encode_message(meta), b""), out
+    def _answer(self, seq: int, blob: bytes) -> bytes:
+        try:
+            reply, out = run_call(self.runtime, blob, ())
+        except Exception as err:
+            return ERR + error_blob(err)
+        if out is not None:  # the driver takes it as a Ray return value, into shared memory
+            self.held[seq] = out
+        return OK + reply
+
+    def take(self, seq: int) -> Batch:
+        return self.held.pop(seq)
 
     def load_weights(self, version: int, weights: Any) -> None:
-        # Default group: queued behind the running shard, so weights change between shards.
-        self.runtime.load_weights(version, weights)
+        self.worker.submit(self.runtime.load_weights, version, weights).result()
 
     def ping(self) -> bool:
         return True
@@ -149,6 +164,8 @@ class RayBackend:
         self._names: dict[str, int] = {}
         self._tag = uuid.uuid4().hex[:8]
         self._replies = Replies()
+        self._server: ChannelServer | None = None
+        self._channels: dict[Any, DriverEnd] = {}  # by actor handle
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
         if self._connected:
@@ -211,7 +228,25 @@ class RayBackend:
                 f"replicas {late} did not start within PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s "
                 "(the cluster may lack a resource they ask for, or setup() hangs)"
             )
-        return [f.result() for f in waits]
+        handles = [f.result() for f in waits]
+        await self._open_channels(handles)
+        return handles
+
+    async def _open_channels(self, handles: list[ReplicaHandle]) -> None:
+        here = ray.get_runtime_context().get_node_id()
+        near = [h for h in handles if h.node_id == here] if self.config.local_channels else []
+        if not near:
+            return
+        if self._server is None:
+            self._server = ChannelServer()
+            await self._server.start()
+        tokens = [uuid.uuid4().hex for _ in near]
+        ends = [self._server.expect(t) for t in tokens]
+        with anyio.fail_after(self.config.setup_timeout_s):
+            # A replica connects before its call returns; its end is ready once the loop accepts.
+            await asyncio.gather(*(h.ref.open_channel.remote(self._server.path, t) for h, t in zip(near, tokens)))
+            for h, end in zip(near, ends):
+                self._channels[h.ref] = await end
 
     def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
         _ship_by_value(spec.model)
@@ -287,6 +322,9 @@ class RayBackend:
         refs, values, pieces = call_args(call)
         blob = frame(encode_message(msgspec.structs.replace(call, pieces=pieces)),
                       dumps(values) if values else b"")
+        end = self._channels.get(replica.ref)
+        if not refs and end is not None and end.usable():  # every row it reads is in the driver
+            return await self._call_over(end, replica, call, blob)
         head_ref, big_ref = replica.ref.run.remote(blob, *refs)
         try:
             reply = await self._replies.wait(head_ref)
@@ -297,6 +335,17 @@ class RayBackend:
         head, rows = unframe(reply)
         return decode_meta(head), Reply(head_ref, reply) if len(rows) else big_ref
 
+    async def _call_over(self, end: DriverEnd, replica: ReplicaHandle, call: ShardCall, blob: bytes) -> tuple[CallMeta, Any]:
+        seq, future = end.send(blob)
+        try:
+            data = memoryview(await future)
+        except ChannelLost as err:
+            raise ReplicaDiedError(f"the replica's process died: {err}", call.stage, replica.replica_id, call.ids) from err
+        if data[:1] == ERR:
+            raise_remote(data[1:], call.stage, replica.replica_id, call.ids)
+        head, rows = unframe(data[1:])
+        return decode_meta(head), Inline(pickle.loads(rows)) if len(rows) else replica.ref.take.remote(seq)
+
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         stored = [r for r in refs if not isinstance(r, (Inline, Reply))]
         fetched = dict(zip(stored, await asyncio.gather(*stored))) if stored else {}
@@ -304,6 +353,12 @@ class RayBackend:
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self._replies.close)
+        for end in self._channels.values():
+            end.close()
+        self._channels.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         actors, self._actors = self._actors, []
         for actor in actors:
             ray.kill(actor, no_restart=True)

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import pickle
 import threading
-from typing import Any
+import traceback
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import ray
@@ -23,8 +24,12 @@ import ray.cloudpickle
 from ray.cloudpickle import cloudpickle as _cloudpickle
 
 from ._batch import Batch
-from ._config import Piece, ShardCall
-from ._errors import PipelineClosedError
+from ._config import Piece, ShardCall, decode_call, encode_message
+from ._errors import PipelineClosedError, StageError
+from ._ray_channel import RemoteTraceback
+
+if TYPE_CHECKING:
+    from ._replica import ReplicaRuntime
 
 INLINE_BYTES = 1 << 20
 SMALL_BYTES = 64 << 10
@@ -92,6 +97,42 @@ def open_stored(stored: Any) -> Batch:
     if isinstance(stored, bytes):
         return pickle.loads(unframe(stored)[1])
     return stored
+
+
+def run_call(runtime: ReplicaRuntime, blob: bytes, stored: tuple[Any, ...]) -> tuple[bytes, Batch | None]:
+    """Run a shard framed by the driver (``call_args``) in a replica; ``stored`` are the
+    objects its pieces name by index. Returns the reply (with the rows while they are small)
+    and the output when it is too big to ride in the reply."""
+    head, body = unframe(blob)
+    values = pickle.loads(body) if body else []
+
+    def fetch(indices: list[int]) -> list[Batch]:
+        return [open_stored(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
+
+    meta, out = runtime.run(decode_call(head), fetch)
+    if meta.out_bytes <= SMALL_BYTES:
+        return frame(encode_message(meta), dumps(out)), None
+    return frame(encode_message(meta), b""), out
+
+
+def error_blob(err: BaseException) -> bytes:
+    """A replica's error and its traceback, pickled for the driver (``raise_remote``)."""
+    text = "".join(traceback.format_exception(err))
+    try:
+        return dumps((err, text))
+    except Exception:  # an exception that does not pickle still reaches the driver as text
+        return dumps((RuntimeError(f"{type(err).__name__}: {err}"), text))
+
+
+def raise_remote(blob: memoryview, stage: str, replica: int, ids: list[int]) -> NoReturn:
+    """Raise a replica's error (``error_blob``) as a StageError, its traceback as the cause."""
+    try:
+        err, text = pickle.loads(blob)
+    except Exception as failure:  # its class does not import here
+        err, text = failure, ""
+    if not isinstance(err, StageError):
+        err = StageError(f"{type(err).__name__}: {err}", stage, replica, ids)
+    raise err from RemoteTraceback(text)
 
 
 def call_args(call: ShardCall) -> tuple[list[Any], list[Batch], list[Piece]]:

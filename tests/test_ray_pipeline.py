@@ -31,10 +31,10 @@ def diamond(jitter: int):
     return flow
 
 
-@pytest.mark.parametrize("backend, jitter", [("ray", 1), ("inprocess", 2), ("inprocess", 3)])
+@pytest.mark.parametrize("backend, jitter", [("ray", 1), ("ray-calls", 4), ("inprocess", 2), ("inprocess", 3)])
 async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backend, jitter):
     n = 41
-    config = {"backend": backend, "inprocess_threads": True}
+    config = {"backend": backend.removesuffix("-calls"), "inprocess_threads": True, "local_channels": backend == "ray"}
     async with flowrl.open_pipeline(diamond(jitter), config) as pipe:
         out = await pipe.run(items(n))
         stats = pipe.stats()
@@ -46,7 +46,7 @@ async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backe
     for stage, batch in (("a.forward_step", 3), ("b.forward_step", 5), ("c.forward_step", 4)):
         assert stats[stage].samples == n
         assert 0 < stats[stage].max_shard <= batch
-    if backend == "ray":
+    if backend != "inprocess":
         assert flowrl_actor_names() == []
 
 
@@ -265,17 +265,19 @@ async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_wh
     assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
 
 
-async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch):
+@pytest.mark.parametrize("channels", [True, False])
+async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch, channels):
     from flowrl._ray_wire import Inline as _Inline, Reply as _Reply
 
     put, fetched, pieces = _spy_backend(monkeypatch)
-    async with flowrl.open_pipeline(_two_stage_flow()) as pipe:
+    async with flowrl.open_pipeline(_two_stage_flow(), {"local_channels": channels}) as pipe:
         out = await pipe.run(items(9), fields=["score"])
     assert all(np.allclose(s["score"], s.id / 2) for s in out)
     inputs = [p for p in pieces if p.producer == "input"]
     upstream = [p for p in pieces if p.producer == "first.forward_step"]
     assert inputs and all(isinstance(p.ref, _Inline) for p in inputs)  # never in shared memory
-    assert upstream and all(isinstance(p.ref, _Reply) for p in upstream)  # inside the reply
+    # inside the reply: a Ray call's (object reference and bytes) or the channel's (rows)
+    assert upstream and all(isinstance(p.ref, _Inline if channels else _Reply) for p in upstream)
     assert fetched and all("big" not in keys and "score" in keys for keys in fetched)
 
 

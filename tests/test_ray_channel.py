@@ -1,0 +1,176 @@
+"""The socket channel of replicas on the driver's node: the channel alone (no Ray), then
+through real pipelines on the local Ray cluster, against the Ray-call path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl.testing import Fail, Scale, flowrl_actor_names
+
+CPU = {"cpus_per_replica": 0.25}
+
+
+def _echo(seq: int, body: bytes) -> bytes:
+    return f"{seq}:".encode() + body
+
+
+@contextlib.asynccontextmanager
+async def _pair(answer=_echo):
+    """A channel server, one replica end served by a one-thread worker, and the driver's end."""
+    from flowrl._ray_channel import ChannelServer, ReplicaEnd
+
+    server = ChannelServer()
+    await server.start()
+    worker = ThreadPoolExecutor(max_workers=1)
+    try:
+        pending = server.expect("me")
+        replica = ReplicaEnd(server.path, "me", worker, answer)
+        driver = await asyncio.wait_for(pending, 10)
+        yield replica, driver
+        driver.close()
+    finally:
+        server.close()
+        worker.shutdown(wait=False)
+
+
+def _stuck(release: threading.Event):
+    """An answer that waits for ``release``: its calls stay in flight."""
+
+    def answer(seq: int, body: bytes) -> bytes:
+        release.wait(10)
+        return body
+
+    return answer
+
+
+async def test_replies_match_their_calls_in_order() -> None:
+    async with _pair() as (_, driver):
+        sent = [driver.send(f"call {i}".encode()) for i in range(50)]
+        replies = await asyncio.gather(*(future for _, future in sent))
+        assert [seq for seq, _ in sent] == list(range(50))
+        assert replies == [f"{i}:call {i}".encode() for i in range(50)]
+        assert driver.usable()
+
+
+async def test_a_closed_replica_end_fails_every_waiting_call_and_retires_the_channel() -> None:
+    from flowrl._ray_channel import ChannelLost
+
+    release = threading.Event()
+    async with _pair(_stuck(release)) as (replica, driver):
+        futures = [driver.send(b"x")[1] for _ in range(3)]
+        replica.close()  # as if its process died while holding the shards
+        for future in futures:
+            with pytest.raises(ChannelLost):
+                await asyncio.wait_for(future, 10)
+        assert not driver.usable()
+        release.set()
+
+
+async def test_closing_the_driver_end_fails_calls_in_flight_with_pipeline_closed() -> None:
+    release = threading.Event()
+    async with _pair(_stuck(release)) as (_, driver):
+        _, future = driver.send(b"x")
+    with pytest.raises(flowrl.PipelineClosedError):
+        await future
+    release.set()
+
+
+async def test_a_connection_with_an_unknown_token_is_refused() -> None:
+    from flowrl._ray_channel import ChannelServer
+
+    server = ChannelServer()
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(server.path)
+        writer.write((5).to_bytes(4, "little") + b"nobody")
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed on it
+        writer.close()
+    finally:
+        server.close()
+
+
+# ---- through pipelines on the Ray cluster -------------------------------------------------
+
+
+class Wide(flowrl.Model):
+    """Adds ``wide``: ``width`` copies of each sample's id (more than fits in a reply)."""
+
+    def __init__(self, name: str, config: dict[str, Any], width: int) -> None:
+        super().__init__(name, config)
+        self.width = width
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"wide": np.repeat(batch.ids[:, None].astype(np.float64), self.width, axis=1)}
+
+
+class ThreadState(flowrl.Model):
+    """Reports a thread-local value set in ``setup`` (as torch's grad mode would be)."""
+
+    def setup(self) -> None:
+        self.local = threading.local()
+        self.local.mode = f"set in setup of replica {self.replica_id}"
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"mode": [getattr(self.local, "mode", "unset")] * len(batch)}
+
+
+def _count_channel_calls(monkeypatch) -> list[int]:
+    from flowrl._ray_backend import RayBackend
+
+    count = [0]
+    real = RayBackend._call_over
+
+    async def spy(self, *args):
+        count[0] += 1
+        return await real(self, *args)
+
+    monkeypatch.setattr(RayBackend, "_call_over", spy)
+    return count
+
+
+@pytest.mark.parametrize("channels", [True, False])
+async def test_setup_state_of_the_replica_thread_holds_in_every_step(ray_cluster, monkeypatch, channels):
+    count = _count_channel_calls(monkeypatch)
+    model = ThreadState("t", {"num_replicas": 2, "batch_size": 2, **CPU})
+    async with flowrl.open_pipeline(lambda x: model.forward_step(x), {"local_channels": channels}) as pipe:
+        out = await pipe.run([{"x": [i]} for i in range(12)])
+    assert all(s["mode"].startswith("set in setup of replica") for s in out)
+    assert (count[0] == 6 if channels else count[0] == 0)  # 12 samples in shards of 2
+    assert flowrl_actor_names() == []
+
+
+async def test_outputs_too_big_for_the_socket_are_taken_into_shared_memory(ray_cluster, monkeypatch):
+    from flowrl._ray_wire import SMALL_BYTES
+
+    count = _count_channel_calls(monkeypatch)
+    width = SMALL_BYTES // 8 + 1  # one sample's field is already too big to ride back
+    wide = Wide("wide", {"num_replicas": 2, "batch_size": 2, **CPU}, width)
+    sink = Scale("sink", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["wide"], dst="total", factor=1.0)
+    async with flowrl.open_pipeline(lambda x: sink.forward_step(wide.forward_step(x))) as pipe:
+        out = await pipe.run([{"x": [i]} for i in range(8)])
+    assert [s.id for s in out] == list(range(8))
+    assert all(s["wide"].shape == (width,) and np.all(s["wide"] == s.id) for s in out)
+    assert all(np.allclose(s["total"], s["wide"]) for s in out)
+    assert count[0] == 4  # the wide calls; the sink reads stored objects through Ray calls
+    assert flowrl_actor_names() == []
+
+
+async def test_an_error_over_the_channel_names_the_shard_and_carries_the_replica_traceback(ray_cluster):
+    from flowrl._ray_channel import RemoteTraceback
+
+    bad = Fail("bad", {"num_replicas": 2, "batch_size": 2, **CPU}, bad_id=5)
+    with pytest.raises(flowrl.StageError, match=r"stage 'bad\.forward_step'.*ValueError: bad sample 5") as info:
+        async with flowrl.open_pipeline(lambda x: bad.forward_step(x)) as pipe:
+            await pipe.run([{"x": [i]} for i in range(10)])
+    assert 5 in info.value.sample_ids and info.value.replica in (0, 1)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and "forward_step" in str(cause) and "ValueError" in str(cause)
+    assert flowrl_actor_names() == []
