@@ -16,7 +16,6 @@ import pickle
 import socket
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -32,7 +31,7 @@ from ._config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_me
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
 from ._model import Model
-from ._ray_channel import ERR, OK, ChannelLost, ChannelServer, DriverEnd, ReplicaEnd
+from ._ray_channel import ERR, OK, ChannelLost, ChannelServer, DriverEnd, ReplicaWorker
 from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, by_value, call_args, dumps, error_blob, frame, local,
                         open_stored, raise_remote, run_call, unframe)
 from ._replica import ReplicaRuntime, TrainerRuntime
@@ -45,9 +44,8 @@ class _ReplicaActor:
         # User code runs on this one thread whichever way a shard comes (a Ray call or the
         # channel): one shard at a time, weights loaded between shards, and thread-local state
         # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-replica")
+        self.worker = ReplicaWorker()
         self.held: dict[int, Batch] = {}  # channel calls' outputs too big for the socket
-        self.channel: ReplicaEnd | None = None
 
     def setup(self) -> str:
         gpu_ids = [int(g) for g in ray.get_gpu_ids()]
@@ -61,7 +59,7 @@ class _ReplicaActor:
         return self.worker.submit(run_call, self.runtime, blob, stored).result()
 
     def open_channel(self, path: str, token: str) -> None:
-        self.channel = ReplicaEnd(path, token, self.worker, self._answer)
+        self.worker.connect(path, token, self._answer)
 
     def _answer(self, seq: int, blob: bytes) -> bytes:
         try:

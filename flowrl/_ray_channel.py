@@ -16,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import queue
+import selectors
 import shutil
 import socket
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from ._errors import PipelineClosedError
 
@@ -41,36 +44,92 @@ def _header(size: int) -> bytes:
     return size.to_bytes(4, "little")
 
 
-class ReplicaEnd:
-    """The replica's end: a thread reads frames and hands each to ``worker``, whose one thread
-    runs ``answer(seq, body)`` and writes the reply; ``answer`` must not raise."""
+class ReplicaWorker:
+    """The one thread that runs a replica's user code: the shards of its channel, which this
+    same thread reads (one wake-up a shard, not a reader's and then a worker's), and the jobs
+    that Ray calls submit (setup, weights, shards that read stored objects)."""
 
-    def __init__(self, path: str, token: str, worker: Executor, answer: Callable[[int, bytes], bytes]) -> None:
-        self._sock = socket.socket(socket.AF_UNIX)
-        self._sock.connect(path)
-        self._sock.sendall(_header(len(token)) + token.encode())
-        self._worker, self._answer = worker, answer
-        threading.Thread(target=self._read, name="flowrl-channel", daemon=True).start()
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_in, selectors.EVENT_READ)
+        self._channel: socket.socket | None = None
+        self._answer: Callable[[int, bytes], bytes] = lambda seq, body: b""
+        self._buffer = bytearray()
+        self._seq = 0
+        threading.Thread(target=self._loop, name="flowrl-replica", daemon=True).start()
 
-    def _read(self) -> None:
-        reader = self._sock.makefile("rb")
-        seq = 0
-        with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: the worker shut down
-            while len(head := reader.read(4)) == 4:
-                body = reader.read(int.from_bytes(head, "little"))
-                self._worker.submit(self._reply, seq, body)
-                seq += 1
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn, args))
+        self._wake_out.send(b"\0")
+        return future
 
-    def close(self) -> None:
+    def connect(self, path: str, token: str, answer: Callable[[int, bytes], bytes]) -> None:
+        """Serve the driver's channel at ``path``: ``answer(seq, body)`` (which must not raise)
+        gives each frame's reply, in the order the frames came."""
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        sock.sendall(_header(len(token)) + token.encode())
+        self.submit(self._attach, sock, answer).result()  # the selector belongs to the thread
+
+    def close_channel(self) -> None:
         """Stop serving: the driver's waiting calls fail as if this process had died."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        if self._channel is not None:
+            with contextlib.suppress(OSError):
+                self._channel.shutdown(socket.SHUT_RDWR)
 
-    def _reply(self, seq: int, body: bytes) -> None:
-        data = self._answer(seq, body)
-        with contextlib.suppress(OSError):  # the driver went away: nobody waits for it
-            self._sock.sendall(_header(len(data)) + data)
+    def _attach(self, sock: socket.socket, answer: Callable[[int, bytes], bytes]) -> None:
+        self._channel, self._answer = sock, answer
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                for key, _ in self._selector.select():
+                    if key.fileobj is self._wake_in:
+                        self._run_jobs()
+                    elif not self._serve_frames():
+                        self._selector.unregister(key.fileobj)
+        finally:  # a bug here must not leave the driver waiting: it sees the channel close
+            if self._channel is not None:
+                self._channel.close()
+
+    def _run_jobs(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_in.recv(4096)  # a job is queued before its wake-up byte is sent
+        while True:
+            try:
+                future, fn, args = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # the submitter raises it
+                    future.set_exception(err)
+
+    def _serve_frames(self) -> bool:
+        """Answer every whole frame received; False once the driver's end has closed."""
+        assert self._channel is not None
+        try:
+            chunk = self._channel.recv(1 << 20)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return False
+        buffer = self._buffer
+        buffer += chunk
+        while len(buffer) >= 4 and len(buffer) >= 4 + (size := int.from_bytes(buffer[:4], "little")):
+            body = bytes(buffer[4 : 4 + size])
+            del buffer[: 4 + size]
+            data = self._answer(self._seq, body)
+            self._seq += 1
+            with contextlib.suppress(OSError):  # the driver went away: nobody waits for it
+                self._channel.sendall(_header(len(data)) + data)
+        return True
 
 
 class DriverEnd:

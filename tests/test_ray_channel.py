@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,20 +24,19 @@ def _echo(seq: int, body: bytes) -> bytes:
 @contextlib.asynccontextmanager
 async def _pair(answer=_echo):
     """A channel server, one replica end served by a one-thread worker, and the driver's end."""
-    from flowrl._ray_channel import ChannelServer, ReplicaEnd
+    from flowrl._ray_channel import ChannelServer, ReplicaWorker
 
     server = ChannelServer()
     await server.start()
-    worker = ThreadPoolExecutor(max_workers=1)
     try:
         pending = server.expect("me")
-        replica = ReplicaEnd(server.path, "me", worker, answer)
+        replica = ReplicaWorker()
+        await asyncio.to_thread(replica.connect, server.path, "me", answer)
         driver = await asyncio.wait_for(pending, 10)
         yield replica, driver
         driver.close()
     finally:
         server.close()
-        worker.shutdown(wait=False)
 
 
 def _stuck(release: threading.Event):
@@ -66,7 +64,7 @@ async def test_a_closed_replica_end_fails_every_waiting_call_and_retires_the_cha
     release = threading.Event()
     async with _pair(_stuck(release)) as (replica, driver):
         futures = [driver.send(b"x")[1] for _ in range(3)]
-        replica.close()  # as if its process died while holding the shards
+        replica.close_channel()  # as if its process died while holding the shards
         for future in futures:
             with pytest.raises(ChannelLost):
                 await asyncio.wait_for(future, 10)
