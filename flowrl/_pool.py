@@ -40,6 +40,7 @@ class AsyncPool:
 
     def finish(self, assignment: Assignment) -> None:
         self.scheduler.finish(assignment)
+        self.pump()  # a slot of that replica may wait for it to finish (see ``queue_ahead``)
 
     def pump(self) -> None:
         for assignment in self.scheduler.poll():

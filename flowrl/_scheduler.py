@@ -130,6 +130,8 @@ class PoolScheduler:
             replica = self._pop_waiting()
             if replica is None:
                 break
+            if self.in_flight[replica] and not stage.fit.queue_ahead(stage.remaining, self.replicas):
+                break  # every replica still waiting has work; each asks again when a shard ends
             self._waiting[replica] -= 1
             out.append(Assignment(replica, stage.name, self._cut(stage, replica)))
             self.in_flight[replica] += 1

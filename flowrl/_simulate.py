@@ -44,7 +44,7 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     inputs: list[str] = msgspec.field(default_factory=lambda: [INPUT])
     cost: StageCost = msgspec.field(default_factory=StageCost)
     splitter: str = "guided"
-    prefetch: int = 1
+    prefetch: int = 2  # as ModelConfig's
 
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -208,7 +208,9 @@ class _Sim:
         if self.w.dispatch_s:
             sent = self.dispatcher_free = max(sent, self.dispatcher_free) + self.w.dispatch_s
         queued = self.free_at[st.name][a.replica] > sent  # behind another shard of its replica
-        begin = max(sent, self.free_at[st.name][a.replica]) + self.w.overhead_s  # one call at a time
+        # One call at a time; the overhead is the trip to the replica, which a shard queued
+        # behind another makes while that one runs.
+        begin = max(sent + self.w.overhead_s, self.free_at[st.name][a.replica])
         end = begin + duration
         self.free_at[st.name][a.replica] = end
         self.busy[st.name][a.replica] += duration

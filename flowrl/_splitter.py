@@ -121,6 +121,18 @@ class ShardFloor:
                 return slope
         return m["y"] / m["n"]
 
+    def queue_ahead(self, remaining: int, replicas: int) -> bool:
+        """Whether a replica should get its next shard before its current one ends (prefetch).
+
+        Queued, a shard saves the replica the call's overhead of idling between calls; but
+        one queued behind a long call (a heavy tail as the episode drains) can wait far longer,
+        while another replica idles. So: only while the overhead saved over the calls each
+        replica has left (``remaining`` samples of the stage) exceeds one call's step time,
+        which stops well before the drain; and not before a call's overhead is known.
+        """
+        m = self._avg
+        return "o" in m and m["o"] * remaining / (replicas * m["n"]) >= m["y"]
+
     def floor(self) -> int:
         per_sample = self.per_sample_s()
         if per_sample is None or "o" not in self._avg:

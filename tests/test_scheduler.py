@@ -13,12 +13,16 @@ from flowrl._scheduler import Assignment, PoolScheduler
 STAGE = "m.forward_step"
 
 
-def make(replicas=2, policy="greedy", prefetch=1, batch=1, expected=0, stages=(STAGE,)):
+def make(replicas=2, policy="greedy", prefetch=1, batch=1, expected=0, stages=(STAGE,), eager=False):
+    """A scheduler; ``eager``: calls measured with an overhead as long as their step, so
+    prefetch slots queue shards ahead (and the smallest shard worth a call stays 1)."""
     s = PoolScheduler(replicas=replicas, policy=policy, prefetch=prefetch)
     for name in stages:
         s.add_stage(name, batch)
         if expected:
             s.expect(name, expected)
+        if eager:
+            s.measure(name, 1, 0.001, 0.001)
     return s
 
 
@@ -47,7 +51,7 @@ def test_no_assignment_without_pending_samples():
 
 
 def test_replicas_with_fewer_shards_in_flight_first():
-    s = make(replicas=3, prefetch=2, expected=4)
+    s = make(replicas=3, prefetch=2, expected=4, eager=True)
     for r in (0, 0, 1, 2):  # replica 0 asks twice before the others ask once
         s.request(r)
     s.ready(STAGE, [0, 1, 2])
@@ -109,7 +113,7 @@ def test_work_rotates_over_the_whole_pool(replicas):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_seed_issue_first_assignments_reach_every_replica(policy, interleaved):
     replicas, prefetch = 8, 2
-    s = make(replicas=replicas, policy=policy, prefetch=prefetch, batch=2, expected=16)
+    s = make(replicas=replicas, policy=policy, prefetch=prefetch, batch=2, expected=16, eager=True)
     order = [r for r in range(replicas) for _ in range(prefetch)] if interleaved else list(range(replicas)) * prefetch
     for r in order:
         s.request(r)
@@ -129,7 +133,7 @@ def test_seed_issue_first_assignments_reach_every_replica(policy, interleaved):
     ],
 )
 def test_seed_issue_every_replica_gets_two_samples(policy):
-    s = make(replicas=8, policy=policy, prefetch=2, batch=2, expected=16)
+    s = make(replicas=8, policy=policy, prefetch=2, batch=2, expected=16, eager=True)
     for r in list(range(8)) * 2:
         s.request(r)
     s.ready(STAGE, list(range(16)))
@@ -158,7 +162,7 @@ def test_each_sample_assigned_once_per_stage_across_stages():
 
 
 def test_deepest_stage_is_served_first():
-    s = make(replicas=1, prefetch=3, batch=5, expected=5, stages=("first", "middle", "last"))
+    s = make(replicas=1, prefetch=3, batch=5, expected=5, stages=("first", "middle", "last"), eager=True)
     s.ready("first", [0, 1])
     s.ready("middle", [2])
     s.ready("last", [3])
@@ -225,7 +229,9 @@ def test_withdrawn_slots_get_nothing():
 def simulate(replicas: int, batch: int, samples: int, policy: str, seed: str) -> None:
     rng = random.Random(seed)
     prefetch = rng.choice([1, 2, 3])
-    s = make(replicas=replicas, policy=policy, prefetch=prefetch, batch=batch, expected=samples, stages=("a", "b"))
+    eager = rng.random() < 0.5  # prefetch slots queue ahead, or wait until their replica is idle
+    s = make(replicas=replicas, policy=policy, prefetch=prefetch, batch=batch, expected=samples, stages=("a", "b"),
+             eager=eager)
     arriving = list(range(samples))
     rng.shuffle(arriving)
     waiting = [0] * replicas
@@ -263,8 +269,9 @@ def simulate(replicas: int, batch: int, samples: int, policy: str, seed: str) ->
             waiting[a.replica] -= 1
             running[a.replica].append(a)
             seen.update((a.stage, i) for i in a.ids)
-        # whenever a slot waits after poll(), nothing was left pending for it
-        assert sum(waiting) == 0 or s.pending == 0
+        # whenever a slot waits after poll() with samples pending, its replica has work
+        # (a shard is queued ahead of the one running only when that is worth it)
+        assert s.pending == 0 or all(running[r] for r in range(replicas) if waiting[r])
         assert s.in_flight == [len(x) for x in running]
     assert seen == Counter({(st, i): 1 for st in "ab" for i in range(samples)})
 
@@ -308,3 +315,18 @@ def test_measured_calls_set_the_smallest_shard_worth_a_call(overhead_s, expected
     for r in range(6):
         s.request(r)
     assert sorted(len(a.ids) for a in s.poll()) == expected  # spread over six, or 3 at a time
+
+
+@pytest.mark.parametrize("overhead_s, queued", [(0.001, [0]), (0.00001, [])])
+def test_a_busy_replicas_second_slot_gets_a_shard_only_when_queueing_ahead_pays(overhead_s, queued):
+    s = make(replicas=2, prefetch=2, expected=100)
+    s.measure(STAGE, 1, 0.001, overhead_s)  # 1 ms steps; 1 ms or 10 us outside them
+    s.ready(STAGE, list(range(100)))
+    s.request(0)
+    s.request(1)
+    first = s.poll()
+    assert [a.replica for a in first] == [0, 1]
+    s.request(0)  # replica 0's second slot, while its first shard runs
+    assert [a.replica for a in s.poll()] == queued
+    s.finish(first[0])  # replica 0 idle: a slot still waiting is served at once
+    assert [a.replica for a in s.poll()] == ([] if queued else [0])

@@ -61,6 +61,18 @@ def test_runtime_overhead_lengthens_the_makespan():
     assert costly.makespan_s > free.makespan_s
 
 
+def test_prefetch_never_queues_a_shard_behind_a_heavy_tail_and_hides_the_overhead_of_tiny_calls():
+    tail = StageCost(call_s=0.020, tail_median_s=0.040, tail_sigma=1.2)
+    tiny = StageCost(call_s=0.001, per_sample_s=0.0005)
+
+    def run(cost: StageCost, samples: int, batch: int, prefetch: int) -> float:
+        stage = SimStage(name="a", replicas=4, batch_size=batch, cost=cost, prefetch=prefetch)
+        return simulate(Workload(samples=samples, seed=1, stages=[stage], overhead_s=0.0007)).makespan_s
+
+    assert run(tail, 256, 16, prefetch=2) == pytest.approx(run(tail, 256, 16, prefetch=1))
+    assert run(tiny, 400, 1, prefetch=2) < 0.95 * run(tiny, 400, 1, prefetch=1)
+
+
 @pytest.mark.parametrize("dispatch_s", [0.0, 0.001, 0.004])
 def test_the_dispatch_capacity_caps_calls_per_second_however_many_replicas_wait(dispatch_s):
     stage = SimStage(name="a", replicas=64, batch_size=1, cost=StageCost(call_s=0.002))

@@ -240,3 +240,20 @@ def test_shard_floor_ignores_calls_that_waited_behind_another_shard():
     assert floor.floor() == 1
     floor.observe(2, 0.004, 0.010)  # one that ran alone: 2 ms a sample, 10 ms overhead
     assert floor.floor() == 5
+
+
+@pytest.mark.parametrize(
+    "calls, remaining, replicas, expected",
+    [
+        ([], 1000, 4, False),  # no call measured yet
+        ([(2, 0.004, None)], 1000, 4, False),  # overhead unknown (the call waited behind another)
+        ([(1, 0.0015, 0.0007)], 400, 4, True),  # tiny steps: 100 calls each left, 0.7 ms idle each
+        ([(1, 0.0015, 0.0007)], 8, 4, False),  # two calls each left: queueing saves less than a step
+        ([(16, 0.150, 0.002)], 256, 4, False),  # long steps: 4 calls each save 8 ms, a step is 150 ms
+    ],
+)
+def test_shards_queue_ahead_only_while_the_overhead_saved_exceeds_a_step(calls, remaining, replicas, expected):
+    floor = ShardFloor(16)
+    for rows, busy, overhead in calls:
+        floor.observe(rows, busy, overhead)
+    assert floor.queue_ahead(remaining, replicas) is expected
