@@ -81,18 +81,33 @@ def _nbytes(value: Any) -> int | None:
     return value.nbytes if isinstance(value, np.ndarray) else None
 
 
+SMALL_ARRAY = 64 << 10  # bytes; a smaller array pickles as its raw bytes
+
+
 def _encode(value: Column) -> Any:
     # numpy buffers are read zero-copy from Ray's shared memory; torch tensors are pickled.
     if _is_tensor(value) and value.device.type == "cpu":
         try:
-            return ("torch", value.detach().numpy())
+            return _pack("torch", value.detach().numpy())
         except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
             return ("raw", value)
-    return ("raw", value)
+    return _pack("raw", value) if type(value) is np.ndarray else ("raw", value)
 
 
-def _decode(tagged: Any) -> Column:
-    kind, value = tagged
+def _pack(kind: str, array: np.ndarray) -> tuple[Any, ...]:
+    # numpy's own pickling costs ~10 us an array, most of a small shard's cost; a big array
+    # keeps it, for pickle 5's out-of-band buffers (zero-copy reads from shared memory).
+    if array.nbytes <= SMALL_ARRAY and array.dtype.fields is None and not array.dtype.hasobject:
+        return (kind, array.dtype.str, array.shape, array.tobytes())
+    return (kind, array)
+
+
+def _decode(tagged: tuple[Any, ...]) -> Column:
+    if len(tagged) == 4:
+        kind, dtype, shape, data = tagged
+        value = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)  # writable, as unpickled
+    else:
+        kind, value = tagged
     if kind == "torch":
         import torch
 
@@ -104,8 +119,8 @@ def _decode(tagged: Any) -> Column:
     return value
 
 
-def _rebuild(ids: np.ndarray, fields: dict[str, Any]) -> Batch:
-    return Batch(ids, {k: _decode(v) for k, v in fields.items()}, _check=False)
+def _rebuild(ids: tuple[Any, ...], fields: dict[str, Any]) -> Batch:
+    return Batch(_decode(ids), {k: _decode(v) for k, v in fields.items()}, _check=False)
 
 
 class Batch:
@@ -204,7 +219,7 @@ class Batch:
         return {n: v[i] for n, v in self._fields.items()}
 
     def __reduce__(self):
-        return (_rebuild, (self.ids, {k: _encode(v) for k, v in self._fields.items()}))
+        return (_rebuild, (_pack("raw", self.ids), {k: _encode(v) for k, v in self._fields.items()}))
 
     def __repr__(self) -> str:
         return f"Batch(samples={len(self)}, fields={sorted(self._fields)})"

@@ -151,8 +151,7 @@ class DriverEnd:
         """Queue ``body``; returns its sequence number and the future of its reply."""
         future = self.loop.create_future()
         self._waiting.append(future)
-        self._writer.write(_header(len(body)))
-        self._writer.write(body)
+        self._writer.writelines((_header(len(body)), body))  # one system call
         self._sent += 1
         return self._sent - 1, future
 

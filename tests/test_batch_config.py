@@ -158,6 +158,34 @@ def test_pickle_round_trip_keeps_values_ids_and_tensors(dtype):
     assert back["l"] == ["a", None, {"k": 1}]
 
 
+@pytest.mark.parametrize(
+    "column",
+    [
+        np.arange(6, dtype=np.int32).reshape(3, 2),
+        np.array([True, False, True]),
+        np.array(["ab", "c", ""]),
+        np.array(["2026-11-29", "2026-11-30", "2027-01-01"], dtype="datetime64[D]"),
+        np.arange(12.0).reshape(3, 4)[:, ::2],  # not contiguous
+        np.arange(12.0).reshape(4, 3).T,  # Fortran order
+        np.zeros(3, dtype=[("a", "i4"), ("b", "f8")]),  # structured: numpy's own pickling
+        np.array([{"k": 1}, None, "x"], dtype=object),  # objects: numpy's own pickling
+        np.ones((3, 4096)),  # over SMALL_ARRAY: numpy's own pickling (out-of-band buffers)
+        torch.arange(3, dtype=torch.int16),
+    ],
+    ids=["int32-2d", "bool", "unicode", "datetime", "strided", "fortran", "structured", "object", "big", "torch"],
+)
+def test_small_arrays_pickle_as_raw_bytes_and_come_back_equal_and_writable(column):
+    back = pickle.loads(pickle.dumps(flowrl.Batch([5, 6, 7], {"c": column}), protocol=5))
+    assert back.ids.tolist() == [5, 6, 7] and back.ids.dtype == np.int64
+    value = back["c"]
+    assert type(value) is type(column) and value.dtype == column.dtype and tuple(value.shape) == tuple(column.shape)
+    if isinstance(column, torch.Tensor):
+        assert torch.equal(value, column)
+    else:
+        assert np.array_equal(value, column) if column.dtype != object else value.tolist() == column.tolist()
+        assert value.flags.writeable  # as a pickled array comes back
+
+
 def test_pickle_round_trip_of_a_conjugated_complex_tensor():
     t = torch.tensor([1 + 2j, 3 - 1j]).conj()
     back = pickle.loads(pickle.dumps(flowrl.Batch([0, 1], {"c": t})))
