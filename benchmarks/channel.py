@@ -1,7 +1,8 @@
 """A persistent channel per replica against Ray calls: what one small shard's round trip
 costs when it travels over a Unix socket that the replica actor reads in a thread, beside
 ``ray.util.ActorPool`` pinging the same actors (calls/s, CPU ms per call of the driver and of
-the replica processes). The measurement behind the next design step in docs/dev-notes.md.
+the replica processes). The measurement that led to ``PipelineConfig.local_channels``
+(``flowrl/_ray_channel.py``); this is the bare mechanism, without flowrl around it.
 
     python benchmarks/channel.py          # Linux (reads /proc)
 """
