@@ -1,9 +1,11 @@
 """The Ray backend (layer 4): one Ray actor per replica. It and ``_ray_wire`` (how shard data
 and replies travel) are the only modules that import ray.
 
-A replica actor runs one call at a time (a second shard sent ahead waits inside the actor,
-and weights load between shards). It has no extra concurrency group: one costs every call
-about a quarter of its throughput, and closing needs none (a killed actor fails its pings).
+A replica actor runs one shard at a time on its one worker thread (a second shard sent ahead
+waits, and weights load between shards). Replicas on the driver's node also read shards from
+a Unix socket (``_ray_channel``), which costs far less than a Ray call. The actor has no extra
+concurrency group: one costs every call about a quarter of its throughput, and closing needs
+none (a killed actor fails its pings).
 """
 
 from __future__ import annotations
@@ -240,11 +242,18 @@ class RayBackend:
             await self._server.start()
         tokens = [uuid.uuid4().hex for _ in near]
         ends = [self._server.expect(t) for t in tokens]
-        with anyio.fail_after(self.config.setup_timeout_s):
-            # A replica connects before its call returns; its end is ready once the loop accepts.
-            await asyncio.gather(*(h.ref.open_channel.remote(self._server.path, t) for h, t in zip(near, tokens)))
-            for h, end in zip(near, ends):
-                self._channels[h.ref] = await end
+        try:
+            with anyio.fail_after(self.config.setup_timeout_s):
+                # A replica connects before its call returns; its end is ready once the loop accepts.
+                await asyncio.gather(*(h.ref.open_channel.remote(self._server.path, t) for h, t in zip(near, tokens)))
+                for h, end in zip(near, ends):
+                    self._channels[h.ref] = await end
+        except (TimeoutError, OSError, RayTaskError, RayActorError) as err:
+            reason = err.cause if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException) else err
+            raise ClusterError(
+                f"could not open the local channels of the replicas on the driver's node ({type(reason).__name__}: "
+                f"{reason}); PipelineConfig.local_channels=False sends every shard as a Ray call instead"
+            ) from err
 
     def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
         _ship_by_value(spec.model)

@@ -132,39 +132,55 @@ class ReplicaWorker:
         return True
 
 
-class DriverEnd:
-    """The driver's end of one replica's channel, bound to the event loop that opened it."""
+class DriverEnd(asyncio.Protocol):
+    """The driver's end of one replica's channel, bound to the event loop that accepted it.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    Frames are parsed in the loop's own callback as bytes arrive, and each reply settles its
+    call's future there: no reader task to wake per reply. The first frame names the replica.
+    """
+
+    def __init__(self, server: ChannelServer) -> None:
         self.loop = asyncio.get_running_loop()
-        self._reader, self._writer = reader, writer
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._named = False
         self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._sent = 0
         self._lost: BaseException | None = None
-        self._task = self.loop.create_task(self._read())
 
     def usable(self) -> bool:
-        """Open, and called from the loop that owns it (asyncio streams are bound to one)."""
+        """Open, and called from the loop that owns it."""
         return self._lost is None and asyncio.get_running_loop() is self.loop
 
     def send(self, body: bytes) -> tuple[int, asyncio.Future[bytes]]:
         """Queue ``body``; returns its sequence number and the future of its reply."""
+        assert self._transport is not None
         future = self.loop.create_future()
         self._waiting.append(future)
-        self._writer.writelines((_header(len(body)), body))  # one system call
+        self._transport.writelines((_header(len(body)), body))  # one system call
         self._sent += 1
         return self._sent - 1, future
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                size = int.from_bytes(await self._reader.readexactly(4), "little")
-                data = await self._reader.readexactly(size)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= 4 and len(buffer) >= 4 + (size := int.from_bytes(buffer[:4], "little")):
+            frame = bytes(buffer[4 : 4 + size])
+            del buffer[: 4 + size]
+            if not self._named:
+                self._named = True
+                self._server.named(self, frame)
+            elif self._waiting:
                 future = self._waiting.popleft()
                 if not future.done():  # else its caller was cancelled
-                    future.set_result(data)
-        except (asyncio.IncompleteReadError, OSError) as err:
-            self._fail(ChannelLost(f"the replica's channel closed: {type(err).__name__}: {err}"))
+                    future.set_result(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(ChannelLost(f"the replica's channel closed{f': {exc}' if exc else ''}"))
 
     def _fail(self, error: BaseException) -> None:
         self._lost = self._lost or error
@@ -175,9 +191,9 @@ class DriverEnd:
 
     def close(self) -> None:
         self._fail(PipelineClosedError("the pipeline closed while this call was in flight"))
-        self._task.cancel()
-        with contextlib.suppress(RuntimeError):  # its loop has closed already
-            self._writer.close()
+        if self._transport is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has closed already
+                self._transport.close()
 
 
 class ChannelServer:
@@ -190,23 +206,24 @@ class ChannelServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._accept, self.path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: DriverEnd(self), self.path)
 
     def expect(self, token: str) -> asyncio.Future[DriverEnd]:
         future: asyncio.Future[DriverEnd] = asyncio.get_running_loop().create_future()
         self._expected[token] = future
         return future
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def named(self, end: DriverEnd, token: bytes) -> None:
+        """A connection's first frame: the token of the replica it serves."""
         try:
-            size = int.from_bytes(await reader.readexactly(4), "little")
-            future = self._expected.pop((await reader.readexactly(size)).decode(), None)
-        except (asyncio.IncompleteReadError, OSError, UnicodeDecodeError):
+            future = self._expected.pop(token.decode(), None)
+        except UnicodeDecodeError:
             future = None
         if future is None or future.done():  # a stranger, or a replica given up on
-            writer.close()
+            end.close()
             return
-        future.set_result(DriverEnd(reader, writer))
+        future.set_result(end)
 
     def close(self) -> None:
         for future in self._expected.values():

@@ -109,7 +109,7 @@ def run_call(runtime: ReplicaRuntime, blob: bytes, stored: tuple[Any, ...]) -> t
     def fetch(indices: list[int]) -> list[Batch]:
         return [open_stored(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
 
-    meta, out = runtime.run(decode_call(head), fetch)
+    meta, out = runtime.run(decode_call(head), fetch, private=True)  # unpickled for this call
     if meta.out_bytes <= SMALL_BYTES:
         return frame(encode_message(meta), dumps(out)), None
     return frame(encode_message(meta), b""), out

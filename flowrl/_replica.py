@@ -23,8 +23,11 @@ from ._model import Model, step_info
 Fetch = Callable[[list[Any]], list[Batch]]
 
 
-def gather(call: ShardCall, fetch: Fetch) -> Batch:
-    """The shard's samples with the fields of every producer it reads, in ``call.ids`` order."""
+def gather(call: ShardCall, fetch: Fetch, private: bool = False) -> Batch:
+    """The shard's samples with the fields of every producer it reads, in ``call.ids`` order.
+
+    ``private``: the fetched objects belong to this call alone (unpickled for it), so one
+    whose rows are the whole object is used as it is instead of copied."""
     refs: list[Any] = []
     index: dict[Any, int] = {}  # refs hash by object identity (Ray: by object id)
     for piece in call.pieces:
@@ -34,7 +37,9 @@ def gather(call: ShardCall, fetch: Fetch) -> Batch:
     objects = fetch(refs)
     by_producer: dict[str, list[Batch]] = {}
     for piece in call.pieces:
-        by_producer.setdefault(piece.producer, []).append(objects[index[piece.ref]].select(piece.rows))
+        obj = objects[index[piece.ref]]
+        whole = private and len(piece.rows) == len(obj) and piece.rows == list(range(len(obj)))
+        by_producer.setdefault(piece.producer, []).append(obj if whole else obj.select(piece.rows))
     merged: Batch | None = None
     for producer, parts in by_producer.items():
         part = parts[0] if len(parts) == 1 else Batch.concat(parts)
@@ -89,9 +94,9 @@ class ReplicaRuntime:
             raise StageError(f"setup() failed: {type(err).__name__}: {err}", f"{m.name}.setup", self.replica_id, []) from err
         return node_id
 
-    def run(self, call: ShardCall, fetch: Fetch) -> tuple[CallMeta, Batch]:
+    def run(self, call: ShardCall, fetch: Fetch, private: bool = False) -> tuple[CallMeta, Batch]:
         start = time.perf_counter()
-        batch = gather(call, fetch)
+        batch = gather(call, fetch, private)
         inputs = batch.keys()
         try:
             out = getattr(self.model, call.method)(batch, call.iteration)

@@ -47,6 +47,21 @@ class Run:
             self.drained.set()
 
 
+async def _next_finished(run: Run) -> tuple[int, dict[str, Loc]] | None:
+    """The next finished sample of ``run`` (None at its end). One already queued is taken at
+    once: anyio's ``receive`` would first pass through the event loop, for every sample."""
+    try:
+        return run.recv.receive_nowait()
+    except anyio.WouldBlock:
+        pass
+    except anyio.EndOfStream:
+        return None
+    try:
+        return await run.recv.receive()
+    except anyio.EndOfStream:
+        return None
+
+
 class StreamingMixin:
     """``run`` / ``stream`` for ``AsyncPipeline`` (which provides the hooks used here)."""
 
@@ -216,7 +231,8 @@ class StreamingMixin:
         held = run.held
         next_id = run.first_id
         try:
-            async for sid, loc in run.recv:
+            while (item := await _next_finished(run)) is not None:
+                sid, loc = item
                 for ref, _ in loc.values():
                     cache.setdefault(ref, [None, 0])[1] += 1
                 held[sid] = loc

@@ -172,3 +172,17 @@ async def test_an_error_over_the_channel_names_the_shard_and_carries_the_replica
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback) and "forward_step" in str(cause) and "ValueError" in str(cause)
     assert flowrl_actor_names() == []
+
+
+async def test_a_channel_that_cannot_open_fails_the_start_with_a_cluster_error(ray_cluster, monkeypatch):
+    from flowrl._ray_channel import ChannelServer
+
+    async def listen_nowhere(self) -> None:  # no socket at the path: the replicas cannot connect
+        return None
+
+    monkeypatch.setattr(ChannelServer, "start", listen_nowhere)
+    model = Scale("m", {"num_replicas": 2, **CPU}, srcs=["x"], dst="y")
+    with pytest.raises(flowrl.ClusterError, match="local channels.*local_channels=False"):
+        async with flowrl.open_pipeline(lambda x: model.forward_step(x)):
+            pass
+    assert flowrl_actor_names() == []
