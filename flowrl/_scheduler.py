@@ -4,7 +4,8 @@ Replicas ask for work one *slot* at a time (a slot is one shard in flight; ``pre
 per replica). Samples become ready per stage. ``poll`` pairs waiting slots with shards cut by
 the splitter at that moment, never ahead of a request. Among waiting replicas, those with
 fewer shards in flight go first, then the least recently served, so a second slot is served
-only when every replica already has work, and work rotates over the whole pool.
+only when every replica already has work, and work rotates over the whole pool. A second
+slot is served at all only while queueing a shard ahead pays (``ShardFloor.queue_ahead``).
 
 Pending samples leave in order of their cost estimate, costliest first, then oldest first
 (without estimates: oldest first). Starting the long samples first keeps them off the end of
