@@ -59,12 +59,15 @@ class ReplicaWorker:
         self._answer: Callable[[int, bytes], bytes] = lambda seq, body: b""
         self._buffer = bytearray()
         self._seq = 0
+        self._dead = False
         threading.Thread(target=self._loop, name="flowrl-replica", daemon=True).start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
         self._jobs.put((future, fn, args))
         self._wake_out.send(b"\0")
+        if self._dead:
+            self._fail_jobs()
         return future
 
     def connect(self, path: str, token: str, answer: Callable[[int, bytes], bytes]) -> None:
@@ -93,9 +96,20 @@ class ReplicaWorker:
                         self._run_jobs()
                     elif not self._serve_frames():
                         self._selector.unregister(key.fileobj)
-        finally:  # a bug here must not leave the driver waiting: it sees the channel close
+        finally:  # a bug here must not leave anyone waiting: the driver sees the channel close,
+            self._dead = True  # and Ray calls get an error instead of a thread that never runs
             if self._channel is not None:
                 self._channel.close()
+            self._fail_jobs()
+
+    def _fail_jobs(self) -> None:
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the replica's worker thread stopped"))
 
     def _run_jobs(self) -> None:
         with contextlib.suppress(BlockingIOError):

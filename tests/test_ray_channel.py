@@ -81,6 +81,21 @@ async def test_closing_the_driver_end_fails_calls_in_flight_with_pipeline_closed
     release.set()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_worker_thread_that_dies_closes_its_channel_and_fails_later_jobs() -> None:
+    from flowrl._ray_channel import ChannelLost
+
+    def broken(seq: int, body: bytes) -> bytes:
+        raise AssertionError("a bug in the replica's answer")
+
+    async with _pair(broken) as (replica, driver):
+        _, future = driver.send(b"x")
+        with pytest.raises(ChannelLost):
+            await asyncio.wait_for(future, 10)
+        with pytest.raises(RuntimeError, match="worker thread stopped"):
+            replica.submit(lambda: 1).result(timeout=10)  # a Ray call's job: an error, not a hang
+
+
 async def test_a_connection_with_an_unknown_token_is_refused() -> None:
     from flowrl._ray_channel import ChannelServer
 
