@@ -22,7 +22,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -103,27 +103,27 @@ class ReplicaWorker:
             self._fail_jobs()
 
     def _fail_jobs(self) -> None:
-        while True:
-            try:
-                future, _, _ = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError("the replica's worker thread stopped"))
+        for future, _, _ in self._queued():
+            future.set_exception(RuntimeError("the replica's worker thread stopped"))
 
     def _run_jobs(self) -> None:
         with contextlib.suppress(BlockingIOError):
             self._wake_in.recv(4096)  # a job is queued before its wake-up byte is sent
+        for future, fn, args in self._queued():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # the submitter raises it
+                future.set_exception(err)
+
+    def _queued(self) -> Iterator[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]:
+        """The jobs queued now, each marked running (one cancelled meanwhile is skipped)."""
         while True:
             try:
                 future, fn, args = self._jobs.get_nowait()
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as err:  # the submitter raises it
-                    future.set_exception(err)
+                yield future, fn, args
 
     def _serve_frames(self) -> bool:
         """Answer every whole frame received; False once the driver's end has closed."""
