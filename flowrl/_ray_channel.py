@@ -44,6 +44,15 @@ def _header(size: int) -> bytes:
     return size.to_bytes(4, "little")
 
 
+def _frames(buffer: bytearray, data: bytes) -> Iterator[bytes]:
+    """Append ``data`` to ``buffer``; yield each whole frame's body, removed from it."""
+    buffer += data
+    while len(buffer) >= 4 and len(buffer) >= 4 + (size := int.from_bytes(buffer[:4], "little")):
+        body = bytes(buffer[4 : 4 + size])
+        del buffer[: 4 + size]
+        yield body
+
+
 class ReplicaWorker:
     """The one thread that runs a replica's user code: the shards of its channel, which this
     same thread reads (one wake-up a shard, not a reader's and then a worker's), and the jobs
@@ -134,11 +143,7 @@ class ReplicaWorker:
             chunk = b""
         if not chunk:
             return False
-        buffer = self._buffer
-        buffer += chunk
-        while len(buffer) >= 4 and len(buffer) >= 4 + (size := int.from_bytes(buffer[:4], "little")):
-            body = bytes(buffer[4 : 4 + size])
-            del buffer[: 4 + size]
+        for body in _frames(self._buffer, chunk):
             data = self._answer(self._seq, body)
             self._seq += 1
             with contextlib.suppress(OSError):  # the driver went away: nobody waits for it
@@ -180,11 +185,7 @@ class DriverEnd(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        while len(buffer) >= 4 and len(buffer) >= 4 + (size := int.from_bytes(buffer[:4], "little")):
-            frame = bytes(buffer[4 : 4 + size])
-            del buffer[: 4 + size]
+        for frame in _frames(self._buffer, data):
             if not self._named:
                 self._named = True
                 self._server.named(self, frame)
