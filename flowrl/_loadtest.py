@@ -4,7 +4,8 @@ zero-overhead makespan and the strict lower bound.
 
 Model time is a sleep (standing in for GPU time, so two CPU cores are not the bottleneck):
 a call of n samples sleeps ``call_s + n * per_sample_s + max(tails of its samples)``, the
-same per-sample times the simulator uses.
+same per-sample times the simulator uses (less the OS's measured lateness in waking a
+sleeper, ``sleep_slack``, so that a step lasts its nominal time on a quiet machine).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ._baselines import run_push, run_ray_data, substrate
+from ._baselines import model_sleep, run_push, run_ray_data, sleep_slack, substrate
 from ._batch import Batch
 from ._model import Model
 from ._pipeline import open_pipeline
@@ -71,9 +72,12 @@ class Sleeper(Model):
         super().__init__(name, config)
         self.cost, self.tail = cost, tail
 
+    def setup(self) -> None:
+        sleep_slack()
+
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         k = np.asarray(batch["k"], dtype=np.int64)
-        time.sleep(self.cost.call_s + len(k) * self.cost.per_sample_s + float(self.tail[k].max()))
+        model_sleep(self.cost, self.tail, k)
         return {f"{self.name}_done": [True] * len(k)}
 
 

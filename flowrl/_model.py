@@ -9,6 +9,7 @@ a replica the same call runs the user's code. Each replica gets its own copy of 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -62,6 +63,14 @@ def step_info(model: Model, method: str) -> StepInfo:
     return getattr(getattr(type(model), method, None), "__flowrl_step__", StepInfo())
 
 
+def step_target(model: Model, method: str) -> Callable[..., Any]:
+    """``model.method`` as a replica calls it: the user's function itself, bound, without
+    the wrapper that checks whether a flow is being traced (a replica never traces)."""
+    bound = getattr(model, method)
+    raw = getattr(getattr(bound, "__func__", None), "__flowrl_raw__", None)
+    return bound if raw is None else types.MethodType(raw, model)
+
+
 def _traceable(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     info = getattr(fn, "__flowrl_step__", StepInfo())
 
@@ -77,6 +86,7 @@ def _traceable(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         return fn(self, *args, **kwargs)
 
     call.__flowrl_step__ = info  # type: ignore[attr-defined]
+    call.__flowrl_raw__ = fn  # type: ignore[attr-defined]  # what a replica calls: no tracing check
     return call
 
 

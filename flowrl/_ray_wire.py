@@ -27,6 +27,7 @@ from ._batch import Batch
 from ._config import Piece, ShardCall, decode_call, encode_message
 from ._errors import PipelineClosedError, StageError
 from ._ray_channel import RemoteTraceback
+from ._replica import gather
 
 if TYPE_CHECKING:
     from ._replica import ReplicaRuntime
@@ -136,23 +137,28 @@ def raise_remote(blob: memoryview, stage: str, replica: int, ids: list[int]) -> 
 
 
 def call_args(call: ShardCall) -> tuple[list[Any], list[Batch], list[Piece]]:
-    """The call's object references (each once), the rows of inline batches it reads, and its
-    pieces naming them: index i >= 0 is reference i, -1 - j is inline rows j."""
+    """The call's object references (each once), the rows it reads from inline batches, and
+    its pieces naming them: index i >= 0 is reference i, -1 is the inline rows.
+
+    The inline rows of every producer are gathered here into one batch (the shard's ids in
+    order), so the replica unpickles one batch and merges nothing for them."""
     refs: list[Any] = []
-    values: list[Batch] = []
     index: dict[Any, int] = {}
-    pieces = []
+    pieces, inline = [], []
     for p in call.pieces:
         if isinstance(p.ref, Inline):
-            values.append(p.ref.batch.select(p.rows))
-            pieces.append(Piece(producer=p.producer, ref=-len(values), rows=list(range(len(p.rows)))))
+            inline.append(p)
             continue
         ref = p.ref.ref if isinstance(p.ref, Reply) else p.ref
         if ref not in index:
             index[ref] = len(refs)
             refs.append(ref)
         pieces.append(msgspec.structs.replace(p, ref=index[ref]))
-    return refs, values, pieces
+    if not inline:
+        return refs, [], pieces
+    rows = gather(msgspec.structs.replace(call, pieces=inline), lambda found: [r.batch for r in found])
+    producers = "+".join(dict.fromkeys(p.producer for p in inline))
+    return refs, [rows], [Piece(producer=producers, ref=-1, rows=list(range(len(rows)))), *pieces]
 
 
 class Replies:

@@ -18,7 +18,7 @@ import numpy as np
 from ._batch import Batch, approx_nbytes, column_length
 from ._config import CallMeta, ShardCall
 from ._errors import FlowError, OutputError, StageError
-from ._model import Model, step_info
+from ._model import Model, step_info, step_target
 
 Fetch = Callable[[list[Any]], list[Batch]]
 
@@ -82,6 +82,13 @@ class ReplicaRuntime:
     def __init__(self, model: Model, replica_id: int) -> None:
         self.model = model
         self.replica_id = replica_id
+        self._steps: dict[str, tuple[Callable[..., Any], Any]] = {}  # method -> (callable, writes)
+
+    def _step(self, method: str) -> tuple[Callable[..., Any], Any]:
+        found = self._steps.get(method)
+        if found is None:
+            found = self._steps[method] = (step_target(self.model, method), step_info(self.model, method).writes)
+        return found
 
     def setup(self, gpu_ids: list[int], node_id: str) -> str:
         m = self.model
@@ -98,12 +105,12 @@ class ReplicaRuntime:
         start = time.perf_counter()
         batch = gather(call, fetch, private)
         inputs = batch.keys()
+        target, writes = self._step(call.method)
         try:
-            out = getattr(self.model, call.method)(batch, call.iteration)
+            out = target(batch, call.iteration)
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
-        info = step_info(self.model, call.method)
-        added = new_fields(out, batch, inputs, call, self.replica_id, info.writes)
+        added = new_fields(out, batch, inputs, call, self.replica_id, writes)
         if self.model.track_version:  # a trainer feeds this model: record the weights' version
             version_field = f"{self.model.name}_version"
             if version_field in added:

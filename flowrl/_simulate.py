@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import Counter
 
 import msgspec
