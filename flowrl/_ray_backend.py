@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import math
 import os
-import pickle
 import socket
 import sys
 import uuid
@@ -34,8 +33,8 @@ from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec
 from ._model import Model
 from ._ray_channel import ERR, OK, ChannelLost, ChannelServer, DriverEnd, ReplicaWorker
-from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, by_value, call_args, dumps, error_blob, frame, local,
-                        open_stored, raise_remote, run_call, unframe)
+from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, answer_reply, by_value, call_args, error_blob,
+                        frame, local, open_stored, prepare_call, raise_remote, run_call, unframe)
 from ._replica import ReplicaRuntime, TrainerRuntime
 
 
@@ -61,11 +60,28 @@ class _ReplicaActor:
         return self.worker.submit(run_call, self.runtime, blob, stored).result()
 
     def open_channel(self, path: str, token: str) -> None:
-        self.worker.connect(path, token, self._answer)
+        self.worker.connect(path, token, self._run, self._prepare, self._reply)
 
-    def _answer(self, seq: int, blob: bytes) -> bytes:
+    # A channel's shard: unpickled, run, replied to (see ReplicaWorker); an error is answered in its turn.
+    def _prepare(self, seq: int, blob: bytes) -> Any:
         try:
-            reply, out = run_call(self.runtime, blob, ())
+            return prepare_call(self.runtime, blob, ())
+        except Exception as err:
+            return err
+
+    def _run(self, seq: int, prepared: Any) -> Any:
+        if isinstance(prepared, Exception):
+            return prepared
+        try:
+            return self.runtime.step(*prepared)
+        except Exception as err:
+            return err
+
+    def _reply(self, seq: int, ran: Any) -> bytes:
+        try:
+            if isinstance(ran, Exception):
+                raise ran
+            reply, out = answer_reply(*ran)
         except Exception as err:
             return ERR + error_blob(err)
         if out is not None:  # the driver takes it as a Ray return value, into shared memory
@@ -326,9 +342,8 @@ class RayBackend:
         return ray.put(batch)
 
     async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
-        refs, values, pieces = call_args(call)
-        blob = frame(encode_message(msgspec.structs.replace(call, pieces=pieces)),
-                      dumps(values) if values else b"")
+        refs, body, pieces = call_args(call)
+        blob = frame(encode_message(msgspec.structs.replace(call, pieces=pieces)), body)
         end = self._channels.get(replica.ref)
         if not refs and end is not None and end.usable():  # every row it reads is in the driver
             return await self._call_over(end, replica, call, blob)
@@ -351,7 +366,8 @@ class RayBackend:
         if data[:1] == ERR:
             raise_remote(data[1:], call.stage, replica.replica_id, call.ids)
         head, rows = unframe(data[1:])
-        return decode_meta(head), Inline(pickle.loads(rows)) if len(rows) else replica.ref.take.remote(seq)
+        meta = decode_meta(head)
+        return meta, Inline(blob=bytes(rows), rows=meta.rows) if len(rows) else replica.ref.take.remote(seq)
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         stored = [r for r in refs if not isinstance(r, (Inline, Reply))]

@@ -24,10 +24,9 @@ import ray.cloudpickle
 from ray.cloudpickle import cloudpickle as _cloudpickle
 
 from ._batch import Batch
-from ._config import Piece, ShardCall, decode_call, encode_message
+from ._config import CallMeta, Piece, ShardCall, decode_call, encode_message
 from ._errors import PipelineClosedError, StageError
 from ._ray_channel import RemoteTraceback
-from ._replica import gather
 
 if TYPE_CHECKING:
     from ._replica import ReplicaRuntime
@@ -37,12 +36,27 @@ SMALL_BYTES = 64 << 10
 
 
 class Inline:
-    """A small batch kept by the driver in place of an object-store reference."""
+    """A small batch kept by the driver in place of an object-store reference: a Batch, or the
+    pickle a replica replied with, unpickled only when the driver reads its rows. A shard that
+    takes all of its rows forwards the pickle as it came."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("_batch", "blob", "rows")
 
-    def __init__(self, batch: Batch) -> None:
-        self.batch = batch
+    def __init__(self, batch: Batch | None = None, *, blob: bytes | None = None, rows: int = 0) -> None:
+        self._batch, self.blob = batch, blob
+        self.rows = len(batch) if batch is not None else rows
+
+    @property
+    def batch(self) -> Batch:
+        if self._batch is None:
+            self._batch = pickle.loads(self.blob)  # type: ignore[arg-type]
+        return self._batch
+
+    def pickled(self, rows: list[int]) -> bytes:
+        """Rows ``rows`` of it, pickled."""
+        if self.blob is not None and len(rows) == self.rows and rows == list(range(self.rows)):
+            return self.blob
+        return dumps(self.batch.select(rows))
 
 
 class Reply:
@@ -100,20 +114,28 @@ def open_stored(stored: Any) -> Batch:
     return stored
 
 
-def run_call(runtime: ReplicaRuntime, blob: bytes, stored: tuple[Any, ...]) -> tuple[bytes, Batch | None]:
-    """Run a shard framed by the driver (``call_args``) in a replica; ``stored`` are the
-    objects its pieces name by index. Returns the reply (with the rows while they are small)
-    and the output when it is too big to ride in the reply."""
+def prepare_call(runtime: ReplicaRuntime, blob: bytes, stored: tuple[Any, ...]) -> tuple[ShardCall, Batch, float]:
+    """A shard framed by the driver (``call_args``), unpickled and gathered in a replica;
+    ``stored`` are the objects its pieces name by index. Runs no user code."""
     head, body = unframe(blob)
-    values = pickle.loads(body) if body else []
+    values = [pickle.loads(part) for part in pickle.loads(body)] if body else []
 
     def fetch(indices: list[int]) -> list[Batch]:
         return [open_stored(stored[i]) if i >= 0 else values[-i - 1] for i in indices]
 
-    meta, out = runtime.run(decode_call(head), fetch, private=True)  # unpickled for this call
+    call = decode_call(head)
+    return (call, *runtime.prepare(call, fetch, private=True))  # unpickled for this call
+
+
+def answer_reply(meta: CallMeta, out: Batch) -> tuple[bytes, Batch | None]:
+    """A shard's reply: with the rows while they are small, else the output to hold."""
     if meta.out_bytes <= SMALL_BYTES:
         return frame(encode_message(meta), dumps(out)), None
     return frame(encode_message(meta), b""), out
+
+
+def run_call(runtime: ReplicaRuntime, blob: bytes, stored: tuple[Any, ...]) -> tuple[bytes, Batch | None]:
+    return answer_reply(*runtime.step(*prepare_call(runtime, blob, stored)))
 
 
 def error_blob(err: BaseException) -> bytes:
@@ -136,29 +158,25 @@ def raise_remote(blob: memoryview, stage: str, replica: int, ids: list[int]) -> 
     raise err from RemoteTraceback(text)
 
 
-def call_args(call: ShardCall) -> tuple[list[Any], list[Batch], list[Piece]]:
-    """The call's object references (each once), the rows it reads from inline batches, and
-    its pieces naming them: index i >= 0 is reference i, -1 is the inline rows.
-
-    The inline rows of every producer are gathered here into one batch (the shard's ids in
-    order), so the replica unpickles one batch and merges nothing for them."""
+def call_args(call: ShardCall) -> tuple[list[Any], bytes, list[Piece]]:
+    """The call's object references (each once), the rows it reads from inline batches (each
+    piece's rows pickled on its own, a list of them pickled as the call's body), and its pieces
+    naming them: index i >= 0 is reference i, -1 - j is inline rows j."""
     refs: list[Any] = []
+    parts: list[bytes] = []
     index: dict[Any, int] = {}
-    pieces, inline = [], []
+    pieces = []
     for p in call.pieces:
         if isinstance(p.ref, Inline):
-            inline.append(p)
+            parts.append(p.ref.pickled(p.rows))
+            pieces.append(Piece(producer=p.producer, ref=-len(parts), rows=list(range(len(p.rows)))))
             continue
         ref = p.ref.ref if isinstance(p.ref, Reply) else p.ref
         if ref not in index:
             index[ref] = len(refs)
             refs.append(ref)
         pieces.append(msgspec.structs.replace(p, ref=index[ref]))
-    if not inline:
-        return refs, [], pieces
-    rows = gather(msgspec.structs.replace(call, pieces=inline), lambda found: [r.batch for r in found])
-    producers = "+".join(dict.fromkeys(p.producer for p in inline))
-    return refs, [rows], [Piece(producer=producers, ref=-1, rows=list(range(len(rows)))), *pieces]
+    return refs, pickle.dumps(parts, protocol=5) if parts else b"", pieces
 
 
 class Replies:

@@ -102,8 +102,19 @@ class ReplicaRuntime:
         return node_id
 
     def run(self, call: ShardCall, fetch: Fetch, private: bool = False) -> tuple[CallMeta, Batch]:
+        return self.step(call, *self.prepare(call, fetch, private))
+
+    def prepare(self, call: ShardCall, fetch: Fetch, private: bool = False) -> tuple[Batch, float]:
+        """The shard's input (``gather``), and the seconds it took; no user code runs here, so
+        another thread may prepare the next shard while this replica's step runs."""
         start = time.perf_counter()
         batch = gather(call, fetch, private)
+        return batch, time.perf_counter() - start
+
+    def step(self, call: ShardCall, batch: Batch, spent: float = 0.0) -> tuple[CallMeta, Batch]:
+        """Run the user's step on a prepared input and check its output; ``spent`` is the
+        time the preparation took (counted as the call's busy time)."""
+        start = time.perf_counter()
         inputs = batch.keys()
         target, writes = self._step(call.method)
         try:
@@ -119,7 +130,7 @@ class ReplicaRuntime:
             if version_field not in inputs:  # a later step of the same model keeps the first's
                 added[version_field] = [self.model.weight_version] * len(batch)
         result = Batch(batch.ids, added, _check=False)
-        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=time.perf_counter() - start,
+        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=spent + time.perf_counter() - start,
                         out_bytes=approx_nbytes(result), node_id=self.model.node_id)
         return meta, result
 

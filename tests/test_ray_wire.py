@@ -96,9 +96,11 @@ async def test_replies_arrive_while_older_calls_run_errors_pass_through_and_clos
 
 
 @pytest.mark.parametrize("stored", [False, True])
-def test_call_args_gathers_inline_rows_into_one_batch_the_replica_uses_as_is(stored: bool) -> None:
+def test_a_shard_of_inline_rows_and_stored_objects_reaches_the_step_joined_in_its_id_order(stored: bool) -> None:
     """Inline rows of several producers (one producer split over two objects, rows out of
-    order) travel as one batch in the shard's id order; a stored object keeps its own piece."""
+    order, one held as the pickle a replica replied with), and a stored object, travel framed
+    by the driver and are joined in the replica in the shard's id order."""
+    import msgspec
     import numpy as np
 
     from flowrl import Batch, Model
@@ -108,29 +110,27 @@ def test_call_args_gathers_inline_rows_into_one_batch_the_replica_uses_as_is(sto
 
     ids = [7, 3, 5]
     first = Inline(Batch([3, 9, 7], {"q": ["q3", "q9", "q7"]}))
-    second = Inline(Batch([5], {"q": ["q5"]}))
+    second = Inline(blob=dumps(Batch([5], {"q": ["q5"]})), rows=1)  # as a reply came: taken whole, forwarded
     policy = Batch([5, 7, 3], {"r": np.array([50.0, 70.0, 30.0])})
     pieces = [Piece(producer="input", ref=first, rows=[2, 0]), Piece(producer="input", ref=second, rows=[0]),
               Piece(producer="policy", ref="ref-0" if stored else Inline(policy), rows=[1, 2, 0])]
     call = ShardCall(stage="score.forward_step", method="forward_step", iteration=0, ids=ids, pieces=pieces)
 
-    refs, values, sent = call_args(call)
-    assert len(values) == 1 and values[0].ids.tolist() == ids
-    assert values[0]["q"] == ["q7", "q3", "q5"]
+    refs, body, sent = call_args(call)
     assert refs == (["ref-0"] if stored else [])
-    assert sent[0].ref == -1 and sent[0].rows == [0, 1, 2]
-    assert [p.ref for p in sent[1:]] == ([0] if stored else [])
+    parts = pickle.loads(body)
+    assert parts[1] == second.blob and second._batch is None  # never unpickled here
+    assert [p.ref for p in sent] == ([-1, -2, 0] if stored else [-1, -2, -3])
 
     class Score(Model):
         def forward_step(self, batch: Batch, iteration: int) -> dict:
             return {"s": [f"{q}:{r:g}" for q, r in zip(batch["q"], batch["r"])]}
 
-    import msgspec
-
-    blob = frame(encode_message(msgspec.structs.replace(call, pieces=sent)), dumps(values))
+    blob = frame(encode_message(msgspec.structs.replace(call, pieces=sent)), body)
     reply, big = run_call(ReplicaRuntime(Score("score", {}), 0), blob, (policy,) if stored else ())
     out = pickle.loads(unframe(reply)[1])
     assert big is None and out.ids.tolist() == ids and out["s"] == ["q7:70", "q3:30", "q5:50"]
+    assert Inline(blob=bytes(unframe(reply)[1]), rows=3).batch["s"] == out["s"]  # unpickled when read
 
 
 def test_a_replica_calls_the_users_function_past_the_tracing_wrapper_but_keeps_its_decorators() -> None:
