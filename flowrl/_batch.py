@@ -39,6 +39,12 @@ def _take(value: Column, rows: np.ndarray) -> Column:
     return [value[i] for i in rows.tolist()]
 
 
+def _copy(value: Column) -> Column:
+    if _is_tensor(value):
+        return value.clone()
+    return value.copy() if isinstance(value, np.ndarray) else list(value)
+
+
 def _cat(parts: list[Column]) -> Column:
     first = parts[0]
     if len(parts) == 1:
@@ -218,6 +224,11 @@ class Batch:
         if both:
             raise FlowError(f"cannot merge batches that both have fields {sorted(both)}")
         return Batch(self.ids, {**self._fields, **other._fields}, _check=False)
+
+    def copy(self) -> Batch:
+        """The same rows in columns of its own (a list column's items are shared): what a
+        step returned, kept after the step although the model may reuse its buffers."""
+        return Batch(self.ids.copy(), {n: _copy(v) for n, v in self._fields.items()}, _check=False)
 
     def row(self, i: int) -> dict[str, Any]:
         return {n: v[i] for n, v in self._fields.items()}

@@ -69,7 +69,7 @@ class InProcessBackend:
             else:
                 meta, out = local.runtime.run(call, _fetch)
                 await anyio.lowlevel.checkpoint()
-        return meta, LocalRef(out)
+        return meta, LocalRef(out.copy())  # the model may reuse the buffers it returned
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         return _fetch(refs)

@@ -60,32 +60,23 @@ class _ReplicaActor:
         return self.worker.submit(run_call, self.runtime, blob, stored).result()
 
     def open_channel(self, path: str, token: str) -> None:
-        self.worker.connect(path, token, self._run, self._prepare, self._reply)
+        self.worker.connect(path, token, self._answer, self._prepare)
 
-    # A channel's shard: unpickled, run, replied to (see ReplicaWorker); an error is answered in its turn.
     def _prepare(self, seq: int, blob: bytes) -> Any:
         try:
             return prepare_call(self.runtime, blob, ())
-        except Exception as err:
+        except Exception as err:  # answered in its turn
             return err
 
-    def _run(self, seq: int, prepared: Any) -> Any:
-        if isinstance(prepared, Exception):
-            return prepared
+    def _answer(self, seq: int, prepared: Any) -> bytes:
         try:
-            return self.runtime.step(*prepared)
-        except Exception as err:
-            return err
-
-    def _reply(self, seq: int, ran: Any) -> bytes:
-        try:
-            if isinstance(ran, Exception):
-                raise ran
-            reply, out = answer_reply(*ran)
+            if isinstance(prepared, Exception):
+                raise prepared
+            reply, out = answer_reply(*self.runtime.step(*prepared))
         except Exception as err:
             return ERR + error_blob(err)
-        if out is not None:  # the driver takes it as a Ray return value, into shared memory
-            self.held[seq] = out
+        if out is not None:  # the driver takes it as a Ray return value, into shared memory,
+            self.held[seq] = out.copy()  # after the next step may have overwritten a buffer it reuses
         return OK + reply
 
     def take(self, seq: int) -> Batch:

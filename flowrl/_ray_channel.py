@@ -18,7 +18,6 @@ import collections
 import contextlib
 import functools
 import queue
-import selectors
 import shutil
 import socket
 import tempfile
@@ -61,20 +60,16 @@ def _as_is(seq: int, value: Any) -> Any:
 class ReplicaWorker:
     """The one thread that runs a replica's user code (the worker), fed in order by its
     channel and by the jobs that Ray calls submit (setup, weights, shards that read stored
-    objects), and a second thread for the channel's input and output.
+    objects); and a second thread that reads the channel.
 
     A replica's own Python between two steps runs on a cold CPU after the step (on a 1.5 ms
-    step, 4x its time in a hot loop), and the worker would spend it while the model waits: so
-    the channel's thread reads and unpickles the next shard (``prepare``) and pickles and sends
-    each reply (``reply``) while the worker runs the step after it (``run``). The cost: a
-    reply waits for the interpreter lock while a step holds it without pause (at most Python's
-    switch interval, 5 ms)."""
+    step, 4x its time in a hot loop), while the model waits for it; so the channel's thread
+    reads and unpickles the next shard (``prepare``) while the worker runs the one before. The
+    worker still pickles each reply before its next step starts, as a Ray call would: a step's
+    outputs may be buffers it reuses."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self._wake_in, self._wake_out = socket.socketpair()
-        self._wake_in.setblocking(False)
         self._channel: socket.socket | None = None
         self._dead = False
         threading.Thread(target=self._work, name="flowrl-replica", daemon=True).start()
@@ -95,16 +90,16 @@ class ReplicaWorker:
             self._fail_jobs()
         return future
 
-    def connect(self, path: str, token: str, run: Callable[[int, Any], Any], prepare: Callable[[int, bytes], Any] = _as_is,
-                reply: Callable[[int, Any], bytes] = _as_is) -> None:
-        """Serve the driver's channel at ``path``. Each frame goes ``prepare(seq, body)`` on the
-        channel's thread, ``run(seq, prepared)`` on the worker, ``reply(seq, ran)`` (the bytes
-        sent back) on the channel's thread; none may raise. Replies go in the frames' order."""
+    def connect(self, path: str, token: str, answer: Callable[[int, Any], bytes],
+                prepare: Callable[[int, bytes], Any] = _as_is) -> None:
+        """Serve the driver's channel at ``path``: each frame goes ``prepare(seq, body)`` on the
+        channel's thread, then ``answer(seq, prepared)`` (the reply's bytes) on the worker;
+        neither may raise. Replies go in the order the frames came."""
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(path)
         sock.sendall(_header(len(token)) + token.encode())
         self._channel = sock
-        threading.Thread(target=self._serve, args=(sock, run, prepare, reply), name="flowrl-channel", daemon=True).start()
+        threading.Thread(target=self._read, args=(sock, answer, prepare), name="flowrl-channel", daemon=True).start()
 
     def close_channel(self) -> None:
         """Stop serving: the driver's waiting calls fail as if this process had died."""
@@ -131,43 +126,21 @@ class ReplicaWorker:
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError("the replica's worker thread stopped"))
 
-    def _serve(self, sock: socket.socket, run: Callable[[int, Any], Any], prepare: Callable[[int, bytes], Any],
-               reply: Callable[[int, Any], bytes]) -> None:
-        def step(seq: int, prepared: Any) -> None:  # on the worker
-            self._done.put((seq, run(seq, prepared)))
-            self._wake_out.send(b"\0")
-
-        selector = selectors.DefaultSelector()
-        selector.register(sock, selectors.EVENT_READ)
-        selector.register(self._wake_in, selectors.EVENT_READ)
+    def _read(self, sock: socket.socket, answer: Callable[[int, Any], bytes], prepare: Callable[[int, bytes], Any]) -> None:
         buffer, seq = bytearray(), 0
         try:
-            while True:
-                for key, _ in selector.select():
-                    if key.fileobj is self._wake_in:
-                        self._send_replies(sock, reply)
-                        continue
-                    chunk = sock.recv(1 << 20)
-                    if not chunk:
-                        return
-                    for body in _frames(buffer, chunk):
-                        self._jobs.put(functools.partial(step, seq, prepare(seq, body)))
-                        seq += 1
+            while chunk := sock.recv(1 << 20):
+                for body in _frames(buffer, chunk):
+                    self._jobs.put(functools.partial(_reply, sock, answer, seq, prepare(seq, body)))
+                    seq += 1
         except OSError:  # shut down under it (close_channel), or the driver went away
             pass
-        finally:
-            sock.close()
 
-    def _send_replies(self, sock: socket.socket, reply: Callable[[int, Any], bytes]) -> None:
-        with contextlib.suppress(BlockingIOError):
-            self._wake_in.recv(4096)  # a result is queued before its wake-up byte is sent
-        while True:
-            try:
-                seq, ran = self._done.get_nowait()
-            except queue.Empty:
-                return
-            data = reply(seq, ran)
-            sock.sendall(_header(len(data)) + data)
+
+def _reply(sock: socket.socket, answer: Callable[[int, Any], bytes], seq: int, prepared: Any) -> None:
+    data = answer(seq, prepared)
+    with contextlib.suppress(OSError):  # the driver went away: nobody waits for it
+        sock.sendall(_header(len(data)) + data)
 
 
 class DriverEnd(asyncio.Protocol):

@@ -344,3 +344,14 @@ def test_pass_through_of_input_columns_in_a_dict():
 def test_declared_writes_must_match():
     assert set(_check({"score": [1, 2, 3]}, _input(), writes={"score"})) == {"score"}
     _fails({"score": [1, 2, 3]}, _input(), "score", "values", writes={"score", "values"})
+
+
+@pytest.mark.parametrize("column", [np.arange(3.0), torch.arange(3.0), [[1], [2], [3]]], ids=["numpy", "torch", "list"])
+def test_a_copied_batch_keeps_its_rows_when_the_original_columns_change(column) -> None:
+    b = flowrl.Batch([0, 1, 2], {"c": column})
+    kept = b.copy()
+    if isinstance(column, list):
+        column[0] = ["changed"]
+    else:
+        column[0] = 99
+    assert kept.ids.tolist() == [0, 1, 2] and kept["c"][0] != column[0] and len(kept) == 3

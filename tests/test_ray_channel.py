@@ -22,7 +22,7 @@ def _echo(seq: int, body: bytes) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def _pair(answer=_echo):
+async def _pair(answer=_echo, prepare=None):
     """A channel server, one replica end served by a one-thread worker, and the driver's end."""
     from flowrl._ray_channel import ChannelServer, ReplicaWorker
 
@@ -31,7 +31,8 @@ async def _pair(answer=_echo):
     try:
         pending = server.expect("me")
         replica = ReplicaWorker()
-        await asyncio.to_thread(replica.connect, server.path, "me", answer)
+        extra = () if prepare is None else (prepare,)
+        await asyncio.to_thread(replica.connect, server.path, "me", answer, *extra)
         driver = await asyncio.wait_for(pending, 10)
         yield replica, driver
         driver.close()
@@ -56,6 +57,25 @@ async def test_replies_match_their_calls_in_order() -> None:
         assert [seq for seq, _ in sent] == list(range(50))
         assert replies == [f"{i}:call {i}".encode() for i in range(50)]
         assert driver.usable()
+
+
+async def test_shards_are_prepared_on_the_channel_thread_and_answered_in_order_on_the_worker() -> None:
+    threads: dict[str, set[str]] = {"prepare": set(), "answer": set()}
+
+    def prepare(seq: int, body: bytes) -> bytes:
+        threads["prepare"].add(threading.current_thread().name)
+        return body.upper()
+
+    def answer(seq: int, prepared: bytes) -> bytes:
+        threads["answer"].add(threading.current_thread().name)
+        return f"{seq}:".encode() + prepared
+
+    async with _pair(answer, prepare) as (replica, driver):
+        sent = [driver.send(f"call {i}".encode()) for i in range(20)]
+        on_worker = await asyncio.wrap_future(replica.submit(lambda: threading.current_thread().name))
+        replies = await asyncio.gather(*(future for _, future in sent))
+    assert replies == [f"{i}:CALL {i}".encode() for i in range(20)]
+    assert threads == {"prepare": {"flowrl-channel"}, "answer": {on_worker}} and on_worker == "flowrl-replica"
 
 
 async def test_a_closed_replica_end_fails_every_waiting_call_and_retires_the_channel() -> None:
@@ -135,6 +155,21 @@ class ThreadState(flowrl.Model):
         return {"mode": [getattr(self.local, "mode", "unset")] * len(batch)}
 
 
+class Reused(flowrl.Model):
+    """Returns rows of one buffer that every step overwrites (as a model reusing its output
+    buffer would): what it returned must be kept as it was."""
+
+    def __init__(self, name: str, config: dict[str, Any], width: int) -> None:
+        super().__init__(name, config)
+        self.width = width
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        if not hasattr(self, "buffer"):
+            self.buffer = np.zeros((8, self.width))
+        self.buffer[: len(batch)] = batch.ids[:, None]
+        return {"wide": self.buffer[: len(batch)]}
+
+
 def _count_channel_calls(monkeypatch) -> list[int]:
     from flowrl._ray_backend import RayBackend
 
@@ -174,6 +209,20 @@ async def test_outputs_too_big_for_the_socket_are_taken_into_shared_memory(ray_c
     assert all(np.allclose(s["total"], s["wide"]) for s in out)
     assert count[0] == 4  # the wide calls; the sink reads stored objects through Ray calls
     assert flowrl_actor_names() == []
+
+
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("backend", ["channel", "ray-calls", "inprocess"])
+async def test_outputs_are_kept_as_returned_when_the_model_reuses_its_buffer(ray_cluster, backend, big):
+    from flowrl._ray_wire import SMALL_BYTES
+
+    width = SMALL_BYTES // 8 + 1 if big else 4
+    model = Reused("r", {"num_replicas": 1, "batch_size": 1, "prefetch": 2, **CPU}, width)
+    config = {"backend": "inprocess"} if backend == "inprocess" else {"local_channels": backend == "channel"}
+    async with flowrl.open_pipeline(lambda x: model.forward_step(x), config) as pipe:
+        out = await pipe.run([{"x": [i]} for i in range(12)])
+    assert [s.id for s in out] == list(range(12))
+    assert all(np.all(s["wide"] == s.id) for s in out)
 
 
 async def test_an_error_over_the_channel_names_the_shard_and_carries_the_replica_traceback(ray_cluster):
