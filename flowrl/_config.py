@@ -39,6 +39,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
     ``gpus_per_replica`` overrides the GPUs each replica asks Ray for (default: the parallel
     size with ``num_gpu``, else 0); a fraction lets several models share (colocate on) GPUs.
+    ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
+    behind another on its replica waits for it too); a later reply fails the run.
     """
 
     num_replicas: int | None = None
@@ -50,6 +52,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     cpus_per_replica: float = 1.0
     splitter: SplitterName = "guided"
     prefetch: int = 2
+    call_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
@@ -61,6 +64,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             pipeline_parallel_size=self.pipeline_parallel_size,
             batch_size=self.batch_size,
             prefetch=self.prefetch,
+            call_timeout_s=self.call_timeout_s,
         )
         _non_negative(
             "ModelConfig", gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica
@@ -111,6 +115,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     the previous epoch): every stage then takes the costliest pending samples first.
     ``local_channels`` (Ray backend): replicas on the driver's node read shards whose data is
     in the driver from a Unix socket rather than Ray actor calls, which cost far more CPU.
+    ``max_retries``: how many times a sample may be sent to a stage again after the replica
+    running it died; the pool carries on without that replica. 0 fails the run at once.
     """
 
     backend: BackendName = "ray"
@@ -125,6 +131,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     inprocess_threads: bool = False
     cost_field: str | None = None
     local_channels: bool = True
+    max_retries: int = 3
 
     def __post_init__(self) -> None:
         _one_of("PipelineConfig", "backend", self.backend, BackendName)
@@ -135,7 +142,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             setup_timeout_s=self.setup_timeout_s,
             ray_init_cpus=self.ray_init_cpus,
         )
-        _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus)
+        _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus, max_retries=self.max_retries)
 
 
 def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:

@@ -19,6 +19,10 @@ class _Waiter:
         self.future: asyncio.Future[Assignment] = asyncio.get_running_loop().create_future()
 
 
+class Retired(Exception):
+    """Raised in a slot whose replica was retired while the slot waited for a shard."""
+
+
 class AsyncPool:
     """A pool's slots wait here for the scheduler to hand them a shard."""
 
@@ -41,6 +45,19 @@ class AsyncPool:
     def finish(self, assignment: Assignment) -> None:
         self.scheduler.finish(assignment)
         self.pump()  # a slot of that replica may wait for it to finish (see ``queue_ahead``)
+
+    def retire(self, replica: int) -> None:
+        """``replica`` died: its waiting slots stop, and it gets no more shards."""
+        self.scheduler.retire(replica)
+        waiters, self._waiters[replica] = self._waiters[replica], deque()
+        for waiter in waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(Retired())
+        self.pump()  # the shards it would have taken are now cut for the others
+
+    def give_back(self, assignment: Assignment, costs: list[float] | None) -> None:
+        self.scheduler.give_back(assignment, costs)
+        self.pump()
 
     def pump(self) -> None:
         for assignment in self.scheduler.poll():

@@ -19,9 +19,9 @@ from anyio.abc import TaskGroup
 from ._backend import Backend, ReplicaHandle
 from ._batch import Batch
 from ._config import CallMeta, Piece, PipelineConfig, ShardCall
-from ._errors import FlowDefinitionError, FlowError, OutputError
+from ._errors import FlowDefinitionError, FlowError, OutputError, ReplicaDiedError, StageError
 from ._graph import SOURCE, FlowGraph
-from ._pool import AsyncPool, Window
+from ._pool import AsyncPool, Retired, Window
 from ._runs import Loc, Run, StreamingMixin
 from ._scheduler import Assignment, PoolScheduler
 from ._stats import PipelineStats, StatsRecorder
@@ -57,6 +57,7 @@ class AsyncPipeline(StreamingMixin):
         )
         self._window = Window(config.max_inflight)
         self._samples: dict[int, _SampleState] = {}
+        self._retries: dict[tuple[str, int], int] = {}  # (stage, sample) -> times sent again
         self._fields: dict[str, frozenset[str]] = {}
         self._next_id = 0
         self._runs = 0
@@ -151,11 +152,39 @@ class AsyncPipeline(StreamingMixin):
         try:
             while True:
                 assignment = await pool.next(handle.replica_id)
-                await self._execute(handle, assignment)
+                try:
+                    await self._execute(handle, assignment)
+                except ReplicaDiedError as err:
+                    self._lost(handle, assignment, err)
+                    return
                 pool.finish(assignment)
+        except Retired:  # its replica died while this slot waited
+            return
         except Exception as err:
             self._fail(err)
             raise
+
+    def _lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> None:
+        """The replica running shard ``a`` died: the pool carries on without it and the
+        shard's samples go back to the stage's queue, while the retry budget lasts."""
+        pool = self._pools[handle.model]
+        budget = self.config.max_retries
+        spent = [sid for sid in a.ids if self._retries.get((a.stage, sid), 0) >= budget]
+        if spent:
+            raise ReplicaDiedError(
+                f"{err.message}; samples {spent} were already retried PipelineConfig.max_retries={budget} "
+                "times on this stage", a.stage, handle.replica_id, a.ids,
+            ) from err
+        if handle.replica_id not in pool.scheduler.retired:
+            pool.retire(handle.replica_id)
+            if not pool.scheduler.serving:
+                raise ReplicaDiedError(f"{err.message}; every replica of model {handle.model!r} has died",
+                                       a.stage, handle.replica_id, a.ids) from err
+        for sid in a.ids:
+            self._retries[(a.stage, sid)] = self._retries.get((a.stage, sid), 0) + 1
+        self._recorder.retried(a.stage, len(a.ids))
+        costs = [self._samples[sid].cost for sid in a.ids] if self.config.cost_field else None
+        pool.give_back(a, costs)
 
     async def _execute(self, handle: ReplicaHandle, a: Assignment) -> None:
         spec = self.graph.stages[a.stage]
@@ -166,13 +195,24 @@ class AsyncPipeline(StreamingMixin):
         # replica was in flight meanwhile (one queued ahead would be counted as overhead).
         alone = scheduler.in_flight[handle.replica_id] == 1
         start = time.perf_counter()
-        meta, out_ref = await self._backend.call(handle, call)
+        meta, out_ref = await self._call(handle, call)
         latency = time.perf_counter() - start
         self._check_output(a, handle, meta)
         self._recorder.record(a.stage, handle.replica_id, meta, latency)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
         self._complete(a.stage, a.ids, out_ref)
+
+    async def _call(self, handle: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
+        deadline = self.graph.models[handle.model].config.call_timeout_s
+        if deadline is None:
+            return await self._backend.call(handle, call)
+        with anyio.move_on_after(deadline):
+            return await self._backend.call(handle, call)
+        raise StageError(
+            f"no reply within ModelConfig.call_timeout_s={deadline:g}s (the step hangs, or takes longer than that)",
+            call.stage, handle.replica_id, call.ids,
+        )
 
     def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:
         pieces: list[Piece] = []

@@ -73,6 +73,7 @@ class PoolScheduler:
         self._queue: list[tuple[int, int, int, int]] = []  # (in flight, last served, replica, version)
         self._held: dict[tuple[int, str], int] = {}  # (replica, stage) -> samples running there
         self._seq = itertools.count()
+        self.retired: set[int] = set()  # replicas that serve no more (their process died)
 
     def add_stage(self, name: str, batch_size: int) -> None:
         """Register a stage served by this pool; later stages in a flow are added later."""
@@ -99,6 +100,8 @@ class PoolScheduler:
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
+        if replica in self.retired:
+            raise ValueError(f"replica {replica} is retired and asks for no more shards")
         if self._waiting[replica] + self.in_flight[replica] >= self.prefetch:
             raise ValueError(f"replica {replica} asked for more than prefetch={self.prefetch} shards")
         self._waiting[replica] += 1
@@ -109,6 +112,27 @@ class PoolScheduler:
         """Forget the waiting slots of ``replica`` (it stopped pulling)."""
         self._waiting[replica] = 0
         self._version[replica] += 1
+
+    def retire(self, replica: int) -> None:
+        """``replica`` serves no more: its waiting slots are forgotten, its shards are not cut
+        for, and shard sizes count the replicas left."""
+        self.withdraw(replica)
+        self.retired.add(replica)
+
+    def give_back(self, assignment: Assignment, costs: Sequence[float] | None = None) -> None:
+        """The shard ``assignment`` did not complete (its replica died): its samples are pending
+        again, with their cost estimates ``costs``."""
+        r, q = assignment.replica, self._stages[assignment.stage]
+        self.in_flight[r] -= 1
+        self._held_add(r, q, -len(assignment.ids))
+        q.dispatched -= len(assignment.ids)
+        for i, cost in zip(assignment.ids, repeat(0.0) if costs is None else costs):
+            heapq.heappush(q.heap, (-cost, i))
+        self._changed(r)
+
+    @property
+    def serving(self) -> int:
+        return self.replicas - len(self.retired)
 
     def finish(self, assignment: Assignment) -> None:
         """The shard ``assignment`` completed."""
@@ -131,7 +155,7 @@ class PoolScheduler:
             replica = self._pop_waiting()
             if replica is None:
                 break
-            if self.in_flight[replica] and not stage.fit.queue_ahead(stage.remaining, self.replicas):
+            if self.in_flight[replica] and not stage.fit.queue_ahead(stage.remaining, self.serving):
                 break  # every replica still waiting has work; each asks again when a shard ends
             self._waiting[replica] -= 1
             out.append(Assignment(replica, stage.name, self._cut(stage, replica)))
@@ -173,8 +197,8 @@ class PoolScheduler:
         held = self._held.get((replica, q.name), 0)
         busy = q.holders - (held > 0)  # other replicas running samples of this stage
         n = shard_size(
-            self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.replicas, batch_size=q.batch_size,
-            held=held, unassigned=q.expected - q.dispatched, free_replicas=self.replicas - busy, floor=q.floor,
+            self.policy, pending=len(q.heap), remaining=q.remaining, replicas=self.serving, batch_size=q.batch_size,
+            held=held, unassigned=q.expected - q.dispatched, free_replicas=self.serving - busy, floor=q.floor,
         )
         self._held_add(replica, q, n)
         q.dispatched += n

@@ -36,6 +36,7 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds the calls took, seen from the driver, beyond their busy time: transport, the
     # wait behind a shard queued first on the replica (prefetch > 1), the runtime's own work.
     overhead_s: float = 0.0
+    retried: int = 0  # samples sent to the stage again after their replica died (not in samples)
 
 
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,7 +66,11 @@ class StatsRecorder:
             (s, r): _Cell() for s, m in self._stage_models.items() for r in range(self._replicas[m])
         }
         self._model_busy = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
+        self._retried = Counter[str]()
         self.active_s = 0.0
+
+    def retried(self, stage: str, samples: int) -> None:
+        self._retried[stage] += samples
 
     def record(self, stage: str, replica: int, meta: CallMeta, latency_s: float) -> None:
         cell = self._cells[(stage, replica)]
@@ -97,6 +102,7 @@ class StatsRecorder:
                 shard_sizes=dict(sorted(sizes.items())),
                 out_bytes=sum(r.out_bytes for r in reps),
                 overhead_s=sum(r.overhead_s for r in reps),
+                retried=self._retried[stage],
             )
         return PipelineStats(active_s=active, stages=stages)
 

@@ -330,3 +330,41 @@ def test_a_busy_replicas_second_slot_gets_a_shard_only_when_queueing_ahead_pays(
     assert [a.replica for a in s.poll()] == queued
     s.finish(first[0])  # replica 0 idle: a slot still waiting is served at once
     assert [a.replica for a in s.poll()] == ([] if queued else [0])
+
+
+@pytest.mark.parametrize("policy", sorted(flowrl.SPLITTERS))
+def test_a_shard_given_back_is_cut_again_for_the_replicas_left(policy):
+    s = make(replicas=3, policy=policy, batch=4, expected=12)
+    s.ready(STAGE, list(range(12)))
+    for r in range(3):
+        s.request(r)
+    shards = {a.replica: a for a in s.poll()}
+    lost = shards[1]
+    s.retire(1)
+    s.give_back(lost)
+    assert s.pending == 12 - sum(len(a.ids) for a in shards.values()) + len(lost.ids)
+    with pytest.raises(ValueError, match="retired"):
+        s.request(1)
+    done: list[int] = []
+    for r in (0, 2):
+        s.finish(shards[r])
+        done += shards[r].ids
+    while s.pending:
+        for r in (0, 2):
+            s.request(r)
+        got = s.poll()
+        assert got and {a.replica for a in got} <= {0, 2}
+        for a in got:
+            s.finish(a)
+            done += a.ids
+    assert sorted(done) == list(range(12))  # every sample once, the lost shard's included
+
+
+def test_shards_are_sized_for_the_replicas_still_serving():
+    s = make(replicas=4, policy="guided", batch=100, expected=40)
+    s.retire(2)
+    s.retire(3)
+    s.ready(STAGE, list(range(40)))
+    s.request(0)
+    (a,) = s.poll()
+    assert len(a.ids) == 20  # half of the work for one of two replicas left, not a quarter
