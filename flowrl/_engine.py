@@ -22,7 +22,7 @@ from ._config import to_config
 from ._engine_parts import (
     EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, trainer_models,
 )
-from ._errors import ConfigError, FlowError, PipelineClosedError
+from ._errors import ConfigError, FlowDefinitionError, FlowError, PipelineClosedError
 from ._model import Model
 from ._pipeline import Flow, build_flow, plain_errors
 from ._run_config import RunConfig
@@ -115,6 +115,12 @@ class Engine:
     # ---- user inputs ----
     def set_dataset(self, items: Sequence[Mapping[str, Any]]) -> None:
         items = list(items)
+        bad = next((i for i, item in enumerate(items) if not isinstance(item, Mapping)), None)
+        if bad is not None:
+            raise ConfigError(
+                f"dataset item {bad} is a {type(items[bad]).__name__}; items must be mappings of field -> value, "
+                "e.g. {'prompt': x}"
+            )
         cfg = self.config
         if cfg.num_samples_per_prompt > 1 and items and any(f in items[0] for f in GROUP_FIELDS):
             raise ConfigError(f"dataset items must not have fields {list(GROUP_FIELDS)}: the engine adds them for groups")
@@ -232,13 +238,33 @@ class Engine:
             raise
         return self.stats()
 
+    def _relayed(self) -> list[Sample]:
+        """The relay function's training samples, checked: a list of samples, not empty."""
+        name = getattr(self._relay_fn, "__name__", "the relay function")
+        out = self._relay_fn(self.relay_episodes)  # type: ignore[misc]
+        if out is None or isinstance(out, (Mapping, str, bytes)) or not hasattr(out, "__iter__"):
+            raise FlowDefinitionError(
+                f"relay function {name} returned {type(out).__name__}; it must return the samples to train on "
+                "(a list of flowrl.Sample, e.g. drawn from its episodes' .samples)"
+            )
+        out = list(out)
+        if not out:
+            raise FlowDefinitionError(f"relay function {name} returned no samples; it must return at least one to train on")
+        bad = next((x for x in out if not isinstance(x, Sample)), None)
+        if bad is not None:
+            raise FlowDefinitionError(
+                f"relay function {name} returned a {type(bad).__name__} among its samples; every item must be a "
+                "flowrl.Sample (from its episodes' .samples)"
+            )
+        return out
+
     async def _run_episode(self, live: Live) -> None:
         e, cfg = self._episode, self.config
         t0 = time.perf_counter()
         samples = await live.rollout.run(self._episode_items())  # type: ignore[union-attr]
         t1 = time.perf_counter()
         self._relay.add(EpisodeBuffer(e, samples))
-        train_samples = list(self._relay_fn(self.relay_episodes)) if self._relay_fn else samples
+        train_samples = self._relayed() if self._relay_fn else samples
         results: dict[str, list[Any]] = {m.name: [] for m in self.trainers}
         if train_samples:
             batch = _batch_of(train_samples)

@@ -90,6 +90,10 @@ def _traceable(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return call
 
 
+class _MissingStep(FlowDefinitionError, AttributeError):
+    pass
+
+
 class Model:
     """Base class of user models. Override ``setup`` and ``forward_step`` (or other steps).
 
@@ -115,6 +119,16 @@ class Model:
         # inference models fed by a trainer: the weight version they run (0: initial weights)
         self.weight_version = 0
         self.track_version = False  # set by an engine: outputs then carry "<name>_version"
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when the normal lookup fails. A flow calling a step the class lacks gets
+        # an error naming the model; it is also an AttributeError, so hasattr() still works.
+        if name.endswith("_step"):
+            raise _MissingStep(
+                f"the flow calls {self.__dict__.get('name', '?')}.{name}, but {type(self).__name__} does not "
+                f"define {name}; define it as {name}(self, batch, iteration)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -210,6 +210,24 @@ class RayBackend:
                     f"the pools need {amount:g} {resource} ({detail}) but the cluster has {have:g}; "
                     f"lower ModelConfig.{key} or the replica counts, or add nodes"
                 )
+        self._check_nodes(specs)
+
+    def _check_nodes(self, specs: list[ReplicaSpec]) -> None:
+        """Each replica (or its placement bundle) must fit on one node, else Ray would wait
+        for such a node until setup_timeout_s."""
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        for s in specs:
+            need = (s.bundle.cpus, s.bundle.gpus) if s.bundle is not None else (s.num_cpus, s.num_gpus)
+            if any(r.get("CPU", 0.0) + 1e-9 >= need[0] and r.get("GPU", 0.0) + 1e-9 >= need[1] for r in nodes):
+                continue
+            largest = max(nodes, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)), default={})
+            what = f"a placement bundle of {need[0]:g} CPU and {need[1]:g} GPU" if s.bundle else (
+                f"{need[0]:g} CPU and {need[1]:g} GPU")
+            raise ClusterError(
+                f"a replica of model {s.model.name!r} needs {what} on one node, but the largest node has "
+                f"{largest.get('CPU', 0.0):g} CPU and {largest.get('GPU', 0.0):g} GPU; lower ModelConfig.gpus_per_replica "
+                "(or tensor_parallel_size) or cpus_per_replica, or add a bigger node"
+            )
 
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
         await anyio.to_thread.run_sync(self._connect, specs)

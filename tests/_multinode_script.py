@@ -30,6 +30,13 @@ def main() -> None:
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
             live_during = flowrl_actor_names()
         assert not ray.is_initialized()  # flowrl connected, so flowrl disconnected
+        # 3 GPUs fit the cluster's 4 in total but no 2-GPU node: an error at once, not a wait
+        wide = Scale("wide", {"num_replicas": 1, "gpus_per_replica": 3, "cpus_per_replica": 0.5}, srcs=["x"])
+        try:
+            with flowrl.Pipeline(lambda x: wide.forward_step(x), config):
+                node_fit = "started"
+        except flowrl.ClusterError as err:
+            node_fit = str(err)
         ray.init(address=cluster.address)
         left_after = flowrl_actor_names()
         ray.shutdown()
@@ -40,6 +47,7 @@ def main() -> None:
             "samples": stats["gen.forward_step"].samples,
             "live_during": len(live_during),
             "left_after": left_after,
+            "node_fit": node_fit,
         }))
     finally:
         cluster.shutdown()

@@ -1,0 +1,141 @@
+"""User mistakes get a clear error naming what was expected, what was given and where
+(the table in docs/errors.md). In-process where the mistake does not need Ray."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl.testing import CountingTrainer, Scale
+
+LOCAL = {"backend": "inprocess"}
+
+
+def _engine(relay=None, **run: Any) -> flowrl.Engine:
+    policy = Scale("policy", {"num_replicas": 1, "batch_size": 2}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("trainer")
+    cfg = {"sample_per_episode": 4, "num_episode": 1, "train_global_batch_size": 4, "pipeline": LOCAL, **run}
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=cfg)
+    if relay is not None:
+        engine.set_relay_sample_fn(relay)
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("relay", "message"),
+    [
+        (lambda episodes: None, r"relay function <lambda> returned NoneType; it must return the samples to train on"),
+        (lambda episodes: [], r"relay function <lambda> returned no samples"),
+        (lambda episodes: [dict(s) for s in episodes[-1].buffer], r"returned a dict among its samples"),
+        (lambda episodes: episodes[-1].buffer[0], r"returned Sample; it must return the samples"),
+    ],
+    ids=["none", "empty", "dicts", "one-sample"],
+)
+def test_a_relay_function_that_returns_no_samples_is_named(relay, message):
+    engine = _engine(relay)
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(8)])
+    with pytest.raises(flowrl.FlowDefinitionError, match=message):
+        engine.learn()
+
+
+def test_dataset_items_must_be_mappings_and_the_dataset_not_empty():
+    engine = _engine()
+    with pytest.raises(flowrl.ConfigError, match=r"dataset item 1 is a list; items must be mappings"):
+        engine.set_dataset([{"x": [0.0]}, [1.0]])
+    with pytest.raises(flowrl.ConfigError, match=r"the dataset is empty; engine.set_dataset\(items\) needs at least one item"):
+        engine.set_dataset([])
+
+
+def test_learn_before_set_dataset_says_what_to_call():
+    with pytest.raises(flowrl.ConfigError, match=r"call engine.set_dataset\(items\) before learn\(\)"):
+        _engine().learn()
+
+
+def test_a_flow_calling_a_step_its_model_lacks_names_the_model_and_the_step():
+    policy = Scale("policy", {}, srcs=["x"], dst="y")
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"calls policy.eval_step, but Scale does not define eval_step"):
+        flowrl.run_flow(lambda x: policy.eval_step(x), [{"x": [1.0]}], LOCAL)
+    assert not hasattr(policy, "eval_step") and not hasattr(policy, "buffer")  # hasattr still answers
+
+
+def test_unknown_colocation_model_and_unknown_pipeline_key_are_named():
+    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.colocation names unknown model\(s\) \['critic'\]"):
+        _engine(colocation=[["policy", "critic"]])
+    with pytest.raises(flowrl.ConfigError, match=r"pipeline config: Object contains unknown field `max_inflights`"):
+        flowrl.run_flow(lambda x: x, [{"x": 1}], {"max_inflights": 3})
+
+
+class Drifting(flowrl.Model):
+    """Its first shard adds ``a``, later ones ``b``."""
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        first = not hasattr(self, "seen")
+        self.seen = True
+        return {"a" if first else "b": [0] * len(batch)}
+
+
+class Versioned(flowrl.Model):
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"policy_version": [0] * len(batch)}
+
+
+def test_shards_of_one_stage_returning_different_fields_are_an_output_error():
+    model = Drifting("d", {"batch_size": 2})
+    with pytest.raises(flowrl.OutputError, match=r"returned fields \['b'\], but its earlier shards returned \['a'\]"):
+        flowrl.run_flow(lambda x: model.forward_step(x), [{"x": i} for i in range(6)], LOCAL)
+
+
+def test_a_step_may_not_write_the_weight_version_field_of_its_model():
+    policy = Versioned("policy", {"batch_size": 2})
+    trainer = CountingTrainer("trainer")
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
+                           config={"sample_per_episode": 4, "train_global_batch_size": 4, "pipeline": LOCAL})
+    engine.set_dataset([{"x": float(i)} for i in range(4)])
+    with pytest.raises(flowrl.OutputError, match=r"field 'policy_version' is reserved for the weight version"):
+        engine.learn()
+
+
+class BadTrainer(CountingTrainer):
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> Any:
+        return 0.5  # a loss, not a mapping of metrics
+
+
+def test_train_step_returning_a_number_is_an_output_error():
+    policy = Scale("policy", {"batch_size": 2}, srcs=["x"], dst="y")
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[BadTrainer("trainer")],
+                           config={"sample_per_episode": 4, "train_global_batch_size": 4, "pipeline": LOCAL})
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(4)])
+    with pytest.raises(flowrl.OutputError, match=r"train_step must return a mapping of metrics or None, got float"):
+        engine.learn()
+
+
+@pytest.mark.parametrize("key", ["sample_per_episode", "num_episode", "train_global_batch_size", "train_micro_batch_size",
+                                 "num_training_epoch", "sync_every", "num_samples_per_prompt", "collective_timeout_s"])
+def test_run_config_sizes_must_be_positive(key):
+    cfg = {"sample_per_episode": 4, key: 0}
+    with pytest.raises(flowrl.ConfigError, match=rf"RunConfig.{key} must be > 0, got 0"):
+        flowrl.RunConfig.from_mapping(cfg)
+
+
+def test_input_items_must_be_mappings_with_the_same_fields():
+    model = Scale("m", {"batch_size": 2}, srcs=["x"])
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"input item 1 is a list; items must be mappings"):
+        flowrl.run_flow(lambda x: model.forward_step(x), [{"x": [1.0]}, [2.0]], LOCAL)
+    items = [{"x": [float(i)]} for i in range(4)] + [{"x": [4.0], "y": 1}]
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"input items have fields \['x', 'y'\], earlier items had \['x'\]"):
+        flowrl.run_flow(lambda x: model.forward_step(x), items, {**LOCAL, "input_chunk": 4})
+
+
+def test_every_test_named_in_the_errors_page_exists():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent
+    page = (root.parent / "docs" / "errors.md").read_text()
+    named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", page)
+    assert len(named) >= 30
+    missing = [f"{f}::{t}" for f, t in named if f"def {t}(" not in (root / f).read_text()]
+    assert missing == []
