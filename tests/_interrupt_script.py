@@ -1,0 +1,41 @@
+"""Run by test_faults.py: a synchronous learn() on its own Ray cluster, interrupted with SIGINT
+(Ctrl-C) once the first episode's rollout is done. Prints what was left after the interrupt."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import ray
+
+import flowrl
+from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
+
+
+def main() -> None:
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, "cpus_per_replica": 0.25}, srcs=["x"], dst="y",
+                   sleep_s=0.02)
+    trainer = CountingTrainer("trainer", {"num_replicas": 2, "cpus_per_replica": 0.25})
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
+                           config={"sample_per_episode": 8, "num_episode": 1000, "train_global_batch_size": 8})
+
+    def relay(episodes):
+        if len(episodes) == 1:
+            print("rolling", flush=True)  # the test sends SIGINT now
+        return episodes[-1].buffer
+
+    engine.set_relay_sample_fn(relay)
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(64)])
+    try:
+        engine.learn()
+        outcome = "finished"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    print(json.dumps({"outcome": outcome, "left": flowrl_actor_names()}), flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
