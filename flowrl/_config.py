@@ -32,6 +32,19 @@ def _non_negative(owner: str, **values: float | None) -> None:
             raise ConfigError(f"{owner}.{key} must be >= 0, got {value!r}")
 
 
+def _check_types(config: msgspec.Struct) -> None:
+    """Each field's value against its annotation. msgspec checks a config given as a mapping;
+    one built directly (``ModelConfig(batch_size=2.5)``) is checked only here."""
+    owner = type(config).__name__
+    for field in msgspec.structs.fields(config):
+        value = getattr(config, field.name)
+        plain = value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value  # np.int64(4)
+        try:
+            msgspec.convert(plain, field.type)
+        except msgspec.ValidationError as err:
+            raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How one model runs: replica count, per-call batch size, resources, splitter policy.
 
@@ -56,6 +69,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def __post_init__(self) -> None:
         _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
+        _check_types(self)
         _positive(
             "ModelConfig",
             num_replicas=self.num_replicas,
@@ -135,6 +149,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def __post_init__(self) -> None:
         _one_of("PipelineConfig", "backend", self.backend, BackendName)
+        _check_types(self)
         _positive(
             "PipelineConfig",
             max_inflight=self.max_inflight,

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from ._config import ModelConfig, PipelineConfig, _non_negative, _positive, to_config
+from ._config import ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, to_config
 from ._errors import ConfigError
 
 
@@ -38,6 +38,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _positive(
             "RunConfig",
             sample_per_episode=self.sample_per_episode,

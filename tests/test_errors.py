@@ -139,3 +139,19 @@ def test_every_test_named_in_the_errors_page_exists():
     assert len(named) >= 30
     missing = [f"{f}::{t}" for f, t in named if f"def {t}(" not in (root / f).read_text()]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: flowrl.ModelConfig(batch_size=2.5), r"ModelConfig.batch_size=2.5: Expected `int`, got `float`"),
+        (lambda: flowrl.ModelConfig(prefetch=True), r"ModelConfig.prefetch=True: Expected `int`, got `bool`"),
+        (lambda: flowrl.PipelineConfig(ordered="no"), r"PipelineConfig.ordered='no': Expected `bool`, got `str`"),
+        (lambda: flowrl.RunConfig(sample_per_episode=8, shuffle="yes"), r"RunConfig.shuffle='yes': Expected `bool`"),
+    ],
+    ids=["float-size", "bool-size", "str-flag", "run-flag"],
+)
+def test_a_config_built_directly_is_type_checked_too(build, message):
+    with pytest.raises(flowrl.ConfigError, match=message):
+        build()
+    assert flowrl.ModelConfig(num_replicas=np.int64(4)).replicas == 4  # numpy numbers are numbers
