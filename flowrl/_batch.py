@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import FlowError
+from ._errors import FlowDefinitionError, FlowError
 
 Column = Any  # torch.Tensor | np.ndarray | list
 
@@ -160,9 +160,9 @@ class Batch:
         names = list(samples[0].keys()) if samples else []
         for pos, sample in enumerate(samples):
             if set(sample.keys()) != set(names):
-                raise FlowError(
-                    f"input sample {pos} has fields {sorted(sample)}, the first sample has {sorted(names)}; "
-                    "every input sample must have the same fields"
+                raise FlowDefinitionError(
+                    f"sample {ids[pos]} has fields {sorted(sample)}, sample {ids[0]} has {sorted(names)}; "
+                    "every sample must have the same fields"
                 )
         return cls(ids, {n: _stack([s[n] for s in samples]) for n in names})
 

@@ -122,7 +122,7 @@ class Engine:
                 "e.g. {'prompt': x}"
             )
         cfg = self.config
-        if cfg.num_samples_per_prompt > 1 and items and any(f in items[0] for f in GROUP_FIELDS):
+        if cfg.num_samples_per_prompt > 1 and any(f in item for item in items for f in GROUP_FIELDS):
             raise ConfigError(f"dataset items must not have fields {list(GROUP_FIELDS)}: the engine adds them for groups")
         self._sampler = EpisodeSampler(len(items), cfg.sample_per_episode, cfg.num_samples_per_prompt, cfg.shuffle, cfg.seed)
         self._dataset = items

@@ -155,3 +155,16 @@ def test_a_config_built_directly_is_type_checked_too(build, message):
     with pytest.raises(flowrl.ConfigError, match=message):
         build()
     assert flowrl.ModelConfig(num_replicas=np.int64(4)).replicas == 4  # numpy numbers are numbers
+
+
+def test_samples_of_one_input_chunk_with_different_fields_name_the_samples():
+    model = Scale("m", {"batch_size": 2}, srcs=["x"])
+    items = [{"x": [0.0]}, {"x": [1.0]}, {"x": [2.0], "extra": 1}]
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"sample 2 has fields \['extra', 'x'\], sample 0 has \['x'\]"):
+        flowrl.run_flow(lambda x: model.forward_step(x), items, LOCAL)
+
+
+def test_dataset_items_may_not_carry_the_group_fields_the_engine_adds():
+    engine = _engine(num_samples_per_prompt=2)
+    with pytest.raises(flowrl.ConfigError, match=r"must not have fields \['prompt_index', 'copy_index'\]"):
+        engine.set_dataset([{"x": [0.0]}, {"x": [1.0], "copy_index": 3}])  # not only the first item is checked
