@@ -72,7 +72,8 @@ class ReplicaWorker:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._channel: socket.socket | None = None
         self._dead = False
-        threading.Thread(target=self._work, name="flowrl-replica", daemon=True).start()
+        self.thread = threading.Thread(target=self._work, name="flowrl-replica", daemon=True)
+        self.thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
