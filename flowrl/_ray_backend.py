@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ._batch import Batch, approx_nbytes
 from ._config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
-from ._backend import Bundle, ReplicaHandle, ReplicaSpec
+from ._backend import Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 from ._model import Model
 from ._ray_channel import ERR, OK, ChannelLost, ChannelServer, DriverEnd, ReplicaWorker
 from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, answer_reply, by_value, call_args, error_blob,
@@ -193,45 +193,10 @@ class RayBackend:
             _owned["users"] += 1
             self._owner = True
 
-    def _check_resources(self, specs: list[ReplicaSpec]) -> None:
-        total = ray.cluster_resources()
-        need = {"CPU": sum(s.num_cpus for s in specs), "GPU": sum(s.num_gpus for s in specs)}
-        for resource, amount in need.items():
-            have = total.get(resource, 0.0)
-            if amount > have + 1e-9:
-                per_model: dict[str, float] = {}
-                for s in specs:
-                    per_model[s.model.name] = per_model.get(s.model.name, 0.0) + (
-                        s.num_cpus if resource == "CPU" else s.num_gpus
-                    )
-                detail = ", ".join(f"{m}: {v:g}" for m, v in per_model.items())
-                key = "cpus_per_replica" if resource == "CPU" else "gpus_per_replica / num_gpu"
-                raise ClusterError(
-                    f"the pools need {amount:g} {resource} ({detail}) but the cluster has {have:g}; "
-                    f"lower ModelConfig.{key} or the replica counts, or add nodes"
-                )
-        self._check_nodes(specs)
-
-    def _check_nodes(self, specs: list[ReplicaSpec]) -> None:
-        """Each replica (or its placement bundle) must fit on one node, else Ray would wait
-        for such a node until setup_timeout_s."""
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        for s in specs:
-            need = (s.bundle.cpus, s.bundle.gpus) if s.bundle is not None else (s.num_cpus, s.num_gpus)
-            if any(r.get("CPU", 0.0) + 1e-9 >= need[0] and r.get("GPU", 0.0) + 1e-9 >= need[1] for r in nodes):
-                continue
-            largest = max(nodes, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)), default={})
-            what = f"a placement bundle of {need[0]:g} CPU and {need[1]:g} GPU" if s.bundle else (
-                f"{need[0]:g} CPU and {need[1]:g} GPU")
-            raise ClusterError(
-                f"a replica of model {s.model.name!r} needs {what} on one node, but the largest node has "
-                f"{largest.get('CPU', 0.0):g} CPU and {largest.get('GPU', 0.0):g} GPU; lower ModelConfig.gpus_per_replica "
-                "(or tensor_parallel_size) or cpus_per_replica, or add a bigger node"
-            )
-
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
         await anyio.to_thread.run_sync(self._connect, specs)
-        self._check_resources(specs)
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        check_capacity(specs, ray.cluster_resources(), nodes)
 
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         await self.prepare(specs)

@@ -154,7 +154,10 @@ def test_every_test_named_in_the_errors_page_exists():
 def test_a_config_built_directly_is_type_checked_too(build, message):
     with pytest.raises(flowrl.ConfigError, match=message):
         build()
-    assert flowrl.ModelConfig(num_replicas=np.int64(4)).replicas == 4  # numpy numbers are numbers
+
+
+def test_numpy_numbers_in_a_config_are_numbers():
+    assert flowrl.ModelConfig(num_replicas=np.int64(4), cpus_per_replica=np.float32(0.5)).replicas == 4
 
 
 def test_samples_of_one_input_chunk_with_different_fields_name_the_samples():
@@ -168,3 +171,34 @@ def test_dataset_items_may_not_carry_the_group_fields_the_engine_adds():
     engine = _engine(num_samples_per_prompt=2)
     with pytest.raises(flowrl.ConfigError, match=r"must not have fields \['prompt_index', 'copy_index'\]"):
         engine.set_dataset([{"x": [0.0]}, {"x": [1.0], "copy_index": 3}])  # not only the first item is checked
+
+
+def _spec(gpus: float, cpus: float = 0.5, bundle: tuple[float, float] | None = None):
+    from flowrl._backend import Bundle, ReplicaSpec
+
+    placed = None if bundle is None else Bundle(group="g", index=0, size=1, cpus=bundle[0], gpus=bundle[1])
+    return ReplicaSpec(Scale("m", {}, srcs=["x"]), 0, cpus, gpus, placed)
+
+
+TWO_NODES = [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        ([_spec(1), _spec(1)], None),  # fits
+        ([_spec(2), _spec(2), _spec(1)], r"the pools need 5 GPU \(m: 5\) but the cluster has 4; lower ModelConfig.gpus_per_replica"),
+        ([_spec(3)], r"model 'm' needs 0.5 CPU and 3 GPU on one node, but the largest node has 2 CPU and 2 GPU"),
+        ([_spec(1, bundle=(1.0, 3.0))], r"needs a placement bundle of 1 CPU and 3 GPU on one node"),
+    ],
+    ids=["fits", "total", "one-node", "bundle"],
+)
+def test_replicas_that_cannot_fit_the_cluster_or_one_node_are_refused_before_any_starts(specs, message):
+    from flowrl._backend import check_capacity
+
+    total = {"CPU": 4.0, "GPU": 4.0}
+    if message is None:
+        check_capacity(specs, total, TWO_NODES)
+    else:
+        with pytest.raises(flowrl.ClusterError, match=message):
+            check_capacity(specs, total, TWO_NODES)
