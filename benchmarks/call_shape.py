@@ -32,7 +32,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
-def _cpu(replica: bytes = b"ray::_ReplicaActor") -> dict[str, float]:
+def _cpu(replica: bytes = b"ray::ReplicaActor") -> dict[str, float]:
     """CPU seconds so far of this process and of the actor processes whose title starts so."""
     out = {"driver": _cpu_s(os.getpid()), "replicas": 0.0}
     for proc in Path("/proc").iterdir():

@@ -10,6 +10,7 @@ from ._rlhf import RLHFEngine
 from ._run_config import RunConfig
 from ._sampler import EpisodeBuffer
 from ._errors import (
+    CheckpointError,
     ClusterError,
     ConfigError,
     FlowDefinitionError,
@@ -40,6 +41,7 @@ __all__ = [
     "RankStats",
     "RunConfig",
     "TrainerStats",
+    "CheckpointError",
     "ClusterError",
     "ConfigError",
     "FlowDefinitionError",

@@ -100,10 +100,29 @@ class Backend(Protocol):
         ...
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
-        """A reference to the trainer's weights, left in the object store."""
+        """A reference to a trainer rank's (or a replica's) weights, left in the object store."""
         ...
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
+        ...
+
+    async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
+        """A trainer rank's checkpoint: (its model's state, rank 0 only; its random generators)."""
+        ...
+
+    async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:
+        ...
+
+    async def value(self, ref: Any) -> Any:
+        """The value behind a reference from ``get_weights``, on the driver."""
+        ...
+
+    def share(self, value: Any) -> Any:
+        """``value`` put where every replica can read it (weights to load); a reference."""
+        ...
+
+    async def stop(self, handles: list[ReplicaHandle]) -> None:
+        """Stop these actors (a trainer group being rebuilt); returns once they are gone."""
         ...
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,10 +20,11 @@ import anyio.from_thread
 
 from ._batch import Batch, Sample
 from ._config import to_config
+from ._engine_ckpt import Checkpoints, Resumable
 from ._engine_parts import (
     EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, trainer_models,
 )
-from ._errors import ConfigError, FlowDefinitionError, FlowError, PipelineClosedError
+from ._errors import ConfigError, FlowDefinitionError, FlowError, PipelineClosedError, ReplicaDiedError
 from ._model import Model
 from ._pipeline import Flow, build_flow, plain_errors
 from ._run_config import RunConfig
@@ -32,7 +34,7 @@ RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
 GROUP_FIELDS = ("prompt_index", "copy_index")
 
 
-class Engine:
+class Engine(Resumable):
     """Runs episodes of a rollout flow, training and weight sync on a Ray cluster.
 
     ``train``: the trainer models (or a flow that calls their ``train_step``); ``sync``:
@@ -76,6 +78,12 @@ class Engine:
         self._failed: BaseException | None = None
         self._portal: Any = None
         self._sync_stack: contextlib.ExitStack | None = None
+        self._ckpt = Checkpoints(self.config)
+        self._begun = False  # resumed from a checkpoint, or wrote the first one
+        self._restarts = 0
+        self._sent: dict[str, Any] = {}  # inference model -> reference to the weights it holds
+        self._initial: dict[str, Any] = {}  # its weights before the first sync
+        self._folder: Path | None = None  # the last checkpoint written or resumed from
 
     # ---- set-up checks, all before anything starts ----
     def _all_models(self) -> dict[str, Model]:
@@ -231,12 +239,25 @@ class Engine:
         self._runs += 1
         try:
             async with plain_errors():
-                for _ in range(self.config.num_episode):
-                    await self._run_episode(live)
+                await self._begin(live)
+                # the n-th learn() runs up to episode n * num_episode: a resumed run ends where
+                # the uninterrupted one would have
+                while self._episode < self._runs * self.config.num_episode:
+                    await self._episode_or_rebuild(live)
         except Exception as err:
             self._failed = err  # a trainer group may be stuck in a collective: no more runs
             raise
         return self.stats()
+
+    async def _episode_or_rebuild(self, live: Live) -> None:
+        try:
+            async with plain_errors():
+                await self._run_episode(live)
+        except ReplicaDiedError as err:
+            trainer = err.stage.partition(".")[0]
+            if trainer not in live.trainers:
+                raise
+            await self._rebuild(live, trainer, err)
 
     def _relayed(self) -> list[Sample]:
         """The relay function's training samples, checked: a list of samples, not empty."""
@@ -284,6 +305,8 @@ class Engine:
             weight_versions=dict(self._versions),
         ))
         self._episode += 1
+        if self._ckpt.due(self._episode):
+            await self._save(live)
 
     def _episode_items(self) -> list[dict[str, Any]]:
         assert self._sampler is not None and self._dataset is not None
@@ -323,10 +346,16 @@ class Engine:
     async def _sync(self, live: Live) -> None:
         for trainer, target in self.sync_pairs:
             weights = await live.backend.get_weights(live.trainers[trainer.name][0])
-            self._versions[target.name] += 1
-            async with anyio.create_task_group() as tg:
-                for handle in live.replicas_of(target.name):
-                    tg.start_soon(live.backend.load_weights, handle, self._versions[target.name], weights)
+            if self._ckpt.writes and self._versions[target.name] == 0 and target.name not in self._initial:
+                self._initial[target.name] = await self._snapshot(live, target.name)
+            await self._send(live, target.name, self._versions[target.name] + 1, weights)
+
+    async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
+        async with anyio.create_task_group() as tg:
+            for handle in live.replicas_of(name):
+                tg.start_soon(live.backend.load_weights, handle, version, weights)
+        self._versions[name] = version
+        self._sent[name] = weights
 
 
 def _batch_of(samples: Sequence[Sample]) -> Batch:

@@ -165,13 +165,22 @@ class Live:
         everything += self._pool_specs(rollout, "") + self._pool_specs(evaluation, "-eval")
         await self.backend.prepare(everything)  # an embedded cluster is sized for all pools
         cfg = self.config.pipeline
-        for name, specs in trainer_specs.items():
-            self.trainers[name] = await self.backend.start_trainer(specs, timeout_s=self.config.collective_timeout_s)
+        for model in self.trainer_models:
+            await self.start_trainer(model)
         self.rollout = await self.stack.enter_async_context(running(rollout, self.backend, cfg, self.placement.spec))
         if evaluation is not None:
             self.evaluation = await self.stack.enter_async_context(
                 running(evaluation, self.backend, cfg, lambda m, r: self.placement.spec(m, r, "-eval"))
             )
+
+    async def start_trainer(self, model: Model) -> None:
+        specs = [self.placement.spec(model, r) for r in range(model.config.replicas)]
+        self.trainers[model.name] = await self.backend.start_trainer(specs, timeout_s=self.config.collective_timeout_s)
+
+    async def restart_trainer(self, name: str) -> None:
+        """Stop every rank of trainer ``name`` (some may wait in a collective) and start new ones."""
+        await self.backend.stop(self.trainers.pop(name))
+        await self.start_trainer(next(m for m in self.trainer_models if m.name == name))
 
     def stats(self) -> tuple[PipelineStats | None, PipelineStats | None]:
         live = tuple(p.stats() if p is not None else None for p in (self.rollout, self.evaluation))

@@ -21,6 +21,10 @@ class PipelineClosedError(FlowError):
     """The pipeline (or engine) was used after it closed or failed, or a stream was superseded."""
 
 
+class CheckpointError(FlowError):
+    """A checkpoint cannot be written or read, or does not fit the run that loads it."""
+
+
 class ClusterError(FlowError):
     """The cluster cannot host the pools (not enough resources, replicas never started)."""
 

@@ -91,7 +91,24 @@ class InProcessBackend:
         return rank.ref.train(shard.value, step_size, micro_batch, iteration)
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
-        return LocalRef(rank.ref.get_weights())  # type: ignore[arg-type]
+        runtime = getattr(rank.ref, "runtime", rank.ref)  # a replica's, or a trainer rank's
+        # a copy: the arrays may be views of the live parameters, which training goes on changing
+        return LocalRef(copy.deepcopy(runtime.get_weights()))  # type: ignore[arg-type]
+
+    async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
+        return rank.ref.save_state()
+
+    async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:
+        rank.ref.load_state(model, rng)
+
+    async def value(self, ref: Any) -> Any:
+        return ref.value
+
+    def share(self, value: Any) -> Any:
+        return LocalRef(value)
+
+    async def stop(self, handles: list[ReplicaHandle]) -> None:
+        pass
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
         local: _LocalReplica = replica.ref

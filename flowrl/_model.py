@@ -190,6 +190,27 @@ class Model:
         """Load weights received from a trainer (default: into ``self.module``)."""
         self._module("set_weights").load_state_dict(weights)
 
+    # ---- checkpoint hooks (trainers) ----
+    def checkpoint_state(self) -> Mapping[str, Any]:
+        """What a checkpoint keeps of this trainer (rank 0's; data-parallel ranks hold the same).
+
+        Default: the state dicts of ``self.module`` and, when set, ``self.optimizer`` and
+        ``self.lr_scheduler``. Values: dicts, lists, numbers, strings, arrays and tensors.
+        """
+        state = {"module": self._module("checkpoint_state").state_dict()}
+        for attr in ("optimizer", "lr_scheduler"):
+            part = getattr(self, attr, None)
+            if part is not None:
+                state[attr] = part.state_dict()
+        return state
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Load what ``checkpoint_state`` returned (runs after ``setup``, on every rank)."""
+        self._module("restore_state").load_state_dict(state["module"])
+        for attr in ("optimizer", "lr_scheduler"):
+            if attr in state:
+                getattr(self, attr).load_state_dict(state[attr])
+
     def _module(self, hook: str) -> Any:
         module = getattr(self, "module", None)
         if module is None:

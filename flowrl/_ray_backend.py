@@ -1,11 +1,8 @@
-"""The Ray backend (layer 4): one Ray actor per replica. It and ``_ray_wire`` (how shard data
-and replies travel) are the only modules that import ray.
+"""The Ray backend (layer 4): one Ray actor per replica (``_ray_actors``). It, the actors and
+``_ray_wire`` (how shard data and replies travel) are the only modules that import ray.
 
-A replica actor runs one shard at a time on its one worker thread (a second shard sent ahead
-waits, and weights load between shards). Replicas on the driver's node also read shards from
-a Unix socket (``_ray_channel``), which costs far less than a Ray call. The actor has no extra
-concurrency group: one costs every call about a quarter of its throughput, and closing needs
-none (a killed actor fails its pings).
+Replicas on the driver's node also read shards from a Unix socket (``_ray_channel``), which
+costs far less than a Ray call.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import asyncio
 import contextlib
 import math
 import os
-import socket
 import sys
 import uuid
 from typing import Any
@@ -32,89 +28,10 @@ from ._config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_me
 from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 from ._model import Model
-from ._ray_channel import ERR, OK, ChannelLost, ChannelServer, DriverEnd, ReplicaWorker
-from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, answer_reply, by_value, call_args, error_blob,
-                        frame, local, open_stored, prepare_call, raise_remote, run_call, unframe)
-from ._replica import ReplicaRuntime, TrainerRuntime
-
-
-@ray.remote
-class _ReplicaActor:
-    def __init__(self, model: Model, replica_id: int) -> None:
-        self.runtime = ReplicaRuntime(model, replica_id)
-        # User code runs on this one thread whichever way a shard comes (a Ray call or the
-        # channel): one shard at a time, weights loaded between shards, and thread-local state
-        # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
-        self.worker = ReplicaWorker()
-        self.held: dict[int, Batch] = {}  # channel calls' outputs too big for the socket
-
-    def setup(self) -> str:
-        gpu_ids = [int(g) for g in ray.get_gpu_ids()]
-        node = ray.get_runtime_context().get_node_id()
-        return self.worker.submit(self.runtime.setup, gpu_ids, node).result()
-
-    @ray.method(num_returns=2)
-    def run(self, blob: bytes, *stored: Any) -> tuple[bytes, Batch | None]:
-        # The pieces' object references came as arguments (Ray fetched them before the call
-        # started, overlapping the previous shard); small input rows came inside ``blob``.
-        return self.worker.submit(run_call, self.runtime, blob, stored).result()
-
-    def open_channel(self, path: str, token: str) -> None:
-        self.worker.connect(path, token, self._answer, self._prepare)
-
-    def _prepare(self, seq: int, blob: bytes) -> Any:
-        try:
-            return prepare_call(self.runtime, blob, ())
-        except Exception as err:  # answered in its turn
-            return err
-
-    def _answer(self, seq: int, prepared: Any) -> bytes:
-        try:
-            if isinstance(prepared, Exception):
-                raise prepared
-            reply, out = answer_reply(*self.runtime.step(*prepared))
-        except Exception as err:
-            return ERR + error_blob(err)
-        if out is not None:  # the driver takes it as a Ray return value, into shared memory,
-            self.held[seq] = out.copy()  # after the next step may have overwritten a buffer it reuses
-        return OK + reply
-
-    def take(self, seq: int) -> Batch:
-        return self.held.pop(seq)
-
-    def load_weights(self, version: int, weights: Any) -> None:
-        self.worker.submit(self.runtime.load_weights, version, weights).result()
-
-    def ping(self) -> bool:
-        return True
-
-
-@ray.remote(concurrency_groups={"control": 1})
-class _TrainerActor:
-    def __init__(self, model: Model, rank: int, world_size: int) -> None:
-        self.runtime = TrainerRuntime(model, rank, world_size)
-
-    def rendezvous(self) -> str:
-        with socket.socket() as sock:  # a free port on this node, for the process group
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-    def setup(self, init_method: str | None, timeout_s: float) -> str:
-        gpu_ids = [int(g) for g in ray.get_gpu_ids()]
-        return self.runtime.setup(init_method, gpu_ids, ray.get_runtime_context().get_node_id(), timeout_s)
-
-    def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
-        return self.runtime.train(batch, step_size, micro_batch, iteration)
-
-    def get_weights(self) -> list[Any]:
-        # Stored here, returned by reference: the driver learns of a failure at once, and
-        # every receiver reads this one copy.
-        return [ray.put(self.runtime.get_weights())]
-
-    @ray.method(concurrency_group="control")
-    def ping(self) -> bool:
-        return True
+from ._ray_actors import ReplicaActor, TrainerActor
+from ._ray_channel import ERR, ChannelLost, ChannelServer, DriverEnd
+from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, by_value, call_args, frame, local, open_stored,
+                        raise_remote, unframe)
 
 
 def _translate(err: Exception, stage: str, replica: int, ids: list[int]) -> FlowError:
@@ -151,6 +68,27 @@ _owned = {"started": False, "users": 0}
 def live_actor_names() -> list[str]:
     """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
+
+
+async def _ask(handle: ReplicaHandle, method: str, stage: str, *args: Any) -> Any:
+    """``handle``'s actor method, its failures as FlowErrors naming ``<model>.<stage>``."""
+    try:
+        return await getattr(handle.ref, method).remote(*args)
+    except (RayTaskError, RayActorError) as err:
+        raise _translate(err, f"{handle.model}.{stage}", handle.replica_id, []) from err
+
+
+async def _kill(actors: list[Any]) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(actor, no_restart=True)
+    # Wait until each is really gone, so no flowrl actor outlives the pipeline.
+    with anyio.move_on_after(30):
+        for actor in actors:
+            try:
+                await actor.ping.remote()
+            except (RayActorError, GetTimeoutError):
+                pass
 
 
 async def _setup(spec: ReplicaSpec, actor: Any, *args: Any) -> ReplicaHandle:
@@ -202,7 +140,7 @@ class RayBackend:
         await self.prepare(specs)
         waits = {}
         for s in specs:
-            actor = self._create(_ReplicaActor, s, s.model, s.replica_id)
+            actor = self._create(ReplicaActor, s, s.model, s.replica_id)
             waits[asyncio.ensure_future(_setup(s, actor))] = s
         done, pending = await asyncio.wait(
             waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
@@ -275,7 +213,7 @@ class RayBackend:
 
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
         await self.prepare(specs)
-        ranks = [self._create(_TrainerActor, s, s.model, s.replica_id, len(specs)) for s in specs]
+        ranks = [self._create(TrainerActor, s, s.model, s.replica_id, len(specs)) for s in specs]
         try:
             with anyio.fail_after(self.config.setup_timeout_s):
                 init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
@@ -298,17 +236,28 @@ class RayBackend:
             raise _translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
-        try:
-            (ref,) = await rank.ref.get_weights.remote()
-        except (RayTaskError, RayActorError) as err:
-            raise _translate(err, f"{rank.model}.get_weights", rank.replica_id, []) from err
+        (ref,) = await _ask(rank, "get_weights", "get_weights")
         return ref
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
-        try:
-            await replica.ref.load_weights.remote(version, weights)
-        except (RayTaskError, RayActorError) as err:
-            raise _translate(err, f"{replica.model}.set_weights", replica.replica_id, []) from err
+        await _ask(replica, "load_weights", "set_weights", version, weights)
+
+    async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
+        return await _ask(rank, "save_state", "checkpoint_state")
+
+    async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:
+        await _ask(rank, "load_state", "restore_state", model, rng)
+
+    async def value(self, ref: Any) -> Any:
+        return await ref
+
+    def share(self, value: Any) -> Any:
+        return ray.put(value)
+
+    async def stop(self, handles: list[ReplicaHandle]) -> None:
+        gone = {id(h.ref) for h in handles}
+        self._actors = [a for a in self._actors if id(a) not in gone]
+        await _kill([h.ref for h in handles])
 
     def put(self, batch: Batch) -> Any:
         if approx_nbytes(batch) <= INLINE_BYTES:
@@ -357,15 +306,7 @@ class RayBackend:
             self._server.close()
             self._server = None
         actors, self._actors = self._actors, []
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        # Wait until each is really gone, so no flowrl actor outlives the pipeline.
-        with anyio.move_on_after(30):
-            for actor in actors:
-                try:
-                    await actor.ping.remote()
-                except (RayActorError, GetTimeoutError):
-                    pass
+        await _kill(actors)
         for pg in self._groups.values():
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)

@@ -17,7 +17,8 @@ import numpy as np
 
 from ._batch import Batch, approx_nbytes, column_length
 from ._config import CallMeta, ShardCall
-from ._errors import FlowError, OutputError, StageError
+from ._checkpoint import decode_state, encode_state, rng_state, set_rng_state
+from ._errors import CheckpointError, FlowError, OutputError, StageError
 from ._model import Model, step_info, step_target
 
 Fetch = Callable[[list[Any]], list[Batch]]
@@ -134,6 +135,9 @@ class ReplicaRuntime:
                         out_bytes=approx_nbytes(result), node_id=self.model.node_id)
         return meta, result
 
+    def get_weights(self) -> dict[str, Any]:
+        return weights_of(self.model, self.replica_id)
+
     def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
         """New weights from a trainer; runs between shards (the replica runs one call at a time)."""
         try:
@@ -141,6 +145,13 @@ class ReplicaRuntime:
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.set_weights", self.replica_id, []) from err
         self.model.weight_version = version
+
+
+def weights_of(model: Model, replica: int) -> dict[str, Any]:
+    try:
+        return to_arrays(model.get_weights())
+    except Exception as err:
+        raise StageError(f"{type(err).__name__}: {err}", f"{model.name}.get_weights", replica, []) from err
 
 
 def to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -206,7 +217,28 @@ class TrainerRuntime:
         return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch)}
 
     def get_weights(self) -> dict[str, Any]:
+        return weights_of(self.model, self.model.rank)
+
+    def save_state(self) -> tuple[bytes | None, bytes]:
+        """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""
+        m = self.model
+        if m.rank != 0:
+            return None, encode_state(rng_state())
+        stage = f"{m.name}.checkpoint_state"
         try:
-            return to_arrays(self.model.get_weights())
+            state = m.checkpoint_state()
         except Exception as err:
-            raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.get_weights", self.model.rank, []) from err
+            raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
+        try:
+            return encode_state(state), encode_state(rng_state())
+        except CheckpointError as err:
+            raise StageError(str(err), stage, m.rank, []) from err
+
+    def load_state(self, model: bytes, rng: bytes | None) -> None:
+        m = self.model
+        try:
+            m.restore_state(decode_state(model))
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.restore_state", m.rank, []) from err
+        if rng is not None:
+            set_rng_state(decode_state(rng))

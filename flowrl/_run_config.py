@@ -19,6 +19,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ``train_global_batch_size`` defaults to ``sample_per_episode`` and
     ``train_micro_batch_size`` to the global batch. ``max_relay_episode``: 0 trains on the
     current episode only, k > 0 keeps the last k episodes, -1 keeps all. ``eval_every``: 0 off.
+
+    Checkpoints: every ``checkpoint_every`` episodes (0: off) into ``checkpoint_dir``, keeping
+    the last ``keep_checkpoints`` (0: all). ``resume``: ``"auto"`` continues from the latest
+    checkpoint in ``checkpoint_dir`` if there is one, ``"never"`` starts afresh (and refuses a
+    folder that holds checkpoints), or the path of one checkpoint folder. A trainer rank that
+    dies is rebuilt from the last checkpoint, at most ``max_trainer_restarts`` times in a run.
     """
 
     sample_per_episode: int
@@ -33,6 +39,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     collective_timeout_s: float = 600.0
     shuffle: bool = False
     num_samples_per_prompt: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: str = "auto"
+    max_trainer_restarts: int = 3
     colocation: list[list[str]] = msgspec.field(default_factory=list)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
     pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)
@@ -50,7 +61,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             num_samples_per_prompt=self.num_samples_per_prompt,
             collective_timeout_s=self.collective_timeout_s,
         )
-        _non_negative("RunConfig", eval_every=self.eval_every)
+        _non_negative("RunConfig", eval_every=self.eval_every, checkpoint_every=self.checkpoint_every,
+                      keep_checkpoints=self.keep_checkpoints, max_trainer_restarts=self.max_trainer_restarts)
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError(
+                f"RunConfig.checkpoint_every={self.checkpoint_every} needs RunConfig.checkpoint_dir (the folder "
+                "the checkpoints go to)"
+            )
+        if not self.resume:
+            raise ConfigError('RunConfig.resume must be "auto", "never" or the path of a checkpoint folder, got ""')
         if self.max_relay_episode < -1:
             raise ConfigError(
                 f"RunConfig.max_relay_episode must be -1 (all), 0 (the current episode only) or > 0, "

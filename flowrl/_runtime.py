@@ -19,7 +19,7 @@ from anyio.abc import TaskGroup
 from ._backend import Backend, ReplicaHandle
 from ._batch import Batch
 from ._config import CallMeta, Piece, PipelineConfig, ShardCall
-from ._errors import FlowDefinitionError, FlowError, OutputError, ReplicaDiedError, StageError
+from ._errors import FlowDefinitionError, FlowError, OutputError, PipelineClosedError, ReplicaDiedError, StageError
 from ._graph import SOURCE, FlowGraph
 from ._pool import AsyncPool, Retired, Window
 from ._runs import Loc, Run, StreamingMixin
@@ -94,6 +94,17 @@ class AsyncPipeline(StreamingMixin):
         for h in self._handles:
             out[h.model][h.replica_id] = h.node_id
         return out
+
+    def resume_at(self, next_id: int, next_run: int) -> None:
+        """Number the next sample ``next_id`` and the next run (a step's ``iteration``)
+        ``next_run``: an engine resuming from a checkpoint continues both."""
+        if self._samples or (self._run is not None and not self._run.drained.is_set()):
+            raise PipelineClosedError("a pipeline can only be renumbered while no run is in progress")
+        self._next_id, self._runs = next_id, next_run
+
+    def numbering(self) -> tuple[int, int]:
+        """(the next sample's id, the next run's number)."""
+        return self._next_id, self._runs
 
     def replicas_of(self, model: str) -> list[ReplicaHandle]:
         return [h for h in self._handles if h.model == model]

@@ -76,6 +76,11 @@ class RelayBuffer:
     max_relay_episode: int = 0
     episodes: list[EpisodeBuffer] = field(default_factory=list)
 
+    def carried(self) -> list[EpisodeBuffer]:
+        """The episodes the next ``add`` keeps (what a checkpoint must hold)."""
+        keep = self.max_relay_episode
+        return list(self.episodes) if keep < 0 else self.episodes[len(self.episodes) - max(1, keep) + 1 :]
+
     def add(self, episode: EpisodeBuffer) -> None:
         self.episodes.append(episode)
         keep = self.max_relay_episode

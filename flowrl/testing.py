@@ -147,6 +147,12 @@ class CountingTrainer(Model):
     def get_weights(self) -> dict[str, Any]:
         return {"steps": np.array([self.steps])}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def restore_state(self, state: Any) -> None:
+        self.steps = state["steps"]
+
 
 def flowrl_actor_names() -> list[str]:
     """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""

@@ -1,16 +1,31 @@
-"""Run by test_faults.py: a synchronous learn() on its own Ray cluster, interrupted with SIGINT
-(Ctrl-C) once the first episode's rollout is done. Prints what was left after the interrupt."""
+"""Run by test_faults.py: a synchronous learn() on its own Ray cluster, writing a checkpoint
+after every episode into argv[1], interrupted with SIGINT (Ctrl-C) once the third episode's
+rollout is done. Prints what was left after the interrupt: actors, and the last checkpoint."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import ray
 
 import flowrl
+from flowrl._checkpoint import CheckpointDir, decode_state
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
+
+
+def last_checkpoint(folder: str) -> dict:
+    """The latest checkpoint's episode and files, every file read back; hidden leftovers."""
+    latest = CheckpointDir(folder).latest()
+    assert latest is not None
+    files = sorted(p.name for p in latest.iterdir())
+    for name in files:
+        if name.endswith(".msgpack"):
+            decode_state((latest / name).read_bytes())
+    episode = json.loads((latest / "engine.json").read_text())["episode"]
+    return {"episode": episode, "files": files, "hidden": [p.name for p in Path(folder).iterdir() if p.name[0] == "."]}
 
 
 def main() -> None:
@@ -19,10 +34,11 @@ def main() -> None:
                    sleep_s=0.02)
     trainer = CountingTrainer("trainer", {"num_replicas": 2, "cpus_per_replica": 0.25})
     engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 1000, "train_global_batch_size": 8})
+                           config={"sample_per_episode": 8, "num_episode": 1000, "train_global_batch_size": 8,
+                                   "checkpoint_every": 1, "checkpoint_dir": sys.argv[1]})
 
     def relay(episodes):
-        if len(episodes) == 1:
+        if episodes[-1].episode_id == 2:
             print("rolling", flush=True)  # the test sends SIGINT now
         return episodes[-1].buffer
 
@@ -33,7 +49,8 @@ def main() -> None:
         outcome = "finished"
     except KeyboardInterrupt:
         outcome = "interrupted"
-    print(json.dumps({"outcome": outcome, "left": flowrl_actor_names()}), flush=True)
+    print(json.dumps({"outcome": outcome, "left": flowrl_actor_names(), "checkpoint": last_checkpoint(sys.argv[1])}),
+          flush=True)
     ray.shutdown()
 
 

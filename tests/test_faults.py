@@ -140,7 +140,7 @@ async def test_cancelling_alearn_mid_run_stops_every_actor(ray_cluster):
     assert relayed.is_set() and flowrl_actor_names() == []
 
 
-def test_ctrl_c_during_learn_stops_every_actor_and_returns_promptly():
+def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_whole(tmp_path):
     import json
     import signal
     import subprocess
@@ -148,14 +148,17 @@ def test_ctrl_c_during_learn_stops_every_actor_and_returns_promptly():
 
     script = Path(__file__).with_name("_interrupt_script.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # blocks until the first episode's rollout is done
+        line = proc.stdout.readline()  # blocks until the third episode's rollout is done
         assert line.strip() == "rolling", proc.stderr.read() if proc.stderr else ""
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)  # an interrupted run must not hang
     finally:
         proc.kill()
     result = json.loads(out.strip().splitlines()[-1])
+    checkpoint = result.pop("checkpoint")
     assert result == {"outcome": "interrupted", "left": []}, err[-3000:]
+    assert checkpoint["episode"] >= 2 and checkpoint["hidden"] == []  # read back whole, nothing half-written
+    assert checkpoint["files"] == ["engine.json", "relay.msgpack", "trainer.model.msgpack", "trainer.rng.msgpack"]

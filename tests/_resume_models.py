@@ -1,0 +1,99 @@
+"""Deterministic models for the checkpoint tests (imported by test_checkpoint.py and by the
+killed-run script): a numpy policy fed by a torch trainer with Adam, whose loss draws from the
+rank's torch generator, so only an exact restore of weights, optimiser state, generators, relay
+buffer and sampler reproduces the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import flowrl
+
+CPU = {"cpus_per_replica": 0.1}
+
+
+class Policy(flowrl.Model):
+    def setup(self) -> None:
+        self.w = np.full(4, 0.5, dtype=np.float32)
+        self.b = np.zeros(1, dtype=np.float32)
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        x = np.asarray(batch["prompt"], dtype=np.float32)
+        return {"action": x @ self.w + self.b[0] + np.float32(iteration)}
+
+    def get_weights(self) -> dict[str, Any]:
+        return {"weight": self.w[None, :].copy(), "bias": self.b.copy()}
+
+    def set_weights(self, weights: Any) -> None:
+        self.w = np.asarray(weights["weight"], dtype=np.float32).reshape(-1)
+        self.b = np.asarray(weights["bias"], dtype=np.float32).reshape(-1)
+
+
+class Learner(flowrl.Model):
+    """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked."""
+
+    def __init__(self, name: str, config: Any = None, *, die_at: tuple[int, int] | None = None,
+                 marker: str = "") -> None:
+        super().__init__(name, config)
+        self.die_at = die_at
+        self.marker = marker
+
+    def setup(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.05)
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        import torch
+
+        if self.die_at == (iteration, self.rank) and not Path(self.marker).exists():
+            Path(self.marker).touch()
+            os._exit(1)  # the rank's process dies; its peer waits in the all-reduce
+        x = torch.as_tensor(np.asarray(batch["prompt"], dtype=np.float32))
+        y = torch.as_tensor(np.asarray(batch["action"], dtype=np.float32))
+        self.optimizer.zero_grad()
+        noise = torch.rand(len(batch))  # from this rank's generator, which a checkpoint keeps
+        loss = (((self.module(x).squeeze(1) - y) ** 2) * noise).sum() / self.global_batch_size
+        loss.backward()
+        self.all_reduce_grads(self.module)
+        self.optimizer.step()
+        return {"ids": batch.ids.tolist(), "loss": float(loss.detach()), "w": self.module.weight.detach().numpy().ravel().tolist()}
+
+
+def dataset() -> list[dict[str, Any]]:
+    return [{"idx": i, "prompt": np.arange(4, dtype=np.float32) * (i % 7) / 7 + i / 20} for i in range(20)]
+
+
+def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, int] | None = None,
+                marker: str = "", **config: Any) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
+    """The engine and the list its relay function appends each episode's samples to."""
+    policy = Policy("policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU})
+    learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker)
+    cfg = {"sample_per_episode": 8, "num_episode": 6, "train_global_batch_size": 4, "train_micro_batch_size": 2,
+           "num_training_epoch": 2, "shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2, **config}
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[learner], sync=[(learner, policy)],
+                           config=cfg)
+    seen: list[dict[str, Any]] = []
+
+    def relay(episodes: list[flowrl.EpisodeBuffer]) -> list[flowrl.Sample]:
+        last = episodes[-1]
+        seen.append({"episode": last.episode_id, "ids": [s.id for s in last.buffer],
+                     "idx": [int(s["idx"]) for s in last.buffer], "action": [float(s["action"]) for s in last.buffer]})
+        # the last episode whole, and the even ids of the one before: training reads the relay buffer
+        return [s for e in episodes for s in e.buffer if e is last or s.id % 2 == 0]
+
+    engine.set_relay_sample_fn(relay)
+    engine.set_dataset(dataset())
+    return engine, seen
+
+
+def trained(engine: flowrl.Engine) -> list[list[list[dict[str, Any]]]]:
+    """Per episode of this engine object: per step, per rank, (ids, loss, weights after)."""
+    return [[[{k: r[k] for k in ("ids", "loss", "w")} for r in step] for step in ep["learner"]]
+            for ep in engine.train_results]
