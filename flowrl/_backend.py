@@ -121,6 +121,14 @@ class Backend(Protocol):
         """``value`` put where every replica can read it (weights to load); a reference."""
         ...
 
+    def stored(self, ref: Any) -> bool:
+        """Whether ``ref``'s data lives in a node's object store (it goes if the node goes)."""
+        ...
+
+    def dead_nodes(self) -> set[str]:
+        """Ids of the cluster's nodes that are gone."""
+        ...
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         """Stop these actors (a trainer group being rebuilt); returns once they are gone."""
         ...

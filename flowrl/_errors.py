@@ -61,3 +61,8 @@ class OutputError(StageError):
 
 class ReplicaDiedError(StageError):
     """The replica's process died while it held a shard."""
+
+
+class InputLostError(FlowError):
+    """A stage output that a shard or the delivery needed was lost with the node that stored it
+    (and could not be computed again)."""

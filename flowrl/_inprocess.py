@@ -107,6 +107,12 @@ class InProcessBackend:
     def share(self, value: Any) -> Any:
         return LocalRef(value)
 
+    def stored(self, ref: Any) -> bool:
+        return False
+
+    def dead_nodes(self) -> set[str]:
+        return set()
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         pass
 

@@ -19,13 +19,13 @@ import anyio
 import msgspec
 import anyio.to_thread
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ._batch import Batch, approx_nbytes
 from ._config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
-from ._errors import ClusterError, FlowError, ReplicaDiedError, StageError
+from ._errors import ClusterError, FlowError, InputLostError, ReplicaDiedError, StageError, _shorten
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 from ._model import Model
 from ._ray_actors import ReplicaActor, TrainerActor
@@ -36,6 +36,11 @@ from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, by_value, call_arg
 
 def _translate(err: Exception, stage: str, replica: int, ids: list[int]) -> FlowError:
     """A Ray failure as a FlowError naming the stage, replica and samples; Ray's error chained."""
+    if isinstance(err, ObjectLostError):  # Ray's error for a lost argument is both kinds
+        return InputLostError(
+            f"stage {stage!r}, replica {replica}, samples {_shorten(ids)}: an input of the shard was lost with the "
+            f"node that stored it ({type(err).__name__})"
+        )
     if isinstance(err, RayTaskError):
         cause = err.cause if isinstance(err.cause, BaseException) else None
         if isinstance(cause, StageError):
@@ -254,6 +259,12 @@ class RayBackend:
     def share(self, value: Any) -> Any:
         return ray.put(value)
 
+    def stored(self, ref: Any) -> bool:
+        return not isinstance(ref, (Inline, Reply))  # those are held by the driver
+
+    def dead_nodes(self) -> set[str]:
+        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         gone = {id(h.ref) for h in handles}
         self._actors = [a for a in self._actors if id(a) not in gone]
@@ -273,7 +284,7 @@ class RayBackend:
         head_ref, big_ref = replica.ref.run.remote(blob, *refs)
         try:
             reply = await self._replies.wait(head_ref)
-        except (RayTaskError, RayActorError) as err:
+        except (RayTaskError, RayActorError, ObjectLostError) as err:
             with contextlib.suppress(Exception):  # consume the twin error, or Ray logs it as unhandled
                 await big_ref
             raise _translate(err, call.stage, replica.replica_id, call.ids) from err
@@ -294,7 +305,10 @@ class RayBackend:
 
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         stored = [r for r in refs if not isinstance(r, (Inline, Reply))]
-        fetched = dict(zip(stored, await asyncio.gather(*stored))) if stored else {}
+        try:
+            fetched = dict(zip(stored, await asyncio.gather(*stored))) if stored else {}
+        except ObjectLostError as err:
+            raise InputLostError(f"an output to deliver was lost with the node that stored it ({type(err).__name__})") from err
         return [local(r) if isinstance(r, (Inline, Reply)) else open_stored(fetched[r]) for r in refs]
 
     async def close(self) -> None:

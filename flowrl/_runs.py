@@ -16,7 +16,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from ._batch import Sample
-from ._errors import FlowDefinitionError, PipelineClosedError
+from ._errors import FlowDefinitionError, InputLostError, PipelineClosedError
 from ._pool import Window
 
 Loc = tuple[Any, int]  # (object reference, row)
@@ -37,6 +37,7 @@ class Run:
         self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc]]](limit)
         self.drained = anyio.Event()
         self.held: dict[int, dict[str, Loc]] = {}
+        self.states: dict[int, Any] = {}  # finished samples not yet delivered: their whole state
         self.started = time.perf_counter()
         self.active_closed = False
         self.stop_admission: Any = lambda: None
@@ -45,6 +46,26 @@ class Run:
         if self.admission_done and self.finished == self.admitted:
             self.send.close()
             self.drained.set()
+
+
+def _relocate(run: Run, cache: dict[Any, list[Any]]) -> int:
+    """Point the held samples at their current outputs (some were computed again); returns
+    how many changed."""
+    changed = 0
+    for sid, old in run.held.items():
+        new = {p: run.states[sid].loc[p] for p in old}
+        if new == old:
+            continue
+        changed += 1
+        for ref, _ in old.values():
+            entry = cache[ref]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del cache[ref]
+        for ref, _ in new.values():
+            cache.setdefault(ref, [None, 0])[1] += 1
+        run.held[sid] = new
+    return changed
 
 
 async def _next_finished(run: Run) -> tuple[int, dict[str, Loc]] | None:
@@ -127,6 +148,7 @@ class StreamingMixin:
         run.stop_admission()
         dropped = len(run.held)
         run.held.clear()
+        run.states.clear()
         while True:
             try:
                 run.recv.receive_nowait()
@@ -243,8 +265,15 @@ class StreamingMixin:
                     # Each sample handed out is a cancellation point, also when its data is
                     # already in the driver and nothing below would wait.
                     await anyio.lowlevel.checkpoint_if_cancelled()
-                    sample = await self._materialize(sid, held[sid], cache, run.fields)
+                    try:
+                        sample = await self._materialize(sid, held[sid], cache, run.fields)
+                    except InputLostError:
+                        redone = await self._recompute_lost(run.states)  # type: ignore[attr-defined]
+                        if not _relocate(run, cache) and not redone:
+                            raise
+                        continue  # the same sample, from the outputs computed again
                     del held[sid]
+                    run.states.pop(sid, None)
                     self._window.release(1)
                     next_id += 1
                     yield sample

@@ -19,25 +19,29 @@ from anyio.abc import TaskGroup
 from ._backend import Backend, ReplicaHandle
 from ._batch import Batch
 from ._config import CallMeta, Piece, PipelineConfig, ShardCall
-from ._errors import FlowDefinitionError, FlowError, OutputError, PipelineClosedError, ReplicaDiedError, StageError
+from ._errors import (
+    FlowDefinitionError, FlowError, InputLostError, OutputError, PipelineClosedError, ReplicaDiedError, StageError,
+)
 from ._graph import SOURCE, FlowGraph
 from ._pool import AsyncPool, Retired, Window
+from ._recover import RecoveryMixin
 from ._runs import Loc, Run, StreamingMixin
 from ._scheduler import Assignment, PoolScheduler
 from ._stats import PipelineStats, StatsRecorder
 
 
 class _SampleState:
-    __slots__ = ("loc", "done", "run", "cost")
+    __slots__ = ("loc", "node", "done", "run", "cost")
 
     def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
         self.loc = loc
+        self.node: dict[str, str] = {}  # stage -> the node its output was made on
         self.done: set[str] = set()
         self.run = run
         self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
 
 
-class AsyncPipeline(StreamingMixin):
+class AsyncPipeline(StreamingMixin, RecoveryMixin):
     """A running flow: ``await pipe.run(items)``, ``async for s in pipe.stream(items)``,
     ``pipe.stats()``, ``pipe.placement``. Get one from ``flowrl.open_pipeline``."""
 
@@ -66,6 +70,7 @@ class AsyncPipeline(StreamingMixin):
         self._closed = False
         self._tg: TaskGroup | None = None
         self._begin_lock = anyio.Lock()
+        self._recovering = anyio.Lock()
 
     # ---- lifecycle (driven by open_pipeline) ----
     def _start(self, tg: TaskGroup) -> None:
@@ -164,40 +169,19 @@ class AsyncPipeline(StreamingMixin):
             while True:
                 assignment = await pool.next(handle.replica_id)
                 try:
-                    await self._execute(handle, assignment)
+                    if await self._execute(handle, assignment):
+                        pool.finish(assignment)
                 except ReplicaDiedError as err:
                     self._lost(handle, assignment, err)
                     return
-                pool.finish(assignment)
         except Retired:  # its replica died while this slot waited
             return
         except Exception as err:
             self._fail(err)
             raise
 
-    def _lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> None:
-        """The replica running shard ``a`` died: the pool carries on without it and the
-        shard's samples go back to the stage's queue, while the retry budget lasts."""
-        pool = self._pools[handle.model]
-        budget = self.config.max_retries
-        spent = [sid for sid in a.ids if self._retries.get((a.stage, sid), 0) >= budget]
-        if spent:
-            raise ReplicaDiedError(
-                f"{err.message}; samples {spent} were already retried PipelineConfig.max_retries={budget} "
-                "times on this stage", a.stage, handle.replica_id, a.ids,
-            ) from err
-        if handle.replica_id not in pool.scheduler.retired:
-            pool.retire(handle.replica_id)
-            if not pool.scheduler.serving:
-                raise ReplicaDiedError(f"{err.message}; every replica of model {handle.model!r} has died",
-                                       a.stage, handle.replica_id, a.ids) from err
-        for sid in a.ids:
-            self._retries[(a.stage, sid)] = self._retries.get((a.stage, sid), 0) + 1
-        self._recorder.retried(a.stage, len(a.ids))
-        costs = [self._samples[sid].cost for sid in a.ids] if self.config.cost_field else None
-        pool.give_back(a, costs)
-
-    async def _execute(self, handle: ReplicaHandle, a: Assignment) -> None:
+    async def _execute(self, handle: ReplicaHandle, a: Assignment) -> bool:
+        """Run shard ``a``; False when it must be sent again (its inputs were lost and computed again)."""
         spec = self.graph.stages[a.stage]
         iteration = self._samples[a.ids[0]].run.index
         call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=self._pieces(a.stage, a.ids))
@@ -206,13 +190,20 @@ class AsyncPipeline(StreamingMixin):
         # replica was in flight meanwhile (one queued ahead would be counted as overhead).
         alone = scheduler.in_flight[handle.replica_id] == 1
         start = time.perf_counter()
-        meta, out_ref = await self._call(handle, call)
+        try:
+            meta, out_ref = await self._call(handle, call)
+        except InputLostError as err:
+            if not await self._recompute_lost({sid: self._samples[sid] for sid in a.ids}):
+                raise  # not lost with a node that is gone: nothing to compute again
+            self._send_again(handle, a, err)
+            return False
         latency = time.perf_counter() - start
         self._check_output(a, handle, meta)
         self._recorder.record(a.stage, handle.replica_id, meta, latency)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
-        self._complete(a.stage, a.ids, out_ref)
+        self._complete(a.stage, a.ids, out_ref, handle.node_id)
+        return True
 
     async def _call(self, handle: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
         deadline = self.graph.models[handle.model].config.call_timeout_s
@@ -225,14 +216,15 @@ class AsyncPipeline(StreamingMixin):
             call.stage, handle.replica_id, call.ids,
         )
 
-    def _pieces(self, stage: str, ids: list[int]) -> list[Piece]:
+    def _pieces(self, stage: str, ids: list[int], states: Mapping[int, _SampleState] | None = None) -> list[Piece]:
+        states = self._samples if states is None else states
         pieces: list[Piece] = []
         for producer in self.graph.inputs_of(stage):
             if self._fields.get(producer) == frozenset():
                 continue  # a producer known to add no fields has nothing to gather
             ref, rows = None, []
             for sid in ids:
-                r, row = self._samples[sid].loc[producer]
+                r, row = states[sid].loc[producer]
                 if r is not ref and rows:
                     pieces.append(Piece(producer=producer, ref=ref, rows=rows))
                     rows = []
@@ -274,7 +266,7 @@ class AsyncPipeline(StreamingMixin):
         if producer == SOURCE:
             self.graph.validate(fields)
 
-    def _complete(self, stage: str, ids: list[int], out_ref: Any) -> None:
+    def _complete(self, stage: str, ids: list[int], out_ref: Any, node: str) -> None:
         consumers = self.graph.consumers(stage)
         ready: dict[str, list[int]] = {spec.name: [] for spec in consumers}
         finished: list[int] = []
@@ -284,6 +276,7 @@ class AsyncPipeline(StreamingMixin):
                 raise FlowError(f"internal: stage {stage!r} processed sample {sid} twice")
             state.done.add(stage)
             state.loc[stage] = (out_ref, row)
+            state.node[stage] = node
             for spec in consumers:
                 if all(i == SOURCE or i in state.done for i in spec.inputs):
                     ready[spec.name].append(sid)
@@ -307,6 +300,7 @@ class AsyncPipeline(StreamingMixin):
             if run.abandoned:
                 self._window.release(1)
             else:
+                run.states[sid] = state  # until delivered: an output lost meanwhile is computed again
                 run.send.send_nowait((sid, {p: state.loc[p] for p in producers[run]}))
         for run in producers:
             run.maybe_close()

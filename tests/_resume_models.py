@@ -77,8 +77,9 @@ def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, 
     learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker)
     cfg = {"sample_per_episode": 8, "num_episode": 6, "train_global_batch_size": 4, "train_micro_batch_size": 2,
            "num_training_epoch": 2, "shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2, **config}
+    evaluate = cfg.get("eval_every", 0)
     engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[learner], sync=[(learner, policy)],
-                           config=cfg)
+                           config=cfg, eval_flow=(lambda x: policy.forward_step(x)) if evaluate else None)
     seen: list[dict[str, Any]] = []
 
     def relay(episodes: list[flowrl.EpisodeBuffer]) -> list[flowrl.Sample]:
@@ -90,6 +91,8 @@ def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, 
 
     engine.set_relay_sample_fn(relay)
     engine.set_dataset(dataset())
+    if evaluate:
+        engine.set_eval_dataset(dataset()[:3])
     return engine, seen
 
 

@@ -113,6 +113,20 @@ def test_resume_in_process_continues_exactly(tmp_path):
     assert stats.trainers["learner"].steps == ref.stats().trainers["learner"].steps
 
 
+def test_resume_continues_evaluation_ids_and_iterations(tmp_path):
+    def evals(engine):
+        return [([s.id for s in run], [float(s["action"]) for s in run]) for run in engine.eval_results]
+
+    ref, _ = make_engine(eval_every=2, **INPROCESS)
+    ref.learn()
+    first, _ = make_engine(num_episode=3, checkpoint_every=3, checkpoint_dir=str(tmp_path), eval_every=2, **INPROCESS)
+    first.learn()
+    resumed, _ = make_engine(checkpoint_dir=str(tmp_path), eval_every=2, **INPROCESS)
+    resumed.learn()
+    assert evals(first) + evals(resumed) == evals(ref)  # ids 0-2, 3-5, 6-8; the policy's outputs too
+    assert [ids for ids, _ in evals(ref)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
 def test_resume_refuses_another_dataset_or_sampling(tmp_path):
     first, _ = make_engine(num_episode=1, checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
     first.learn()
@@ -164,8 +178,8 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
         assert len([n for n in flowrl_actor_names() if "-policy-" in n]) == 3
     ids = [i for b in before for i in b["seen"]["ids"]] + [i for s in seen for i in s["ids"]]
     want = [i for s in ref["seen"] for i in s["ids"]]
-    counts, reference = Counter(ids), Counter(want)
-    assert sum((reference - counts).values()) == 0 and sum((counts - reference).values()) == 0  # skipped, repeated
+    got, expected = Counter(ids), Counter(want)
+    assert sum((expected - got).values()) == 0 and sum((got - expected).values()) == 0  # skipped, repeated
     assert [b["seen"] for b in before] + seen == ref["seen"]  # same prompts, order, policy outputs
     assert [b["trained"] for b in before] + trained(resumed) == ref["trained"]  # same batches, losses, weights
     assert resumed.stats().episodes[-1].weight_versions == ref["versions"] == {"policy": 3}

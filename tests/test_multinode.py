@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 
+@functools.cache  # one run of a script serves every test that reads its result
 def _run_script(name: str) -> dict:
     """Run a test script in a separate process (this one may already be attached to the
     session's local cluster); its last line of output is its result, as JSON."""
@@ -30,8 +32,21 @@ def test_replicas_spread_over_two_nodes_of_an_existing_cluster():
 
 def test_a_node_removed_mid_run_loses_no_sample_and_the_run_completes_on_the_other():
     result = _run_script("_node_loss_script.py")
-    assert result["ok"] and result["samples"] == 48  # every sample once, counted once
-    assert result["retried"] >= 1  # the removed node's replicas held shards, which ran again
-    on_head = sorted(r for r, node in enumerate(result["placement"]) if node == result["head"])
-    assert len(on_head) == 2 and set(result["worked_after"]) <= set(on_head)
+    small = result["small outputs"]
+    assert small["ok"] and small["samples"] == {"gen": 48}  # every sample once, counted once
+    assert small["retried"]["gen"] >= 1  # the removed node's replicas held shards, which ran again
+    on_head = sorted(r for r, node in enumerate(small["placement"]["gen"]) if node == result["head"])
+    assert len(on_head) == 2 and set(small["worked_after"]) <= set(on_head)
     assert result["left_after"] == []
+
+
+def test_outputs_stored_on_a_removed_node_are_computed_again_and_the_run_completes():
+    result = _run_script("_node_loss_script.py")
+    two, one = result["two stages"], result["one stage"]
+    assert two["ok"] and two["samples"] == {"gen": 48, "score": 48}  # each sample counted once per stage
+    # the worker node's gen outputs that waited for the scorer were computed again, and their
+    # scorer shards sent again
+    assert two["retried"]["gen"] > 0 and two["retried"]["score"] > 0
+    assert set(two["placement"]["score"]) == {result["head"]} and len(set(two["placement"]["gen"])) == 2
+    # finished samples whose outputs were lost before delivery: computed again, delivered once
+    assert one["ok"] and one["samples"] == {"gen": 48} and one["retried"]["gen"] > 0
