@@ -37,7 +37,7 @@ def _flowrl_groups(ray) -> int:
 
 
 @pytest.mark.slow
-def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_cluster):
+def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_cluster, tmp_path):
     ray = ray_cluster
     groups_before = _flowrl_groups(ray)
     gpu = {"gpus_per_replica": 1, "cpus_per_replica": 0.1}  # each model through its placement group
@@ -47,7 +47,7 @@ def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_clus
     engine = flowrl.Engine(
         rollout=lambda x: reward.forward_step(policy.forward_step(x)), train=[trainer], sync=[(trainer, policy)],
         config={"sample_per_episode": 16, "num_episode": EPISODES, "train_global_batch_size": 16,
-                "max_relay_episode": 2},
+                "max_relay_episode": 2, "checkpoint_dir": str(tmp_path), "checkpoint_every": 20},
     )
     rss, plasma = [], []
 
@@ -63,6 +63,7 @@ def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_clus
         stats = engine.learn()
         groups_during = _flowrl_groups(ray) - groups_before
     assert len(stats.episodes) == EPISODES and stats.trainers["trainer"].steps == EPISODES
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"episode-{EPISODES - 20:06d}", f"episode-{EPISODES:06d}"]
     warm, last = float(np.median(rss[40:60])), float(np.median(rss[-20:]))
     print(f"\nsoak: {EPISODES} episodes; driver RSS median at episodes 40-60 {warm:.1f} MiB, last 20 {last:.1f} MiB "
           f"(growth {last - warm:+.1f} MiB); placement groups during "
