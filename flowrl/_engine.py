@@ -346,7 +346,8 @@ class Engine(Resumable):
     async def _sync(self, live: Live) -> None:
         for trainer, target in self.sync_pairs:
             weights = await live.backend.get_weights(live.trainers[trainer.name][0])
-            if self._ckpt.writes and self._versions[target.name] == 0 and target.name not in self._initial:
+            # a rebuild back to a checkpoint before this first sync needs the weights it replaces
+            if self._folder is not None and self._versions[target.name] == 0 and target.name not in self._initial:
                 self._initial[target.name] = await self._snapshot(live, target.name)
             await self._send(live, target.name, self._versions[target.name] + 1, weights)
 

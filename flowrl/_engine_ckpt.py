@@ -243,11 +243,12 @@ class Resumable:
         elif want:  # written right after a sync: the restored trainer's weights are the ones sent
             weights = await live.backend.get_weights(live.trainers[trainer][0])
         else:
-            weights = self._initial[target]
-            if isinstance(weights, StageError):
+            weights = self._initial.get(target)
+            if weights is None or isinstance(weights, StageError):
+                why = "they were not read" if weights is None else f"reading them failed ({weights}); define get_weights on it"
                 raise CheckpointError(
                     f"cannot give model {target!r} back the weights it started with (the checkpoint predates its "
-                    f"first sync): reading them failed ({weights}); define get_weights on it"
+                    f"first sync): {why}"
                 ) from weights
         await self._send(live, target, want, weights)
 
