@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -138,11 +139,20 @@ class Backend(Protocol):
         ...
 
 
+DEBUG_ENV = "FLOWRL_DEBUG"
+
+
+def debugging() -> bool:
+    """``FLOWRL_DEBUG=1``: every pipeline and engine runs in this process, whatever its config,
+    so ``breakpoint()`` in a step stops there (the in-process backend, one replica at a time)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def make_backend(config: PipelineConfig) -> Backend:
-    if config.backend == "inprocess":
+    if config.backend == "inprocess" or debugging():
         from ._inprocess import InProcessBackend
 
-        return InProcessBackend(threads=config.inprocess_threads)
+        return InProcessBackend(threads=config.inprocess_threads and not debugging())
     from ._ray_backend import RayBackend
 
     return RayBackend(config)

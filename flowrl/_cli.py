@@ -3,19 +3,61 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flowrl", description="flowrl: actor-pool dataflow runtime for RL post-training")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("loadtest", help="run the load-test scenarios (flowrl vs static push vs simulation)", add_help=False)
+    trace = commands.add_parser(
+        "trace", help="summarise a run's timeline and draw its utilisation chart",
+        description="Read RUN_DIR/trace.json (written by an engine with RunConfig.run_dir, or a file from "
+        "write_trace), print busy time per model, trainer and phase, and draw a PNG with a row per replica.",
+    )
+    trace.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or a trace .json file")
+    trace.add_argument("--png", help="where to write the chart (default: timeline.png beside the trace)")
+    trace.add_argument("--no-png", action="store_true", help="print the summary only")
     args, rest = parser.parse_known_args(argv)
     if args.command == "loadtest":
         from ._loadtest import loadtest_main
 
         return loadtest_main(rest)
-    return 2
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return trace_main(args)
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    from ._timeline_view import format_summary, render_png, summary
+    from ._trace import read_chrome_trace
+
+    source = Path(args.run_dir)
+    path = source / "trace.json" if source.is_dir() else source
+    if not path.is_file():
+        print(f"flowrl trace: no trace at {path} (an engine writes one when RunConfig.run_dir is set)", file=sys.stderr)
+        return 2
+    try:
+        spans = read_chrome_trace(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as err:
+        print(f"flowrl trace: {path} is not a flowrl trace ({type(err).__name__}: {err})", file=sys.stderr)
+        return 2
+    if not spans:
+        print(f"flowrl trace: {path} holds no spans")
+        return 0
+    length = max(s.end for s in spans) - min(s.start for s in spans)
+    print(format_summary(summary(spans), length))
+    if args.no_png:
+        return 0
+    if importlib.util.find_spec("matplotlib") is None:
+        print("flowrl trace: the chart needs matplotlib (pip install 'flowrl[plot]'); --no-png skips it", file=sys.stderr)
+        return 1
+    png = render_png(spans, args.png or path.with_name("timeline.png"), title=f"{path}: busy time per replica")
+    print(f"chart: {png}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -131,6 +131,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     in the driver from a Unix socket rather than Ray actor calls, which cost far more CPU.
     ``max_retries``: how many times a sample may be sent to a stage again after the replica
     running it died; the pool carries on without that replica. 0 fails the run at once.
+    ``trace_spans``: how many of the latest shard spans the pipeline keeps for its timeline
+    (``write_trace``); 0 keeps none.
     """
 
     backend: BackendName = "ray"
@@ -146,6 +148,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cost_field: str | None = None
     local_channels: bool = True
     max_retries: int = 3
+    trace_spans: int = 200_000
 
     def __post_init__(self) -> None:
         _one_of("PipelineConfig", "backend", self.backend, BackendName)
@@ -157,7 +160,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             setup_timeout_s=self.setup_timeout_s,
             ray_init_cpus=self.ray_init_cpus,
         )
-        _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus, max_retries=self.max_retries)
+        _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus, max_retries=self.max_retries,
+                      trace_spans=self.trace_spans)
 
 
 def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:
@@ -203,6 +207,8 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float
     out_bytes: int = 0  # about how many bytes the new fields take
     node_id: str = ""
+    started: float = 0.0  # wall-clock time the step started in the replica (its timeline span)
+    step_s: float = 0.0  # the step alone (busy_s also counts gathering the input)
 
 
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import msgspec
 
 from ._batch import Batch, Sample
 from ._config import to_config
@@ -28,7 +29,9 @@ from ._errors import ConfigError, FlowDefinitionError, FlowError, PipelineClosed
 from ._model import Model
 from ._pipeline import Flow, build_flow, plain_errors
 from ._run_config import RunConfig
+from ._rundir import RunDir
 from ._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, check_train_sizes, plan_steps
+from ._trace import ENGINE, Span, Timeline, chrome_trace, write_json
 
 RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
 GROUP_FIELDS = ("prompt_index", "copy_index")
@@ -84,6 +87,9 @@ class Engine(Resumable):
         self._sent: dict[str, Any] = {}  # inference model -> reference to the weights it holds
         self._initial: dict[str, Any] = {}  # its weights before the first sync
         self._folder: Path | None = None  # the last checkpoint written or resumed from
+        self.timeline = Timeline(self.config.pipeline.trace_spans)  # episode phases, trainer steps
+        self._pipe_timelines: list[tuple[str, Timeline]] = []  # the pipelines', by group prefix
+        self._run_dir = RunDir(self.config.run_dir) if self.config.run_dir else None
 
     # ---- set-up checks, all before anything starts ----
     def _all_models(self) -> dict[str, Model]:
@@ -187,6 +193,8 @@ class Engine(Resumable):
         live = Live(self.config, self.placement, self.trainers, self.rollout_graph, self.eval_graph)
         await live.start()
         self._live = live
+        self._pipe_timelines = [(prefix, p.timeline) for prefix, p in (("", live.rollout), ("eval:", live.evaluation))
+                                if p is not None]
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -247,7 +255,22 @@ class Engine(Resumable):
         except Exception as err:
             self._failed = err  # a trainer group may be stuck in a collective: no more runs
             raise
+        finally:
+            if self._run_dir is not None:
+                self._run_dir.trace(self.spans())
         return self.stats()
+
+    def spans(self) -> list[Span]:
+        """The timeline so far: episode phases (group ``"engine"``), trainer steps (a lane per
+        rank), a span per shard of every replica (eval pools' groups prefixed ``eval:``)."""
+        out = self.timeline.spans
+        for prefix, timeline in self._pipe_timelines:
+            out += [msgspec.structs.replace(s, group=prefix + s.group) if prefix else s for s in timeline.spans]
+        return out
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write ``spans()`` as a Chrome trace (JSON; Perfetto and chrome://tracing open it)."""
+        return write_json(path, chrome_trace(self.spans()))
 
     async def _episode_or_rebuild(self, live: Live) -> None:
         try:
@@ -282,6 +305,7 @@ class Engine(Resumable):
     async def _run_episode(self, live: Live) -> None:
         e, cfg = self._episode, self.config
         t0 = time.perf_counter()
+        wall, evals = time.time() - t0, len(self.eval_results)  # wall: perf_counter -> wall clock
         samples = await live.rollout.run(self._episode_items())  # type: ignore[union-attr]
         t1 = time.perf_counter()
         self._relay.add(EpisodeBuffer(e, samples))
@@ -299,11 +323,20 @@ class Engine(Resumable):
         t3 = time.perf_counter()
         if cfg.eval_every and (e + 1) % cfg.eval_every == 0 and self._eval_dataset:
             self.eval_results.append(await live.evaluation.run(self._eval_dataset))  # type: ignore[union-attr]
+        t4 = time.perf_counter()
         self._episodes.append(EpisodeStats(
             episode=e, samples=len(samples), rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
-            eval_s=time.perf_counter() - t3, metrics={k: mean_metrics(v) for k, v in results.items()},
+            eval_s=t4 - t3, metrics={k: mean_metrics(v) for k, v in results.items()},
             weight_versions=dict(self._versions),
         ))
+        synced = bool(self.sync_pairs) and (e + 1) % cfg.sync_every == 0
+        evaluated = len(self.eval_results) > evals
+        for phase, start, end, ran in (("rollout", t0, t1, True), ("train", t1, t2, bool(train_samples)),
+                                       ("sync", t2, t3, synced), ("eval", t3, t4, evaluated)):
+            if ran:
+                self.timeline.add(ENGINE, 0, phase, wall + start, wall + end, episode=e)
+        if self._run_dir is not None:
+            self._run_dir.episode(self.stats())
         self._episode += 1
         if self._ckpt.due(self._episode):
             await self._save(live)
@@ -339,8 +372,10 @@ class Engine(Resumable):
                     for i, ref in enumerate(refs):
                         tg.start_soon(one, i, ref, batch.ids[step_rows[i]].tolist())
                 for i, res in enumerate(results):
-                    c = counts.setdefault(i, [0, 0, 0.0])
-                    c[0], c[1], c[2] = c[0] + res["_samples"], c[1] + 1, c[2] + res.pop("_busy_s")
+                    c, busy, started = counts.setdefault(i, [0, 0, 0.0]), res.pop("_busy_s"), res.pop("_started")
+                    c[0], c[1], c[2] = c[0] + res["_samples"], c[1] + 1, c[2] + busy
+                    self.timeline.add(model.name, i, "train_step", started, started + busy, episode=episode,
+                                      samples=res["_samples"], ids=batch.ids[step_rows[i]].tolist())
                 out.append(results)
 
     async def _sync(self, live: Live) -> None:

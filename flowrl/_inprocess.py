@@ -8,6 +8,7 @@ worker threads so replicas overlap (``threads=True``). A replica runs one shard 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import anyio
@@ -18,7 +19,9 @@ from ._batch import Batch
 from ._config import CallMeta, ShardCall
 from ._errors import ConfigError
 from ._replica import ReplicaRuntime, TrainerRuntime
-from ._backend import ReplicaHandle, ReplicaSpec
+from ._backend import DEBUG_ENV, ReplicaHandle, ReplicaSpec, debugging
+
+log = logging.getLogger("flowrl")
 
 
 class LocalRef:
@@ -77,10 +80,13 @@ class InProcessBackend:
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
         if len(specs) != 1:
             name = specs[0].model.name
-            raise ConfigError(
-                f"trainer {name!r} has {len(specs)} data-parallel ranks; the in-process backend runs one "
-                "(set its num_replicas to 1, or use the Ray backend)"
-            )
+            if not debugging():
+                raise ConfigError(
+                    f"trainer {name!r} has {len(specs)} data-parallel ranks; the in-process backend runs one "
+                    "(set its num_replicas to 1, or use the Ray backend)"
+                )
+            # one rank computes what the group would: losses are normalised by the global batch
+            log.warning("%s=1: trainer %r runs as one rank instead of %d", DEBUG_ENV, name, len(specs))
         runtime = TrainerRuntime(copy.deepcopy(specs[0].model), 0, 1)
         runtime.setup(None, [], "local", timeout_s)
         return [ReplicaHandle(specs[0].model.name, 0, "local", runtime)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ from ._graph import FlowGraph, Node, trace
 from ._model import Model
 from ._runtime import AsyncPipeline
 from ._stats import PipelineStats
+from ._trace import Timeline
 
 Flow = Callable[[Node], Any]
 
@@ -185,6 +187,19 @@ class Pipeline:
         if self._pipe is None:
             raise FlowError("the pipeline is not open")
         return self._pipe.placement
+
+    @property
+    def timeline(self) -> Timeline:
+        """A span per shard (``timeline.spans``), as its replica timed it; also after the block."""
+        if self._pipe is None:
+            raise FlowError("the pipeline was never opened")
+        return self._pipe.timeline
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the timeline (a span per shard) as a Chrome trace; also after the block."""
+        if self._pipe is None:
+            raise FlowError("the pipeline was never opened")
+        return self._pipe.write_trace(path)
 
 
 def run_flow(

@@ -115,7 +115,7 @@ class ReplicaRuntime:
     def step(self, call: ShardCall, batch: Batch, spent: float = 0.0) -> tuple[CallMeta, Batch]:
         """Run the user's step on a prepared input and check its output; ``spent`` is the
         time the preparation took (counted as the call's busy time)."""
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         inputs = batch.keys()
         target, writes = self._step(call.method)
         try:
@@ -131,8 +131,9 @@ class ReplicaRuntime:
             if version_field not in inputs:  # a later step of the same model keeps the first's
                 added[version_field] = [self.model.weight_version] * len(batch)
         result = Batch(batch.ids, added, _check=False)
-        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=spent + time.perf_counter() - start,
-                        out_bytes=approx_nbytes(result), node_id=self.model.node_id)
+        took = time.perf_counter() - start
+        meta = CallMeta(rows=len(batch), fields=sorted(added), busy_s=spent + took, out_bytes=approx_nbytes(result),
+                        node_id=self.model.node_id, started=started, step_s=took)
         return meta, result
 
     def get_weights(self) -> dict[str, Any]:
@@ -204,7 +205,7 @@ class TrainerRuntime:
     def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
         m = self.model
         m.global_batch_size, m.micro_batch_size = step_size, micro_batch
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         try:
             out = m.train_step(batch, iteration)  # type: ignore[attr-defined]
         except Exception as err:
@@ -214,7 +215,7 @@ class TrainerRuntime:
                 f"train_step must return a mapping of metrics or None, got {type(out).__name__}",
                 f"{m.name}.train_step", m.rank, batch.ids.tolist(),
             )
-        return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch)}
+        return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch), "_started": started}
 
     def get_weights(self) -> dict[str, Any]:
         return weights_of(self.model, self.model.rank)

@@ -25,6 +25,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     checkpoint in ``checkpoint_dir`` if there is one, ``"never"`` starts afresh (and refuses a
     folder that holds checkpoints), or the path of one checkpoint folder. A trainer rank that
     dies is rebuilt from the last checkpoint, at most ``max_trainer_restarts`` times in a run.
+
+    ``run_dir``: where the engine writes ``metrics.jsonl`` (a line per episode) and
+    ``trace.json`` (the timeline, at the end of every ``learn()``); None writes nothing.
     """
 
     sample_per_episode: int
@@ -44,6 +47,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     keep_checkpoints: int = 2
     resume: str = "auto"
     max_trainer_restarts: int = 3
+    run_dir: str | None = None
     colocation: list[list[str]] = msgspec.field(default_factory=list)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
     pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)

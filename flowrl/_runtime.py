@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,6 +29,7 @@ from ._recover import RecoveryMixin
 from ._runs import Loc, Run, StreamingMixin
 from ._scheduler import Assignment, PoolScheduler
 from ._stats import PipelineStats, StatsRecorder
+from ._trace import Timeline, chrome_trace, write_json
 
 
 class _SampleState:
@@ -71,6 +73,7 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         self._tg: TaskGroup | None = None
         self._begin_lock = anyio.Lock()
         self._recovering = anyio.Lock()
+        self.timeline = Timeline(config.trace_spans)  # a span per shard, as its replica timed it
 
     # ---- lifecycle (driven by open_pipeline) ----
     def _start(self, tg: TaskGroup) -> None:
@@ -106,6 +109,10 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         if self._samples or (self._run is not None and not self._run.drained.is_set()):
             raise PipelineClosedError("a pipeline can only be renumbered while no run is in progress")
         self._next_id, self._runs = next_id, next_run
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the pipeline's timeline as a Chrome trace (JSON; Perfetto opens it)."""
+        return write_json(path, chrome_trace(self.timeline.spans))
 
     def numbering(self) -> tuple[int, int]:
         """(the next sample's id, the next run's number)."""
@@ -200,6 +207,7 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         latency = time.perf_counter() - start
         self._check_output(a, handle, meta)
         self._recorder.record(a.stage, handle.replica_id, meta, latency)
+        self.timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
         self._complete(a.stage, a.ids, out_ref, handle.node_id)
