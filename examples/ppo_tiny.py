@@ -198,8 +198,13 @@ def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> 
         PPOValue("ppo_value", {"num_replicas": 1, **cpu}),
         config,
     )
-    engine.set_dataset([{"prompt": p} for p in range(VOCAB)] * 16)
+    engine.set_dataset(dataset())
     return engine
+
+
+def dataset() -> list[dict[str, int]]:
+    """Every prompt token, 16 times over."""
+    return [{"prompt": p} for p in range(VOCAB)] * 16
 
 
 def reward_curve(stats: flowrl.EngineStats, trainer: str = "ppo_policy") -> list[float]:

@@ -130,6 +130,10 @@ class Backend(Protocol):
         """Ids of the cluster's nodes that are gone."""
         ...
 
+    def export_metrics(self, values: list[tuple[str, str, dict[str, str], float]]) -> None:
+        """Gauges (name, description, tags, value) for the cluster's metrics (Prometheus)."""
+        ...
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         """Stop these actors (a trainer group being rebuilt); returns once they are gone."""
         ...

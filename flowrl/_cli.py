@@ -21,6 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or a trace .json file")
     trace.add_argument("--png", help="where to write the chart (default: timeline.png beside the trace)")
     trace.add_argument("--no-png", action="store_true", help="print the summary only")
+    run = commands.add_parser(
+        "run", help="run an engine described by a YAML or TOML file",
+        description="Build the engine CONFIG describes (models by import path, dataset, run keys) and run it. "
+        "See docs/cli.md for the file's keys.",
+    )
+    run.add_argument("config", metavar="CONFIG", help="a .yaml, .yml or .toml file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a key, e.g. run.num_episode=4 or models.policy.num_replicas=1 (repeatable)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "loadtest":
         from ._loadtest import loadtest_main
@@ -28,7 +36,30 @@ def main(argv: list[str] | None = None) -> int:
         return loadtest_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return trace_main(args)
+    return run_main(args) if args.command == "run" else trace_main(args)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    import logging
+
+    from ._errors import FlowError
+    from ._runfile import build_engine, load_run_file
+
+    if not logging.getLogger().handlers:  # episode lines when stderr is not a terminal
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        engine = build_engine(load_run_file(args.config, args.overrides))
+        stats = engine.learn()
+    except FlowError as err:
+        print(f"flowrl run: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    if not stats.episodes:
+        print("no episode ran (the checkpoint it resumed from was already at the end)")
+    trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
+    print(f"done: {len(stats.episodes)} episodes; {trained}")
+    if engine.config.run_dir:
+        print(f"run directory: {engine.config.run_dir} (flowrl trace {engine.config.run_dir})")
+    return 0
 
 
 def trace_main(args: argparse.Namespace) -> int:

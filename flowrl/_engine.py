@@ -23,13 +23,14 @@ from ._batch import Batch, Sample
 from ._config import to_config
 from ._engine_ckpt import Checkpoints, Resumable
 from ._engine_parts import (
-    EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, trainer_models,
+    EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, trainer_models,
 )
-from ._errors import ConfigError, FlowDefinitionError, FlowError, PipelineClosedError, ReplicaDiedError
+from ._errors import ConfigError, FlowError, PipelineClosedError, ReplicaDiedError
 from ._model import Model
 from ._pipeline import Flow, build_flow, plain_errors
+from ._progress import Progress
 from ._run_config import RunConfig
-from ._rundir import RunDir
+from ._rundir import RunDir, metric_values
 from ._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, check_train_sizes, plan_steps
 from ._trace import ENGINE, Span, Timeline, chrome_trace, write_json
 
@@ -250,8 +251,16 @@ class Engine(Resumable):
                 await self._begin(live)
                 # the n-th learn() runs up to episode n * num_episode: a resumed run ends where
                 # the uninterrupted one would have
-                while self._episode < self._runs * self.config.num_episode:
-                    await self._episode_or_rebuild(live)
+                target = self._runs * self.config.num_episode
+                progress = Progress(self.config.progress, target)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(progress.watch, live.rollout, self.config.sample_per_episode)
+                    while self._episode < target:
+                        before = self._episode
+                        await self._episode_or_rebuild(live)
+                        if self._episode > before:  # not rebuilt back to a checkpoint
+                            progress.episode_done(self._episodes[-1], live.rollout)
+                    tg.cancel_scope.cancel()
         except Exception as err:
             self._failed = err  # a trainer group may be stuck in a collective: no more runs
             raise
@@ -282,26 +291,6 @@ class Engine(Resumable):
                 raise
             await self._rebuild(live, trainer, err)
 
-    def _relayed(self) -> list[Sample]:
-        """The relay function's training samples, checked: a list of samples, not empty."""
-        name = getattr(self._relay_fn, "__name__", "the relay function")
-        out = self._relay_fn(self.relay_episodes)  # type: ignore[misc]
-        if out is None or isinstance(out, (Mapping, str, bytes)) or not hasattr(out, "__iter__"):
-            raise FlowDefinitionError(
-                f"relay function {name} returned {type(out).__name__}; it must return the samples to train on "
-                "(a list of flowrl.Sample, e.g. drawn from its episodes' .samples)"
-            )
-        out = list(out)
-        if not out:
-            raise FlowDefinitionError(f"relay function {name} returned no samples; it must return at least one to train on")
-        bad = next((x for x in out if not isinstance(x, Sample)), None)
-        if bad is not None:
-            raise FlowDefinitionError(
-                f"relay function {name} returned a {type(bad).__name__} among its samples; every item must be a "
-                "flowrl.Sample (from its episodes' .samples)"
-            )
-        return out
-
     async def _run_episode(self, live: Live) -> None:
         e, cfg = self._episode, self.config
         t0 = time.perf_counter()
@@ -309,7 +298,7 @@ class Engine(Resumable):
         samples = await live.rollout.run(self._episode_items())  # type: ignore[union-attr]
         t1 = time.perf_counter()
         self._relay.add(EpisodeBuffer(e, samples))
-        train_samples = self._relayed() if self._relay_fn else samples
+        train_samples = relayed(self._relay_fn, self.relay_episodes) if self._relay_fn else samples
         results: dict[str, list[Any]] = {m.name: [] for m in self.trainers}
         if train_samples:
             batch = _batch_of(train_samples)
@@ -335,8 +324,10 @@ class Engine(Resumable):
                                        ("sync", t2, t3, synced), ("eval", t3, t4, evaluated)):
             if ran:
                 self.timeline.add(ENGINE, 0, phase, wall + start, wall + end, episode=e)
+        stats = self.stats()
         if self._run_dir is not None:
-            self._run_dir.episode(self.stats())
+            self._run_dir.episode(stats)
+        live.backend.export_metrics(metric_values(stats))
         self._episode += 1
         if self._ckpt.due(self._episode):
             await self._save(live)

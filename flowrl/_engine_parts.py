@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 import msgspec
 
 from ._backend import Backend, Bundle, ReplicaHandle, ReplicaSpec, make_backend
+from ._batch import Sample
 from ._errors import ConfigError, FlowDefinitionError
 from ._graph import FlowGraph
 from ._model import Model
@@ -80,6 +81,27 @@ def mean_metrics(steps: list[list[dict[str, Any]]]) -> dict[str, float]:
                     acc[0] += float(v) * weight
                     acc[1] += weight
     return {k: total / count for k, (total, count) in sums.items() if count}
+
+
+def relayed(fn: Callable[[list[Any]], Any], episodes: list[Any]) -> list[Sample]:
+    """The relay function's training samples, checked: a list of samples, not empty."""
+    name = getattr(fn, "__name__", "the relay function")
+    out = fn(episodes)
+    if out is None or isinstance(out, (Mapping, str, bytes)) or not hasattr(out, "__iter__"):
+        raise FlowDefinitionError(
+            f"relay function {name} returned {type(out).__name__}; it must return the samples to train on "
+            "(a list of flowrl.Sample, e.g. drawn from its episodes' .samples)"
+        )
+    out = list(out)
+    if not out:
+        raise FlowDefinitionError(f"relay function {name} returned no samples; it must return at least one to train on")
+    bad = next((x for x in out if not isinstance(x, Sample)), None)
+    if bad is not None:
+        raise FlowDefinitionError(
+            f"relay function {name} returned a {type(bad).__name__} among its samples; every item must be a "
+            "flowrl.Sample (from its episodes' .samples)"
+        )
+    return out
 
 
 class Placement:

@@ -119,6 +119,9 @@ class InProcessBackend:
     def dead_nodes(self) -> set[str]:
         return set()
 
+    def export_metrics(self, values: list[tuple[str, str, dict[str, str], float]]) -> None:
+        pass  # no Ray: nothing to export to
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         pass
 

@@ -20,6 +20,7 @@ import msgspec
 import anyio.to_thread
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+from ray.util.metrics import Gauge
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -68,6 +69,9 @@ def _ship_by_value(model: Model) -> None:
 
 # Pipelines of this process that use a cluster flowrl started; the last one to close stops it.
 _owned = {"started": False, "users": 0}
+
+
+_GAUGES: dict[str, Gauge] = {}  # one per metric name for the process: Ray registers each name once
 
 
 def live_actor_names() -> list[str]:
@@ -261,6 +265,13 @@ class RayBackend:
 
     def stored(self, ref: Any) -> bool:
         return not isinstance(ref, (Inline, Reply))  # those are held by the driver
+
+    def export_metrics(self, values: list[tuple[str, str, dict[str, str], float]]) -> None:
+        for name, description, tags, value in values:
+            gauge = _GAUGES.get(name)
+            if gauge is None:
+                gauge = _GAUGES[name] = Gauge(name, description=description, tag_keys=tuple(sorted(tags)))
+            gauge.set(value, tags=tags)
 
     def dead_nodes(self) -> set[str]:
         return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}

@@ -13,6 +13,9 @@ from ._config import ModelConfig, PipelineConfig, _check_types, _non_negative, _
 from ._errors import ConfigError
 
 
+PROGRESS = ("auto", "live", "log", "off")
+
+
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Episodes, training sizes, relay, sync and evaluation cadence, colocation, per-model configs.
 
@@ -28,6 +31,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     ``run_dir``: where the engine writes ``metrics.jsonl`` (a line per episode) and
     ``trace.json`` (the timeline, at the end of every ``learn()``); None writes nothing.
+    ``progress``: ``"auto"`` (a live table on a terminal, else a log line per episode on the
+    ``flowrl`` logger), ``"live"``, ``"log"`` or ``"off"``.
     """
 
     sample_per_episode: int
@@ -48,6 +53,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     resume: str = "auto"
     max_trainer_restarts: int = 3
     run_dir: str | None = None
+    progress: str = "auto"
     colocation: list[list[str]] = msgspec.field(default_factory=list)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
     pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)
@@ -72,6 +78,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"RunConfig.checkpoint_every={self.checkpoint_every} needs RunConfig.checkpoint_dir (the folder "
                 "the checkpoints go to)"
             )
+        if self.progress not in PROGRESS:
+            raise ConfigError(f"RunConfig.progress must be one of {list(PROGRESS)}, got {self.progress!r}")
         if not self.resume:
             raise ConfigError('RunConfig.resume must be "auto", "never" or the path of a checkpoint folder, got ""')
         if self.max_relay_episode < -1:

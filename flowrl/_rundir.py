@@ -1,8 +1,10 @@
-"""A run's directory (layer 6): what an engine writes for people and tools to read.
+"""What an engine reports (layer 6): its run directory, and metrics for Ray's Prometheus export.
 
 ``metrics.jsonl``: one JSON object per episode (its ``EpisodeStats``, the trainers' and the
 rollout pipeline's counters so far, the wall-clock time); ``trace.json``: the timeline of every
 replica, trainer rank and episode phase as a Chrome trace (``flowrl trace RUN_DIR`` renders it).
+``metric_values``: the same counters as gauges (``flowrl_*``; Ray prefixes ``ray_``), which the
+Ray backend exports through ``ray.util.metrics`` after every episode.
 """
 
 from __future__ import annotations
@@ -37,3 +39,33 @@ class RunDir:
 
     def trace(self, spans: list[Span]) -> Path:
         return write_json(self.path / TRACE, chrome_trace(spans))
+
+
+Metric = tuple[str, str, dict[str, str], float]  # name, description, tags, value
+
+
+def metric_values(stats: EngineStats) -> list[Metric]:
+    """The engine's counters after its last episode, as gauges."""
+    out: list[Metric] = []
+    if not stats.episodes:
+        return out
+    last = stats.episodes[-1]
+    out.append(("flowrl_episodes", "episodes done", {}, float(last.episode + 1)))
+    for phase in ("rollout", "train", "sync", "eval"):
+        out.append(("flowrl_phase_seconds", "seconds of each phase in the last episode", {"phase": phase},
+                    float(getattr(last, f"{phase}_s"))))
+    for model, version in last.weight_versions.items():
+        out.append(("flowrl_weight_version", "weight version an inference model runs", {"model": model}, float(version)))
+    for name, trainer in stats.trainers.items():
+        out.append(("flowrl_trainer_steps", "optimizer steps of a trainer", {"trainer": name}, float(trainer.steps)))
+        out.append(("flowrl_trainer_samples", "samples a trainer trained on", {"trainer": name}, float(trainer.samples)))
+    for stage, s in (stats.rollout.stages.items() if stats.rollout is not None else ()):
+        tags = {"stage": stage, "model": s.model}
+        out.append(("flowrl_stage_samples", "samples a rollout stage completed", tags, float(s.samples)))
+        out.append(("flowrl_stage_busy_seconds", "seconds a stage's replicas were busy", tags, s.busy_s))
+        out.append(("flowrl_stage_retried", "samples sent to a stage again", tags, float(s.retried)))
+        for r in s.replicas:
+            rtags = {**tags, "replica": str(r.replica)}
+            out.append(("flowrl_replica_busy_seconds", "seconds a replica was busy on a stage", rtags, r.busy_s))
+            out.append(("flowrl_replica_idle_seconds", "seconds a replica ran no stage", rtags, r.idle_s))
+    return out

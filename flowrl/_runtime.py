@@ -121,6 +121,15 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
     def replicas_of(self, model: str) -> list[ReplicaHandle]:
         return [h for h in self._handles if h.model == model]
 
+    def busy(self) -> dict[str, tuple[int, int]]:
+        """Per model: (replicas running a shard now, replicas serving)."""
+        out = {}
+        for name, pool in self._pools.items():
+            s = pool.scheduler
+            serving = [r for r in range(s.replicas) if r not in s.retired]
+            out[name] = (sum(1 for r in serving if s.in_flight[r]), len(serving))
+        return out
+
     def stats(self) -> PipelineStats:
         """Counters so far; a stream in progress counts its time up to now."""
         run = self._run

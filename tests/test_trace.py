@@ -145,3 +145,30 @@ def test_debug_switch_runs_a_ray_configured_engine_in_this_process(monkeypatch):
     stats = engine.learn()
     assert set(pids) == {os.getpid()} and len(pids) == 16
     assert stats.trainers["trainer"].samples == 16 and [r.rank for r in stats.trainers["trainer"].ranks] == [0]
+
+
+def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_cluster):
+    import re
+    import time
+    import urllib.request
+
+    policy = Scale("prom_policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("prom_trainer", {"num_replicas": 1, **CPU})
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer],
+                           config={"sample_per_episode": 8, "num_episode": 2})
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
+    stats = engine.learn()
+    port = ray_cluster._private.worker._global_node.metrics_export_port
+    wanted = {"ray_flowrl_stage_samples": ('stage="prom_policy.forward_step"', 16.0),
+              "ray_flowrl_trainer_steps": ('trainer="prom_trainer"', float(stats.trainers["prom_trainer"].steps))}
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + 60  # Ray's agent exports every few seconds
+    while time.monotonic() < deadline and len(seen) < len(wanted):
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for name, (tag, _) in wanted.items():
+            found = re.search(rf"^{name}{{[^}}]*{re.escape(tag)}[^}}]*}} (\S+)$", body, re.M)
+            if found:
+                seen[name] = float(found.group(1))
+        if len(seen) < len(wanted):
+            time.sleep(1)  # polling an HTTP endpoint that refreshes on its own clock
+    assert seen == {name: value for name, (_, value) in wanted.items()}

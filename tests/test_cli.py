@@ -1,0 +1,92 @@
+"""The flowrl command: `flowrl run` on a config file end to end, its errors, and the progress
+view of an engine (live table, log lines, or nothing)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl._cli import main
+from flowrl.testing import CountingTrainer, Scale
+
+FAST = ["--set", "run.pipeline.backend=inprocess", "--set", "models.ppo_policy.num_replicas=1"]
+
+
+def test_flowrl_run_trains_the_ppo_example_from_its_yaml(tmp_path, capsys):
+    code = main(["run", "examples/ppo_tiny.yaml", "--set", "run.num_episode=2", "--set", f"run.run_dir={tmp_path}", *FAST])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # 64 samples an episode, global batch 32 over 4 epochs: 8 steps an episode per trainer
+    assert "done: 2 episodes; ppo_policy: 16 steps, 512 samples, ppo_value: 16 steps, 512 samples" in out
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["episode"] for line in lines] == [0, 1] and all(line["samples"] == 64 for line in lines)
+    assert (tmp_path / "trace.json").is_file() and f"flowrl trace {tmp_path}" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--set", "modles.policy.num_replicas=1"], "examples/ppo_tiny.yaml: Object contains unknown field `modles`"),
+    (["--set", "models.policy.class=examples.ppo_tiny:Polcy"], "models.policy.class: module 'examples.ppo_tiny' has no 'Polcy'"),
+    (["--set", "models.policy.batchsize=4"], "models.policy: Object contains unknown field `batchsize`"),
+    (["--set", "models.policy.class=numpy:ndarray"], "models.policy.class: 'numpy:ndarray' is not a flowrl.Model subclass"),
+    (["--set", "run.num_episode=0"], "RunConfig.num_episode must be > 0, got 0"),
+    (["--set", "run.progres=log"], "run: Object contains unknown field `progres`"),
+    (["--set", "flow=examples.nowhere:rollout"], "flow: cannot import module 'examples.nowhere'"),
+    (["--set", "num_episode"], "override 'num_episode': expected key=value"),
+])
+def test_flowrl_run_names_the_bad_key(capsys, overrides, message):
+    assert main(["run", "examples/ppo_tiny.yaml", *overrides, *FAST]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flowrl_run_refuses_a_missing_or_unknown_file(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml: no such file" in capsys.readouterr().err
+    (tmp_path / "run.json").write_text("{}")
+    assert main(["run", str(tmp_path / "run.json")]) == 2
+    assert "expected a .yaml, .yml or .toml file" in capsys.readouterr().err
+
+
+def test_a_custom_flow_from_a_toml_file(tmp_path, capsys, monkeypatch):
+    (tmp_path / "myflow.py").write_text(
+        "import numpy as np\n"
+        "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
+        "def items():\n    return [{'x': np.full(1, float(i))} for i in range(12)]\n"
+    )
+    (tmp_path / "run.toml").write_text(
+        'flow = "myflow:rollout"\ndataset = "myflow:items"\ntrain = ["trainer"]\nsync = [["trainer", "gen"]]\n'
+        '[models.gen]\nclass = "flowrl.testing:Scale"\nnum_replicas = 2\nbatch_size = 3\n'
+        'args = {srcs = ["x"], dst = "y", factor = 2.0}\n'
+        '[models.trainer]\nclass = "flowrl.testing:CountingTrainer"\n'
+        '[run]\nsample_per_episode = 6\nnum_episode = 2\npipeline = {backend = "inprocess"}\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "run.toml"]) == 0
+    assert "done: 2 episodes; trainer: 2 steps, 12 samples" in capsys.readouterr().out
+
+
+def _engine(progress: str) -> flowrl.Engine:
+    policy = Scale("policy", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y")
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[CountingTrainer("t")],
+                           config={"sample_per_episode": 4, "num_episode": 2, "progress": progress,
+                                   "pipeline": {"backend": "inprocess"}})
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(8)])
+    return engine
+
+
+def test_progress_log_lines_live_view_or_nothing(capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="flowrl"):
+        _engine("log").learn()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["episode 1/2", "episode 2/2"]
+    assert capsys.readouterr() == ("", "")
+    _engine("live").learn()
+    err = capsys.readouterr().err
+    assert "episode 1/2: 4 samples" in err and "episode 2/2: 4 samples" in err
+    caplog.clear()
+    _engine("auto").learn()  # not a terminal here: log lines at INFO, which nothing shows
+    assert capsys.readouterr() == ("", "") and len(caplog.records) == 0
+    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.progress must be one of \['auto', 'live', 'log', 'off'\]"):
+        _engine("verbose")
