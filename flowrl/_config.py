@@ -120,6 +120,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return 0.0
 
 
+PROGRESS = ("auto", "live", "log", "off")
+
+
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a pipeline runs.
 
@@ -132,7 +135,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``max_retries``: how many times a sample may be sent to a stage again after the replica
     running it died; the pool carries on without that replica. 0 fails the run at once.
     ``trace_spans``: how many of the latest shard spans the pipeline keeps for its timeline
-    (``write_trace``); 0 keeps none.
+    (``write_trace``); 0 keeps none. ``progress``: ``"auto"`` (a live table while a stream
+    runs, on a terminal; else a log line per run), ``"live"``, ``"log"`` or ``"off"``.
     """
 
     backend: BackendName = "ray"
@@ -149,6 +153,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     local_channels: bool = True
     max_retries: int = 3
     trace_spans: int = 200_000
+    progress: str = "auto"
 
     def __post_init__(self) -> None:
         _one_of("PipelineConfig", "backend", self.backend, BackendName)
@@ -162,6 +167,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
         _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus, max_retries=self.max_retries,
                       trace_spans=self.trace_spans)
+        if self.progress not in PROGRESS:
+            raise ConfigError(f"PipelineConfig.progress must be one of {list(PROGRESS)}, got {self.progress!r}")
 
 
 def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:

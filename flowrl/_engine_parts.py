@@ -186,7 +186,7 @@ class Live:
         everything = [s for specs in trainer_specs.values() for s in specs]
         everything += self._pool_specs(rollout, "") + self._pool_specs(evaluation, "-eval")
         await self.backend.prepare(everything)  # an embedded cluster is sized for all pools
-        cfg = self.config.pipeline
+        cfg = msgspec.structs.replace(self.config.pipeline, progress="off")  # the engine's own view covers them
         for model in self.trainer_models:
             await self.start_trainer(model)
         self.rollout = await self.stack.enter_async_context(running(rollout, self.backend, cfg, self.placement.spec))

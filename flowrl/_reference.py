@@ -48,6 +48,8 @@ MEANING: dict[type, dict[str, str]] = {
         "max_retries": "times a sample may be sent to a stage again after its replica died (or its input was "
                        "lost with a node); 0 fails the run at once",
         "trace_spans": "how many of the latest shard spans the pipeline keeps for its timeline; 0: none",
+        "progress": "`auto` (a live table while a stream runs, on a terminal; else a log line per run), "
+                    "`live`, `log` or `off`; an engine's own pools stay quiet",
     },
     RunConfig: {
         "sample_per_episode": "samples per episode (prompts x `num_samples_per_prompt`)",

@@ -9,11 +9,8 @@ from typing import Any
 
 import msgspec
 
-from ._config import ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, to_config
+from ._config import PROGRESS, ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, to_config
 from ._errors import ConfigError
-
-
-PROGRESS = ("auto", "live", "log", "off")
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -64,8 +64,12 @@ def metric_values(stats: EngineStats) -> list[Metric]:
         out.append(("flowrl_stage_samples", "samples a rollout stage completed", tags, float(s.samples)))
         out.append(("flowrl_stage_busy_seconds", "seconds a stage's replicas were busy", tags, s.busy_s))
         out.append(("flowrl_stage_retried", "samples sent to a stage again", tags, float(s.retried)))
+        out.append(("flowrl_stage_queued", "samples ready for a stage that no replica took yet", tags, float(s.queued)))
+        out.append(("flowrl_stage_queue_peak", "the most samples that waited for a stage", tags, float(s.queue_peak)))
         for r in s.replicas:
             rtags = {**tags, "replica": str(r.replica)}
             out.append(("flowrl_replica_busy_seconds", "seconds a replica was busy on a stage", rtags, r.busy_s))
             out.append(("flowrl_replica_idle_seconds", "seconds a replica ran no stage", rtags, r.idle_s))
+            out.append(("flowrl_replica_starved_seconds", "seconds a replica had no shard and waited for one", rtags,
+                        r.starved_s))
     return out

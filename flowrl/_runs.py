@@ -115,11 +115,37 @@ class StreamingMixin:
         run = await self._begin(ordered, wanted)
         assert self._tg is not None
         self._tg.start_soon(self._admit, run, items)
+        view = self._show(run)
         try:
             async for sample in self._deliver(run):
                 yield sample
         finally:
             self._abandon(run)
+            self._shown(run, view)
+
+    def _show(self, run: Run) -> tuple[str, dict[str, int], anyio.CancelScope | None] | None:
+        """Start the run's progress view (``PipelineConfig.progress``)."""
+        from ._progress import mode, watch_run
+
+        shown = mode(self.config.progress)  # type: ignore[attr-defined]
+        if shown == "off":
+            return None
+        base = {name: s.samples for name, s in self.stats().stages.items()}  # type: ignore[attr-defined]
+        scope = anyio.CancelScope() if shown == "live" else None
+        if scope is not None and self._tg is not None:
+            self._tg.start_soon(watch_run, self, run, base, scope)
+        return shown, base, scope
+
+    def _shown(self, run: Run, view: tuple[str, dict[str, int], anyio.CancelScope | None] | None) -> None:
+        if view is None:
+            return
+        from ._progress import log, run_line
+
+        shown, base, scope = view
+        if scope is not None:
+            scope.cancel()
+        if shown == "log" and run.admission_done and run.finished == run.admitted:
+            log.info(run_line(self, run, base))  # type: ignore[arg-type]
 
     async def _begin(self, ordered: bool | None, fields: frozenset[str] | None) -> Run:
         async with self._begin_lock:

@@ -74,6 +74,8 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         self._begin_lock = anyio.Lock()
         self._recovering = anyio.Lock()
         self.timeline = Timeline(config.trace_spans)  # a span per shard, as its replica timed it
+        started = time.perf_counter()  # every replica waits for work from the start
+        self._hungry = {(h.model, h.replica_id): started for h in handles}
 
     # ---- lifecycle (driven by open_pipeline) ----
     def _start(self, tg: TaskGroup) -> None:
@@ -134,7 +136,8 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         """Counters so far; a stream in progress counts its time up to now."""
         run = self._run
         live = 0.0 if run is None or run.active_closed else time.perf_counter() - run.started
-        return self._recorder.snapshot(extra_active_s=live)
+        queues = {stage: q for pool in self._pools.values() for stage, q in pool.scheduler.queues().items()}
+        return self._recorder.snapshot(extra_active_s=live, queues=queues)
 
     def _expect(self, count: int) -> None:
         for spec in self.graph.stages.values():
@@ -180,21 +183,29 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
 
     # ---- pullers ----
     async def _slot(self, handle: ReplicaHandle) -> None:
-        pool = self._pools[handle.model]
+        pool, r = self._pools[handle.model], handle.replica_id
         try:
             while True:
-                assignment = await pool.next(handle.replica_id)
+                assignment = await pool.next(r)
+                self._fed(handle)
                 try:
                     if await self._execute(handle, assignment):
                         pool.finish(assignment)
                 except ReplicaDiedError as err:
                     self._lost(handle, assignment, err)
                     return
+                if not pool.scheduler.in_flight[r]:  # nothing left to run: starved from now on
+                    self._hungry[(handle.model, r)] = time.perf_counter()
         except Retired:  # its replica died while this slot waited
             return
         except Exception as err:
             self._fail(err)
             raise
+
+    def _fed(self, handle: ReplicaHandle) -> None:
+        since = self._hungry.pop((handle.model, handle.replica_id), None)
+        if since is not None:
+            self._recorder.starved(handle.model, handle.replica_id, time.perf_counter() - since)
 
     async def _execute(self, handle: ReplicaHandle, a: Assignment) -> bool:
         """Run shard ``a``; False when it must be sent again (its inputs were lost and computed again)."""

@@ -33,6 +33,7 @@ class _StageQueue:
     dispatched: int = 0
     finished: int = 0
     holders: int = 0  # replicas running samples of this stage
+    peak: int = 0  # the most samples ever left waiting after a poll (no replica free to take them)
     floor: int = 1  # the smallest shard worth a call, from ``measure``
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
     fit: ShardFloor = field(init=False)  # the floor, refitted from measured calls
@@ -162,7 +163,13 @@ class PoolScheduler:
             self.in_flight[replica] += 1
             self._last_served[replica] = next(self._seq)
             self._changed(replica)
+        for q in self._stages.values():
+            q.peak = max(q.peak, len(q.heap))
         return out
+
+    def queues(self) -> dict[str, tuple[int, int]]:
+        """Per stage: (samples waiting now, the most that ever waited after a poll)."""
+        return {name: (len(q.heap), q.peak) for name, q in self._stages.items()}
 
     def _enqueue(self, r: int) -> None:
         heapq.heappush(self._queue, (self.in_flight[r], self._last_served[r], r, self._version[r]))

@@ -21,6 +21,7 @@ class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
     max_shard: int
     out_bytes: int = 0
     overhead_s: float = 0.0
+    starved_s: float = 0.0  # pool-wide: time the replica had no shard and waited for one
 
 
 class StageStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +38,8 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     # wait behind a shard queued first on the replica (prefetch > 1), the runtime's own work.
     overhead_s: float = 0.0
     retried: int = 0  # samples sent to the stage again after their replica died (not in samples)
+    queued: int = 0  # samples ready for the stage that no replica has taken yet
+    queue_peak: int = 0  # the most that ever waited so
 
 
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,7 +70,11 @@ class StatsRecorder:
         }
         self._model_busy = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self._retried = Counter[str]()
+        self._starved = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
+
+    def starved(self, model: str, replica: int, seconds: float) -> None:
+        self._starved[(model, replica)] += seconds
 
     def retried(self, stage: str, samples: int) -> None:
         self._retried[stage] += samples
@@ -85,8 +92,9 @@ class StatsRecorder:
     def add_active(self, seconds: float) -> None:
         self.active_s += seconds
 
-    def snapshot(self, extra_active_s: float = 0.0) -> PipelineStats:
+    def snapshot(self, extra_active_s: float = 0.0, queues: Mapping[str, tuple[int, int]] | None = None) -> PipelineStats:
         active = self.active_s + extra_active_s
+        queues = queues or {}
         stages = {}
         for stage, model in self._stage_models.items():
             reps = [self._replica(stage, model, r, active) for r in range(self._replicas[model])]
@@ -103,6 +111,8 @@ class StatsRecorder:
                 out_bytes=sum(r.out_bytes for r in reps),
                 overhead_s=sum(r.overhead_s for r in reps),
                 retried=self._retried[stage],
+                queued=queues.get(stage, (0, 0))[0],
+                queue_peak=queues.get(stage, (0, 0))[1],
             )
         return PipelineStats(active_s=active, stages=stages)
 
@@ -112,4 +122,5 @@ class StatsRecorder:
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
             max_shard=max(cell.sizes, default=0), out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,
+            starved_s=self._starved[(model, r)],
         )

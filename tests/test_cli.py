@@ -90,3 +90,43 @@ def test_progress_log_lines_live_view_or_nothing(capsys, caplog):
     assert capsys.readouterr() == ("", "") and len(caplog.records) == 0
     with pytest.raises(flowrl.ConfigError, match=r"RunConfig.progress must be one of \['auto', 'live', 'log', 'off'\]"):
         _engine("verbose")
+
+
+@pytest.mark.parametrize("progress", ["log", "live", "off"])
+def test_a_pipeline_stream_logs_a_line_per_run_or_draws_or_stays_quiet(caplog, capsys, progress):
+    double = Scale("double", {"num_replicas": 2, "batch_size": 3}, srcs=["x"], dst="y", sleep_s=0.001)
+    with caplog.at_level(logging.INFO, logger="flowrl"):
+        with flowrl.Pipeline(lambda x: double.forward_step(x), {"backend": "inprocess", "progress": progress}) as pipe:
+            for run in range(2):
+                assert len(pipe.run([{"x": np.full(1, float(i))} for i in range(10)])) == 10
+    lines = [r.getMessage() for r in caplog.records]
+    if progress == "log":
+        assert [line.split(" in ")[0] for line in lines] == ["run 0: 10 samples", "run 1: 10 samples"]
+        assert all(line.endswith("(double.forward_step 10)") for line in lines)
+    else:
+        assert lines == []
+    assert capsys.readouterr().out == ""
+
+
+def test_the_live_table_shows_each_stage_its_samples_busy_replicas_and_queue():
+    import anyio
+    from rich.console import Console
+
+    from flowrl._progress import stage_table
+
+    a = Scale("a", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="a")
+    b = Scale("b", {"num_replicas": 3, "batch_size": 2}, srcs=["a"], dst="b")
+
+    async def main() -> str:
+        async with flowrl.open_pipeline(lambda x: b.forward_step(a.forward_step(x)), {"backend": "inprocess"}) as pipe:
+            await pipe.run([{"x": np.full(1, float(i))} for i in range(6)])
+            console = Console(width=100, record=True, file=open("/dev/null", "w"))
+            console.print(stage_table(pipe, "run 0", {"a.forward_step": 2}, 6))
+            return console.export_text()
+
+    text = anyio.run(main)
+    assert "run 0" in text
+    cells = [line.replace("\u2502", " ").split() for line in text.splitlines()]  # the table's vertical bars
+    rows = {c[0]: c[1:] for c in cells if c and c[0].startswith(("a.", "b."))}
+    # a: 6 ready, 2 replicas take 2 each, 2 wait (peak 2); b gets them as they come
+    assert rows == {"a.forward_step": ["4/6", "0/2", "0", "(2)"], "b.forward_step": ["6/6", "0/3", "0", "(0)"]}

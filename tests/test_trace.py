@@ -172,3 +172,18 @@ def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_clust
         if len(seen) < len(wanted):
             time.sleep(1)  # polling an HTTP endpoint that refreshes on its own clock
     assert seen == {name: value for name, (_, value) in wanted.items()}
+
+
+def test_queue_depth_its_peak_and_starved_time_are_counted():
+    a = Scale("a", {"num_replicas": 1, "batch_size": 1, "prefetch": 1}, srcs=["x"], dst="a", sleep_s=0.02)
+    b = Scale("b", {"num_replicas": 2, "batch_size": 4}, srcs=["a"], dst="b")
+    with flowrl.Pipeline(lambda x: b.forward_step(a.forward_step(x)), {"backend": "inprocess"}) as pipe:
+        pipe.run([{"x": np.full(1, float(i))} for i in range(10)])
+        stats = pipe.stats()
+    first, second = stats["a.forward_step"], stats["b.forward_step"]
+    assert first.queue_peak == 9 and first.queued == 0  # one replica taking one sample at a time
+    assert second.queued == 0 and second.queue_peak <= 1
+    # b waits for a's shards of 20 ms: its replicas are starved at least that long, a's hardly
+    assert all(r.starved_s >= 0.02 for r in second.replicas)
+    assert first.replicas[0].starved_s < 0.02
+    assert all(r.busy_s + r.starved_s <= stats.active_s + 0.05 for r in (*first.replicas, *second.replicas))
