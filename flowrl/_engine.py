@@ -23,7 +23,8 @@ from ._batch import Batch, Sample
 from ._config import to_config
 from ._engine_ckpt import Checkpoints, Resumable
 from ._engine_parts import (
-    EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, trainer_models,
+    EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, staleness,
+    trainer_models,
 )
 from ._errors import ConfigError, FlowError, PipelineClosedError, ReplicaDiedError
 from ._model import Model
@@ -299,6 +300,7 @@ class Engine(Resumable):
         t1 = time.perf_counter()
         self._relay.add(EpisodeBuffer(e, samples))
         train_samples = relayed(self._relay_fn, self.relay_episodes) if self._relay_fn else samples
+        lags = staleness(train_samples, self._versions)  # before this episode's sync
         results: dict[str, list[Any]] = {m.name: [] for m in self.trainers}
         if train_samples:
             batch = _batch_of(train_samples)
@@ -315,7 +317,7 @@ class Engine(Resumable):
         t4 = time.perf_counter()
         self._episodes.append(EpisodeStats(
             episode=e, samples=len(samples), rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
-            eval_s=t4 - t3, metrics={k: mean_metrics(v) for k, v in results.items()},
+            eval_s=t4 - t3, metrics={k: mean_metrics(v) for k, v in results.items()}, staleness=lags,
             weight_versions=dict(self._versions),
         ))
         synced = bool(self.sync_pairs) and (e + 1) % cfg.sync_every == 0

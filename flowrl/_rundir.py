@@ -56,6 +56,9 @@ def metric_values(stats: EngineStats) -> list[Metric]:
                     float(getattr(last, f"{phase}_s"))))
     for model, version in last.weight_versions.items():
         out.append(("flowrl_weight_version", "weight version an inference model runs", {"model": model}, float(version)))
+    for model, lags in last.staleness.items():
+        out.append(("flowrl_staleness_max", "most versions behind of a sample trained in the last episode",
+                    {"model": model}, float(max(lags))))
     for name, trainer in stats.trainers.items():
         out.append(("flowrl_trainer_steps", "optimizer steps of a trainer", {"trainer": name}, float(trainer.steps)))
         out.append(("flowrl_trainer_samples", "samples a trainer trained on", {"trainer": name}, float(trainer.samples)))

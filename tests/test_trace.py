@@ -187,3 +187,16 @@ def test_queue_depth_its_peak_and_starved_time_are_counted():
     assert all(r.starved_s >= 0.02 for r in second.replicas)
     assert first.replicas[0].starved_s < 0.02
     assert all(r.busy_s + r.starved_s <= stats.active_s + 0.05 for r in (*first.replicas, *second.replicas))
+
+
+def test_staleness_counts_how_many_versions_behind_each_trained_sample_was_generated():
+    policy = Scale("policy", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("trainer")
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
+                           config={"sample_per_episode": 4, "num_episode": 3, "max_relay_episode": 2,
+                                   "pipeline": {"backend": "inprocess"}})
+    engine.set_relay_sample_fn(lambda episodes: [s for e in episodes for s in e.buffer])  # brings the last one back
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
+    stats = engine.learn()
+    assert [e.staleness for e in stats.episodes] == [{"policy": {0: 4}}, {"policy": {0: 4, 1: 4}},
+                                                     {"policy": {0: 4, 1: 4}}]
