@@ -134,6 +134,10 @@ class Backend(Protocol):
         """Gauges (name, description, tags, value) for the cluster's metrics (Prometheus)."""
         ...
 
+    async def alive(self, handle: ReplicaHandle) -> bool:
+        """Whether the actor behind ``handle`` still runs (a trainer rank, after its group failed)."""
+        ...
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         """Stop these actors (a trainer group being rebuilt); returns once they are gone."""
         ...

@@ -153,7 +153,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     local_channels: bool = True
     max_retries: int = 3
     trace_spans: int = 200_000
-    progress: str = "auto"
+    progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
 
     def __post_init__(self) -> None:
         _one_of("PipelineConfig", "backend", self.backend, BackendName)
@@ -167,7 +167,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
         _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus, max_retries=self.max_retries,
                       trace_spans=self.trace_spans)
-        if self.progress not in PROGRESS:
+        if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
             raise ConfigError(f"PipelineConfig.progress must be one of {list(PROGRESS)}, got {self.progress!r}")
 
 

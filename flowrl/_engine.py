@@ -26,7 +26,7 @@ from ._engine_parts import (
     EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, staleness,
     trainer_models,
 )
-from ._errors import ConfigError, FlowError, PipelineClosedError, ReplicaDiedError
+from ._errors import ConfigError, FlowError, PipelineClosedError, ReplicaDiedError, StageError
 from ._model import Model
 from ._pipeline import Flow, build_flow, plain_errors
 from ._progress import Progress
@@ -286,10 +286,17 @@ class Engine(Resumable):
         try:
             async with plain_errors():
                 await self._run_episode(live)
-        except ReplicaDiedError as err:
+        except StageError as err:
             trainer = err.stage.partition(".")[0]
             if trainer not in live.trainers:
                 raise
+            if not isinstance(err, ReplicaDiedError):
+                # a peer of a rank that died may report its broken collective first
+                dead = [r.replica_id for r in live.trainers[trainer] if not await live.backend.alive(r)]
+                if not dead:
+                    raise
+                err = ReplicaDiedError(f"the process of rank {dead[0]} died; a peer reported {err.message}",
+                                       err.stage, dead[0], err.sample_ids)
             await self._rebuild(live, trainer, err)
 
     async def _run_episode(self, live: Live) -> None:

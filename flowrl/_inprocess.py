@@ -122,6 +122,9 @@ class InProcessBackend:
     def export_metrics(self, values: list[tuple[str, str, dict[str, str], float]]) -> None:
         pass  # no Ray: nothing to export to
 
+    async def alive(self, handle: ReplicaHandle) -> bool:
+        return True  # it is this process
+
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         pass
 

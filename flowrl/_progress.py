@@ -27,7 +27,9 @@ log = logging.getLogger("flowrl")
 TICK_S = 0.25
 
 
-def mode(setting: str) -> str:
+def mode(setting: str | bool) -> str:
+    if isinstance(setting, bool):  # YAML's bare off / on
+        return "live" if setting else "off"
     if setting == "auto":
         return "live" if sys.stderr.isatty() else "log"
     return setting

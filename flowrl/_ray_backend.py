@@ -71,6 +71,7 @@ def _ship_by_value(model: Model) -> None:
 _owned = {"started": False, "users": 0}
 
 
+ALIVE_TIMEOUT_S = 30.0  # a live actor answers a ping in milliseconds; a dead one fails once Ray sees it gone
 _GAUGES: dict[str, Gauge] = {}  # one per metric name for the process: Ray registers each name once
 
 
@@ -275,6 +276,13 @@ class RayBackend:
 
     def dead_nodes(self) -> set[str]:
         return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+
+    async def alive(self, handle: ReplicaHandle) -> bool:
+        try:  # a trainer rank answers on its control thread, even while blocked in a collective
+            with anyio.fail_after(ALIVE_TIMEOUT_S):
+                return await handle.ref.ping.remote()
+        except (RayActorError, TimeoutError):
+            return False
 
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         gone = {id(h.ref) for h in handles}

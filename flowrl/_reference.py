@@ -49,7 +49,8 @@ MEANING: dict[type, dict[str, str]] = {
                        "lost with a node); 0 fails the run at once",
         "trace_spans": "how many of the latest shard spans the pipeline keeps for its timeline; 0: none",
         "progress": "`auto` (a live table while a stream runs, on a terminal; else a log line per run), "
-                    "`live`, `log` or `off`; an engine's own pools stay quiet",
+                    "`live`, `log` or `off` (YAML's bare `off`/`on` read as false/true mean `off`/`live`); an "
+                    "engine's own pools stay quiet",
     },
     RunConfig: {
         "sample_per_episode": "samples per episode (prompts x `num_samples_per_prompt`)",
@@ -72,7 +73,8 @@ MEANING: dict[type, dict[str, str]] = {
                   "path of one checkpoint folder",
         "max_trainer_restarts": "times a trainer whose rank died may be rebuilt from the last checkpoint",
         "run_dir": "where `metrics.jsonl` (a line per episode) and `trace.json` (the timeline) go",
-        "progress": "`auto` (a live table on a terminal, else log lines), `live`, `log` or `off`",
+        "progress": "`auto` (a live table on a terminal, else log lines), `live`, `log` or `off` (false: `off`, "
+                    "true: `live`)",
         "colocation": "groups of model names that share GPUs, e.g. `[[policy, reference]]`",
         "models": "a `ModelConfig` per model name, applied when the engine is built",
         "pipeline": "the `PipelineConfig` of every pool and trainer",

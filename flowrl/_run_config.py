@@ -50,7 +50,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     resume: str = "auto"
     max_trainer_restarts: int = 3
     run_dir: str | None = None
-    progress: str = "auto"
+    progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
     colocation: list[list[str]] = msgspec.field(default_factory=list)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
     pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)
@@ -75,7 +75,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"RunConfig.checkpoint_every={self.checkpoint_every} needs RunConfig.checkpoint_dir (the folder "
                 "the checkpoints go to)"
             )
-        if self.progress not in PROGRESS:
+        if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
             raise ConfigError(f"RunConfig.progress must be one of {list(PROGRESS)}, got {self.progress!r}")
         if not self.resume:
             raise ConfigError('RunConfig.resume must be "auto", "never" or the path of a checkpoint folder, got ""')

@@ -6,6 +6,7 @@ buffer and sampler reproduces the uninterrupted run."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,11 @@ class Learner(flowrl.Model):
     """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked."""
 
     def __init__(self, name: str, config: Any = None, *, die_at: tuple[int, int] | None = None,
-                 marker: str = "") -> None:
+                 marker: str = "", peer_first: bool = False) -> None:
         super().__init__(name, config)
         self.die_at = die_at
         self.marker = marker
+        self.peer_first = peer_first  # the other ranks report a broken collective before the death is seen
 
     def setup(self) -> None:
         import torch
@@ -55,6 +57,13 @@ class Learner(flowrl.Model):
         if self.die_at == (iteration, self.rank) and not Path(self.marker).exists():
             Path(self.marker).touch()
             os._exit(1)  # the rank's process dies; its peer waits in the all-reduce
+        peer = Path(self.marker + ".peer")
+        if self.peer_first and self.die_at and self.die_at[0] == iteration and not peer.exists():
+            deadline = time.monotonic() + 60
+            while not Path(self.marker).exists() and time.monotonic() < deadline:  # until the rank dies
+                time.sleep(0.005)
+            peer.touch()
+            raise RuntimeError("[gloo] Connection closed by peer")  # what a collective raises then
         x = torch.as_tensor(np.asarray(batch["prompt"], dtype=np.float32))
         y = torch.as_tensor(np.asarray(batch["action"], dtype=np.float32))
         self.optimizer.zero_grad()
@@ -71,10 +80,10 @@ def dataset() -> list[dict[str, Any]]:
 
 
 def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, int] | None = None,
-                marker: str = "", **config: Any) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
+                marker: str = "", peer_first: bool = False, **config: Any) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
     """The engine and the list its relay function appends each episode's samples to."""
     policy = Policy("policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU})
-    learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker)
+    learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first)
     cfg = {"sample_per_episode": 8, "num_episode": 6, "train_global_batch_size": 4, "train_micro_batch_size": 2,
            "num_training_epoch": 2, "shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2, **config}
     evaluate = cfg.get("eval_every", 0)

@@ -186,11 +186,15 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
     assert flowrl_actor_names() == []
 
 
-@pytest.mark.parametrize("die_at", [(1, 1), (3, 0)], ids=["before-first-checkpoint", "after-second"])
-def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tmp_path, die_at):
+@pytest.mark.parametrize("die_at, peer_first", [((1, 1), False), ((3, 0), False), ((3, 0), True)],
+                         ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death"])
+def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tmp_path, die_at, peer_first):
+    """A rank dies mid-step. With ``peer_first`` its peer raises a collective's error as soon as
+    the death happens, racing the death's own report to the driver: whichever comes first, the
+    group is rebuilt (a peer's error alone once failed the run)."""
     ref = reference(1)
     engine, seen = make_engine(sync_every=1, checkpoint_every=2, checkpoint_dir=str(tmp_path),
-                               die_at=die_at, marker=str(tmp_path / "died"))
+                               die_at=die_at, marker=str(tmp_path / "died"), peer_first=peer_first)
     stats = engine.learn()
     assert (tmp_path / "died").exists() and flowrl_actor_names() == []
     assert trained(engine) == ref["trained"]  # every step once, from the checkpoint's exact state

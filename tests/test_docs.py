@@ -38,3 +38,35 @@ def test_every_config_key_has_a_description_and_no_description_is_stale():
     for cls, meanings in MEANING.items():
         assert [f.name for f in msgspec.structs.fields(cls)] == list(meanings), cls.__name__
         assert section(cls).count("\n| `") == len(meanings)
+
+
+BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def flowrl_commands(page: Path) -> list[list[str]]:
+    """The ``flowrl ...`` lines of a page's bash blocks, in order, without trailing comments."""
+    import shlex
+
+    return [shlex.split(line, comments=True) for block in BASH.findall(page.read_text())
+            for line in block.splitlines() if line.startswith("flowrl ")]
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if flowrl_commands(p)], ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_flowrl_commands_run(page, tmp_path):
+    """Each page's commands run in order in a fresh folder: in one process (FLOWRL_DEBUG=1) and
+    for 2 episodes, to keep the test short; the rest of each command as written."""
+    import os
+    import subprocess
+    import sys
+
+    import shutil
+
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # the commands run from a checkout's root
+    env = {**os.environ, "FLOWRL_DEBUG": "1", "PYTHONPATH": str(ROOT)}
+    for command in flowrl_commands(page):
+        args = command[1:]
+        if args[0] == "run":
+            args += ["--set", "run.num_episode=2", "--set", "run.progress=off"]
+        proc = subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-3000:])

@@ -159,6 +159,7 @@ def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_clust
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
     stats = engine.learn()
     port = ray_cluster._private.worker._global_node.metrics_export_port
+    assert isinstance(port, int), "Ray's metrics agent is not running: install flowrl[metrics] (ray[default])"
     wanted = {"ray_flowrl_stage_samples": ('stage="prom_policy.forward_step"', 16.0),
               "ray_flowrl_trainer_steps": ('trainer="prom_trainer"', float(stats.trainers["prom_trainer"].steps))}
     seen: dict[str, float] = {}
