@@ -253,7 +253,7 @@ class Engine(Resumable):
                 # the n-th learn() runs up to episode n * num_episode: a resumed run ends where
                 # the uninterrupted one would have
                 target = self._runs * self.config.num_episode
-                progress = Progress(self.config.progress, target)
+                progress = Progress(self.config.progress, target, self._episode)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(progress.watch, live.rollout, self.config.sample_per_episode)
                     while self._episode < target:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -45,11 +43,11 @@ def episode_line(e: Any, total: int) -> str:
 class Progress:
     """The view of one ``learn()``: ``episode_done`` after each episode, ``watch`` while it runs."""
 
-    def __init__(self, setting: str, total: int) -> None:
+    def __init__(self, setting: str | bool, total: int, done: int = 0) -> None:
         self.mode = mode(setting)
         self.total = total
         self.started = time.perf_counter()
-        self.episode = 0
+        self.episode = done  # episodes done before this learn() (a resumed run, an earlier call)
         self.base: dict[str, int] = {}
         self._live: Any = None
 

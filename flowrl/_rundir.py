@@ -33,6 +33,7 @@ class RunDir:
             "time": time.time(),
             "trainers": msgspec.to_builtins(stats.trainers),
             "rollout": msgspec.to_builtins(stats.rollout.stages) if stats.rollout is not None else {},
+            "rollout_blocked_s": stats.rollout.blocked_s if stats.rollout is not None else 0.0,
         }
         with open(self.path / METRICS, "ab") as f:
             f.write(msgspec.json.encode(line) + b"\n")
@@ -62,6 +63,9 @@ def metric_values(stats: EngineStats) -> list[Metric]:
     for name, trainer in stats.trainers.items():
         out.append(("flowrl_trainer_steps", "optimizer steps of a trainer", {"trainer": name}, float(trainer.steps)))
         out.append(("flowrl_trainer_samples", "samples a trainer trained on", {"trainer": name}, float(trainer.samples)))
+    if stats.rollout is not None:
+        out.append(("flowrl_rollout_blocked_seconds", "seconds admission waited for room in the in-flight window",
+                    {}, stats.rollout.blocked_s))
     for stage, s in (stats.rollout.stages.items() if stats.rollout is not None else ()):
         tags = {"stage": stage, "model": s.model}
         out.append(("flowrl_stage_samples", "samples a rollout stage completed", tags, float(s.samples)))

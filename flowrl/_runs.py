@@ -208,7 +208,9 @@ class StreamingMixin:
         exhausted = False
         try:
             while not exhausted and not run.abandoned:
+                waiting = time.perf_counter()
                 room = await self._window.acquire(self.config.input_chunk)  # type: ignore[attr-defined]
+                self._recorder.blocked_s += time.perf_counter() - waiting  # type: ignore[attr-defined]
                 chunk: list[Any] = []
                 try:
                     if not run.abandoned:

@@ -43,10 +43,13 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters since the pipeline opened; ``active_s`` is the time spent inside runs."""
+    """Counters since the pipeline opened; ``active_s`` is the time spent inside runs;
+    ``blocked_s`` the time admission waited for room in the in-flight window (``max_inflight``:
+    the caller, or stages downstream, held every place)."""
 
     active_s: float
     stages: dict[str, StageStats]
+    blocked_s: float = 0.0
 
     def __getitem__(self, stage: str) -> StageStats:
         return self.stages[stage]
@@ -72,6 +75,7 @@ class StatsRecorder:
         self._retried = Counter[str]()
         self._starved = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
+        self.blocked_s = 0.0
 
     def starved(self, model: str, replica: int, seconds: float) -> None:
         self._starved[(model, replica)] += seconds
@@ -114,7 +118,7 @@ class StatsRecorder:
                 queued=queues.get(stage, (0, 0))[0],
                 queue_peak=queues.get(stage, (0, 0))[1],
             )
-        return PipelineStats(active_s=active, stages=stages)
+        return PipelineStats(active_s=active, stages=stages, blocked_s=self.blocked_s)
 
     def _replica(self, stage: str, model: str, r: int, active: float) -> ReplicaStats:
         cell = self._cells[(stage, r)]

@@ -50,21 +50,20 @@ def test_flowrl_run_refuses_a_missing_or_unknown_file(tmp_path, capsys):
     assert "expected a .yaml, .yml or .toml file" in capsys.readouterr().err
 
 
-def test_a_custom_flow_from_a_toml_file(tmp_path, capsys, monkeypatch):
-    (tmp_path / "myflow.py").write_text(
+def test_the_custom_flow_of_the_cli_page_runs_from_its_toml(tmp_path, capsys, monkeypatch):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    (toml,) = re.findall(r"^```toml\n(.*?)^```", page, re.S | re.M)  # the page's example, as written
+    (tmp_path / "myflow.py").write_text(  # the module its comments describe
         "import numpy as np\n"
         "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
         "def items():\n    return [{'x': np.full(1, float(i))} for i in range(12)]\n"
     )
-    (tmp_path / "run.toml").write_text(
-        'flow = "myflow:rollout"\ndataset = "myflow:items"\ntrain = ["trainer"]\nsync = [["trainer", "gen"]]\n'
-        '[models.gen]\nclass = "flowrl.testing:Scale"\nnum_replicas = 2\nbatch_size = 3\n'
-        'args = {srcs = ["x"], dst = "y", factor = 2.0}\n'
-        '[models.trainer]\nclass = "flowrl.testing:CountingTrainer"\n'
-        '[run]\nsample_per_episode = 6\nnum_episode = 2\npipeline = {backend = "inprocess"}\n'
-    )
+    (tmp_path / "run.toml").write_text(toml)
     monkeypatch.chdir(tmp_path)
-    assert main(["run", "run.toml"]) == 0
+    assert main(["run", "run.toml", "--set", "run.pipeline.backend=inprocess"]) == 0
     assert "done: 2 episodes; trainer: 2 steps, 12 samples" in capsys.readouterr().out
 
 

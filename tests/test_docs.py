@@ -70,3 +70,31 @@ def test_docs_flowrl_commands_run(page, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+YAML = re.compile(r"^```yaml\n(.*?)^```", re.S | re.M)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if YAML.search(p.read_text())], ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_run_files_are_valid(page, tmp_path):
+    """Every YAML block is a valid RunConfig file, or a valid run file (with a dataset): its keys,
+    RunConfig and each ModelConfig check out (the model classes of an illustrative package are
+    not imported; examples' are)."""
+    import yaml
+
+    from flowrl import ModelConfig, RunConfig
+    from flowrl._config import to_config
+    from flowrl._runfile import load_run_file, resolve
+
+    for i, block in enumerate(YAML.findall(page.read_text())):
+        path = tmp_path / f"block{i}.yaml"
+        path.write_text(block)
+        if "dataset" not in yaml.safe_load(block):
+            RunConfig.load(path)
+            continue
+        spec = load_run_file(path)
+        to_config(RunConfig, spec.run, "run")
+        for name, entry in spec.models.items():
+            to_config(ModelConfig, {k: v for k, v in entry.items() if k not in ("class", "args")}, name)
+            if entry["class"].startswith("examples."):
+                resolve(entry["class"], f"models.{name}.class")

@@ -201,3 +201,26 @@ def test_staleness_counts_how_many_versions_behind_each_trained_sample_was_gener
     stats = engine.learn()
     assert [e.staleness for e in stats.episodes] == [{"policy": {0: 4}}, {"policy": {0: 4, 1: 4}},
                                                      {"policy": {0: 4, 1: 4}}]
+
+
+def test_blocked_time_counts_admission_waiting_for_a_full_window():
+    import anyio
+
+    double = Scale("double", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y")
+
+    async def main() -> tuple[float, float]:
+        async with flowrl.open_pipeline(lambda x: double.forward_step(x),
+                                        {"backend": "inprocess", "max_inflight": 4, "input_chunk": 4}) as pipe:
+            taken = 0
+            async for _ in pipe.stream([{"x": np.full(1, float(i))} for i in range(12)]):
+                taken += 1
+                if taken == 4:  # the window is full: admission waits while this consumer dawdles
+                    await anyio.sleep(0.2)
+            held = pipe.stats().blocked_s
+        async with flowrl.open_pipeline(lambda x: double.forward_step(x), {"backend": "inprocess"}) as pipe:
+            await pipe.run([{"x": np.full(1, float(i))} for i in range(12)])
+            free = pipe.stats().blocked_s
+        return held, free
+
+    held, free = anyio.run(main)
+    assert held >= 0.15 and free < 0.05
