@@ -39,8 +39,8 @@ def _ext(code: int, dtype: str, shape: tuple[int, ...], raw: bytes) -> msgspec.m
 
 def _enc(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject:
-            raise CheckpointError(f"cannot save a numpy array of Python objects (dtype {obj.dtype}) safely")
+        if obj.dtype.hasobject or obj.dtype.names:
+            raise CheckpointError(f"cannot save a numpy array of dtype {obj.dtype} safely (objects or records)")
         return _ext(_ARRAY, obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
     if isinstance(obj, np.generic):  # kept a numpy scalar: a batch built from it keeps its dtype
         if obj.dtype.hasobject:
@@ -62,7 +62,10 @@ def _dec(code: int, data: memoryview) -> Any:
     dtype, shape = msgspec.msgpack.decode(data[_HEAD.size : _HEAD.size + size])
     raw = data[_HEAD.size + size :]
     if code in (_ARRAY, _SCALAR):
-        kind = np.dtype(dtype)
+        try:
+            kind = np.dtype(dtype)
+        except TypeError as err:
+            raise CheckpointError(f"unknown numpy dtype {dtype!r} in a checkpoint") from err
         if kind.hasobject:
             raise CheckpointError(f"refusing to read a numpy array of dtype {dtype} (Python objects)")
         array = np.frombuffer(raw, dtype=kind).reshape(shape).copy()
@@ -159,11 +162,17 @@ class CheckpointDir:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._prune()
+        self._prune(episode)
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, latest: int) -> None:
+        """Drop checkpoints past ``latest`` (a future rolled back, or an older run's), then all but
+        the last ``keep``."""
         done = self.episodes()
+        for episode in done:
+            if episode > latest:
+                shutil.rmtree(self.path(episode), ignore_errors=True)
+        done = [e for e in done if e <= latest]
         if self.keep > 0:
             for episode in done[: -self.keep]:
                 shutil.rmtree(self.path(episode), ignore_errors=True)

@@ -53,10 +53,8 @@ def run_main(args: argparse.Namespace) -> int:
     except FlowError as err:
         print(f"flowrl run: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    if not stats.episodes:
-        print("no episode ran (the checkpoint it resumed from was already at the end)")
     trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
-    print(f"done: {len(stats.episodes)} episodes; {trained}")
+    print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
     if engine.config.run_dir:
         print(f"run directory: {engine.config.run_dir} (flowrl trace {engine.config.run_dir})")
     return 0

@@ -314,7 +314,6 @@ class Engine(Resumable):
             async with anyio.create_task_group() as tg:
                 for m in self.trainers:
                     tg.start_soon(self._train, live, m, batch, e, results[m.name])
-        self.train_results.append(results)
         t2 = time.perf_counter()
         if (e + 1) % cfg.sync_every == 0:
             await self._sync(live)
@@ -333,6 +332,7 @@ class Engine(Resumable):
                                        ("sync", t2, t3, synced), ("eval", t3, t4, evaluated)):
             if ran:
                 self.timeline.add(ENGINE, 0, phase, wall + start, wall + end, episode=e)
+        self.train_results.append(results)  # with the episode's end: a rebuild undoes whole episodes
         stats = self.stats()
         if self._run_dir is not None:
             self._run_dir.episode(stats)

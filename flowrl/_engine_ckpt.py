@@ -123,8 +123,12 @@ class Checkpoints:
     def load(self, folder: Path, *, dataset_size: int, trainers: list[str]) -> tuple[EngineState, list[EpisodeBuffer]]:
         """The driver's state in ``folder``, checked against this run."""
         try:
-            state = msgspec.json.decode(CheckpointDir.read(folder, STATE), type=EngineState)
-        except msgspec.ValidationError as err:
+            raw = msgspec.json.decode(CheckpointDir.read(folder, STATE))
+            for episode in raw.get("episodes", []):  # JSON wrote a NaN or infinite metric as null
+                for metrics in episode.get("metrics", {}).values():
+                    metrics.update({k: float("nan") for k, v in metrics.items() if v is None})
+            state = msgspec.convert(raw, EngineState, strict=False)  # JSON keys are strings: ranks are ints
+        except (msgspec.DecodeError, msgspec.ValidationError, AttributeError) as err:
             raise CheckpointError(f"checkpoint {folder}: {STATE} is not a flowrl engine state ({err})") from err
         if state.format != FORMAT:
             raise CheckpointError(f"checkpoint {folder}: format {state.format}, this flowrl reads format {FORMAT}")
@@ -276,6 +280,9 @@ class Resumable:
         log.warning("trainer %r: %s; rebuilding its ranks from checkpoint %s", trainer, err, folder)
         done = self._episode
         await live.restart_trainer(trainer)
+        for source, target in self.sync_pairs:
+            if source.name == trainer:  # what it sent lived in its process: send again from the checkpoint
+                self._versions[target.name] = -1
         await self._restore(live, folder)
         redone = range(self._episode, done)  # episodes whose results are undone, to run again
         del self.train_results[len(self.train_results) - len(redone):]

@@ -64,6 +64,8 @@ class Progress:
         """Redraw the live table until cancelled."""
         if self.mode != "live":
             return
+        self.base = {name: s.samples for name, s in pipe.stats().stages.items()}
+
         def title() -> str:
             elapsed = time.perf_counter() - self.started
             return f"episode {min(self.episode + 1, self.total)}/{self.total}, {elapsed:.1f} s"

@@ -87,8 +87,11 @@ class RecoveryMixin:
         async with self._recovering:  # a second shard that lost the same outputs finds them redone
             dead = self._backend.dead_nodes()
             redo = self._to_redo(states, dead)
-            for stage, sids in redo.items():
-                await self._redo(stage, sids, states, dead)
+            try:
+                for stage, sids in redo.items():
+                    await self._redo(stage, sids, states, dead)
+            except ReplicaDiedError as err:  # not the caller's replica: it must not be retired for it
+                raise InputLostError(f"outputs lost with their node could not be computed again: {err}") from err
             return sum(len(sids) for sids in redo.values())
 
     def _to_redo(self, states: Mapping[int, _SampleState], dead: set[str]) -> dict[str, list[int]]:

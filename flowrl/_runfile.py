@@ -49,12 +49,12 @@ def load_run_file(path: str | Path, overrides: Iterable[str] = ()) -> RunFile:
         raise ConfigError(f"{path}: expected a .yaml, .yml or .toml file")
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
-    if path.suffix == ".toml":
-        data: Any = tomllib.loads(path.read_text())
-    else:
-        import yaml
+    import yaml
 
-        data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data: Any = tomllib.loads(path.read_text()) if path.suffix == ".toml" else yaml.safe_load(path.read_text()) or {}
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from err
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: the top level must be a mapping with models, dataset and run")
     merged = _deep_copy(data)

@@ -111,6 +111,7 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         if self._samples or (self._run is not None and not self._run.drained.is_set()):
             raise PipelineClosedError("a pipeline can only be renumbered while no run is in progress")
         self._next_id, self._runs = next_id, next_run
+        self._retries.clear()
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the pipeline's timeline as a Chrome trace (JSON; Perfetto opens it)."""
@@ -137,7 +138,9 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         run = self._run
         live = 0.0 if run is None or run.active_closed else time.perf_counter() - run.started
         queues = {stage: q for pool in self._pools.values() for stage, q in pool.scheduler.queues().items()}
-        return self._recorder.snapshot(extra_active_s=live, queues=queues)
+        now = time.perf_counter()
+        waiting = {key: now - since for key, since in self._hungry.items()}  # starved until now
+        return self._recorder.snapshot(extra_active_s=live, queues=queues, starving=waiting)
 
     def _expect(self, count: int) -> None:
         for spec in self.graph.stages.values():
@@ -220,8 +223,9 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         try:
             meta, out_ref = await self._call(handle, call)
         except InputLostError as err:
-            if not await self._recompute_lost({sid: self._samples[sid] for sid in a.ids}):
-                raise  # not lost with a node that is gone: nothing to compute again
+            redone = await self._recompute_lost({sid: self._samples[sid] for sid in a.ids})
+            if not redone and self._pieces(a.stage, a.ids) == call.pieces:
+                raise  # not lost with a node that is gone (nor computed again by another shard meanwhile)
             self._send_again(handle, a, err)
             return False
         latency = time.perf_counter() - start
@@ -321,6 +325,8 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
         for sid in ids:
             state = self._samples.pop(sid)
+            for stage in self.graph.stages:  # its retry counts: ids are reused after a resume
+                self._retries.pop((stage, sid), None)
             run = state.run
             run.finished += 1
             if run not in producers:

@@ -76,6 +76,7 @@ class StatsRecorder:
         self._starved = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
         self.blocked_s = 0.0
+        self._open: Mapping[tuple[str, int], float] = {}
 
     def starved(self, model: str, replica: int, seconds: float) -> None:
         self._starved[(model, replica)] += seconds
@@ -96,9 +97,11 @@ class StatsRecorder:
     def add_active(self, seconds: float) -> None:
         self.active_s += seconds
 
-    def snapshot(self, extra_active_s: float = 0.0, queues: Mapping[str, tuple[int, int]] | None = None) -> PipelineStats:
+    def snapshot(self, extra_active_s: float = 0.0, queues: Mapping[str, tuple[int, int]] | None = None,
+                 starving: Mapping[tuple[str, int], float] | None = None) -> PipelineStats:
         active = self.active_s + extra_active_s
         queues = queues or {}
+        self._open = starving or {}
         stages = {}
         for stage, model in self._stage_models.items():
             reps = [self._replica(stage, model, r, active) for r in range(self._replicas[model])]
@@ -126,5 +129,5 @@ class StatsRecorder:
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
             max_shard=max(cell.sizes, default=0), out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,
-            starved_s=self._starved[(model, r)],
+            starved_s=self._starved[(model, r)] + self._open.get((model, r), 0.0),
         )

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import flowrl
+import flowrl.testing
 from flowrl._checkpoint import CheckpointDir, decode_state, encode_state
 from flowrl.testing import flowrl_actor_names
 
@@ -62,7 +63,8 @@ def test_optimizer_and_rng_state_round_trip_and_load():
 
 @pytest.mark.parametrize("value, message", [
     (object(), "cannot save a builtins.object"),
-    (np.array([1, "x"], dtype=object), "numpy array of Python objects"),
+    (np.array([1, "x"], dtype=object), "cannot save a numpy array of dtype object safely"),
+    (np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]), "objects or records"),
 ])
 def test_unsafe_values_are_refused_when_saving(value, message):
     with pytest.raises(flowrl.CheckpointError, match=message):
@@ -97,6 +99,8 @@ def test_a_crash_mid_write_is_ignored_then_cleaned_and_old_ones_pruned(tmp_path)
     store.write(3, {"a": b"3 again"})  # a rebuilt run writes the same episode again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["episode-000002", "episode-000003"]
     assert store.read(store.latest(), "a") == b"3 again"
+    store.write(1, {"a": b"1 again"})  # a run gone back to episode 1: the later ones are another future
+    assert store.episodes() == [1] and store.latest() == store.path(1)
 
 
 # ---- resume, in one process (fast) ----
@@ -125,6 +129,31 @@ def test_resume_continues_evaluation_ids_and_iterations(tmp_path):
     resumed.learn()
     assert evals(first) + evals(resumed) == evals(ref)  # ids 0-2, 3-5, 6-8; the policy's outputs too
     assert [ids for ids, _ in evals(ref)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+class NanTrainer(flowrl.Model):
+    def train_step(self, batch, iteration):
+        return {"loss": float("nan"), "size": float(len(batch))}
+
+    def checkpoint_state(self):
+        return {}
+
+    def restore_state(self, state):
+        pass
+
+
+def test_a_nan_metric_in_the_episode_stats_does_not_break_resume(tmp_path):
+    def engine(episodes: int) -> flowrl.Engine:
+        policy = flowrl.testing.Scale("policy", {"num_replicas": 1, "batch_size": 2}, srcs=["x"], dst="y")
+        e = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[NanTrainer("t")],
+                          config={"sample_per_episode": 2, "num_episode": episodes, "checkpoint_every": 1,
+                                  "checkpoint_dir": str(tmp_path), "pipeline": {"backend": "inprocess"}})
+        e.set_dataset([{"x": np.zeros(1)} for _ in range(4)])
+        return e
+
+    engine(1).learn()
+    stats = engine(2).learn()  # resumes after episode 1, whose loss was NaN
+    assert [e.episode for e in stats.episodes] == [0, 1] and np.isnan(stats.episodes[0].metrics["t"]["loss"])
 
 
 def test_resume_refuses_another_dataset_or_sampling(tmp_path):

@@ -21,7 +21,8 @@ def test_flowrl_run_trains_the_ppo_example_from_its_yaml(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     # 64 samples an episode, global batch 32 over 4 epochs: 8 steps an episode per trainer
-    assert "done: 2 episodes; ppo_policy: 16 steps, 512 samples, ppo_value: 16 steps, 512 samples" in out
+    assert "done: 2 episodes in all (resumed ones included); ppo_policy: 16 steps, 512 samples, ppo_value: 16 steps, " \
+           "512 samples" in out
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["episode"] for line in lines] == [0, 1] and all(line["samples"] == 64 for line in lines)
     assert (tmp_path / "trace.json").is_file() and f"flowrl trace {tmp_path}" in out
@@ -43,6 +44,9 @@ def test_flowrl_run_names_the_bad_key(capsys, overrides, message):
 
 
 def test_flowrl_run_refuses_a_missing_or_unknown_file(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("models: [unclosed\n")
+    assert main(["run", str(tmp_path / "bad.yaml")]) == 2
+    assert "bad.yaml: not valid YAML" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml: no such file" in capsys.readouterr().err
     (tmp_path / "run.json").write_text("{}")
@@ -64,7 +68,7 @@ def test_the_custom_flow_of_the_cli_page_runs_from_its_toml(tmp_path, capsys, mo
     (tmp_path / "run.toml").write_text(toml)
     monkeypatch.chdir(tmp_path)
     assert main(["run", "run.toml", "--set", "run.pipeline.backend=inprocess"]) == 0
-    assert "done: 2 episodes; trainer: 2 steps, 12 samples" in capsys.readouterr().out
+    assert "done: 2 episodes in all (resumed ones included); trainer: 2 steps, 12 samples" in capsys.readouterr().out
 
 
 def _engine(progress: str) -> flowrl.Engine:
