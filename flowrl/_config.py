@@ -123,6 +123,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 PROGRESS = ("auto", "live", "log", "off")
 
 
+def check_progress(owner: str, value: str | bool) -> None:
+    if not isinstance(value, bool) and value not in PROGRESS:
+        raise ConfigError(f"{owner}.progress must be one of {list(PROGRESS)} (or a YAML bare off/on), got {value!r}")
+
+
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a pipeline runs.
 
@@ -167,8 +172,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
         _non_negative("PipelineConfig", ray_init_gpus=self.ray_init_gpus, max_retries=self.max_retries,
                       trace_spans=self.trace_spans)
-        if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
-            raise ConfigError(f"PipelineConfig.progress must be one of {list(PROGRESS)}, got {self.progress!r}")
+        check_progress("PipelineConfig", self.progress)
 
 
 def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:

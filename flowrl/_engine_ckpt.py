@@ -30,8 +30,6 @@ from ._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
 log = logging.getLogger("flowrl")
 STATE, RELAY = "engine.json", "relay.msgpack"
 FORMAT = 1
-# What decides which prompts come in which order: a checkpoint resumes only the same sampling.
-SAMPLING = ("dataset_size", "sample_per_episode", "num_samples_per_prompt", "shuffle", "seed")
 
 
 class EngineState(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,7 +131,7 @@ class Checkpoints:
         if state.format != FORMAT:
             raise CheckpointError(f"checkpoint {folder}: format {state.format}, this flowrl reads format {FORMAT}")
         now = self.sampling(dataset_size)
-        for key in SAMPLING:
+        for key in now:
             if getattr(state, key) != now[key]:
                 where = "the dataset's length" if key == "dataset_size" else f"RunConfig.{key}"
                 raise CheckpointError(
@@ -148,6 +146,7 @@ class Checkpoints:
         return state, relay
 
     def sampling(self, dataset_size: int) -> dict[str, Any]:
+        """What decides which prompts come in which order: a checkpoint resumes only the same."""
         cfg = self.config
         return {"dataset_size": dataset_size, "sample_per_episode": cfg.sample_per_episode,
                 "num_samples_per_prompt": cfg.num_samples_per_prompt, "shuffle": cfg.shuffle, "seed": cfg.seed}

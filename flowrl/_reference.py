@@ -28,8 +28,9 @@ MEANING: dict[type, dict[str, str]] = {
         "cpus_per_replica": "CPUs each replica asks Ray for",
         "splitter": "how shards are cut: `guided`, `factoring` or `greedy` (concepts.md, splitter policies)",
         "prefetch": "shards in flight per replica: one running, one waiting (queued only while that pays)",
-        "call_timeout_s": "the longest one call may take, seen from the driver; a call still running then fails "
-                          "the run with a `StageError` naming it",
+        "call_timeout_s": "the longest one call may take, seen from the driver (including the wait behind a shard "
+                          "queued first); a call still running then fails the run with a `StageError` naming it and "
+                          "every replica is stopped (Ray; an in-process call cannot be cut short)",
     },
     PipelineConfig: {
         "backend": "`ray`: one Ray actor per replica; `inprocess`: every replica in this process (tests, "
@@ -39,7 +40,8 @@ MEANING: dict[type, dict[str, str]] = {
         "ray_init_cpus": "CPUs of the embedded cluster; default: the machine's, or the replicas' total if larger",
         "ray_init_gpus": "GPUs of the embedded cluster; default: what Ray detects (a number gives logical GPUs)",
         "max_inflight": "samples admitted and not yet handed back; bounds every queue",
-        "input_chunk": "input items admitted together",
+        "input_chunk": "input items admitted together (kept by the driver and sent sliced per shard when they "
+                       "hold at most about 1 MiB, else stored as one object)",
         "ordered": "default of `ordered=` for `run` and `stream`: deliver in input order",
         "setup_timeout_s": "time for all replicas to start and finish `setup` before `ClusterError`",
         "inprocess_threads": "in-process: run calls in worker threads so replicas overlap",

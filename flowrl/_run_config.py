@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from ._config import PROGRESS, ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, to_config
+from ._config import ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, check_progress, to_config
 from ._errors import ConfigError
 
 
@@ -75,8 +75,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"RunConfig.checkpoint_every={self.checkpoint_every} needs RunConfig.checkpoint_dir (the folder "
                 "the checkpoints go to)"
             )
-        if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
-            raise ConfigError(f"RunConfig.progress must be one of {list(PROGRESS)}, got {self.progress!r}")
+        check_progress("RunConfig", self.progress)
         if not self.resume:
             raise ConfigError('RunConfig.resume must be "auto", "never" or the path of a checkpoint folder, got ""')
         if self.max_relay_episode < -1:

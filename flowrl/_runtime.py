@@ -325,8 +325,9 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
         for sid in ids:
             state = self._samples.pop(sid)
-            for stage in self.graph.stages:  # its retry counts: ids are reused after a resume
-                self._retries.pop((stage, sid), None)
+            if self._retries:  # its retry counts: ids are reused after a resume
+                for stage in self.graph.stages:
+                    self._retries.pop((stage, sid), None)
             run = state.run
             run.finished += 1
             if run not in producers:

@@ -76,7 +76,6 @@ class StatsRecorder:
         self._starved = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
         self.blocked_s = 0.0
-        self._open: Mapping[tuple[str, int], float] = {}
 
     def starved(self, model: str, replica: int, seconds: float) -> None:
         self._starved[(model, replica)] += seconds
@@ -100,11 +99,11 @@ class StatsRecorder:
     def snapshot(self, extra_active_s: float = 0.0, queues: Mapping[str, tuple[int, int]] | None = None,
                  starving: Mapping[tuple[str, int], float] | None = None) -> PipelineStats:
         active = self.active_s + extra_active_s
-        queues = queues or {}
-        self._open = starving or {}
+        queues, starving = queues or {}, starving or {}
         stages = {}
         for stage, model in self._stage_models.items():
-            reps = [self._replica(stage, model, r, active) for r in range(self._replicas[model])]
+            reps = [self._replica(stage, model, r, active, starving.get((model, r), 0.0))
+                    for r in range(self._replicas[model])]
             sizes = sum((self._cells[(stage, r)].sizes for r in range(self._replicas[model])), Counter())
             stages[stage] = StageStats(
                 name=stage,
@@ -123,11 +122,11 @@ class StatsRecorder:
             )
         return PipelineStats(active_s=active, stages=stages, blocked_s=self.blocked_s)
 
-    def _replica(self, stage: str, model: str, r: int, active: float) -> ReplicaStats:
+    def _replica(self, stage: str, model: str, r: int, active: float, starving: float) -> ReplicaStats:
         cell = self._cells[(stage, r)]
         idle = max(0.0, active - self._model_busy[(model, r)])
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
             max_shard=max(cell.sizes, default=0), out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,
-            starved_s=self._starved[(model, r)] + self._open.get((model, r), 0.0),
+            starved_s=self._starved[(model, r)] + starving,
         )
