@@ -65,9 +65,11 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
             events.append({"ph": "M", "name": "thread_name", "pid": pid[g], "tid": lane, "args": {"name": label}})
     origin = spans[0].start if spans else 0.0
     for s in spans:
+        # start and end rounded, the duration their difference: spans that touch still touch
+        start, end = round((s.start - origin) * 1e6, 3), round((max(s.end, s.start) - origin) * 1e6, 3)
         events.append({
             "ph": "X", "name": s.name, "cat": s.group, "pid": pid[s.group], "tid": s.lane,
-            "ts": round((s.start - origin) * 1e6, 3), "dur": round(max(0.0, s.end - s.start) * 1e6, 3), "args": s.args,
+            "ts": start, "dur": round(end - start, 3), "args": s.args,
         })
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
 
