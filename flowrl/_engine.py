@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +19,29 @@ import anyio
 import anyio.from_thread
 import msgspec
 
-from ._batch import Batch, Sample
+from ._batch import Sample
 from ._config import to_config
+from ._engine_async import Gate, Overlap, Rollout
 from ._engine_ckpt import Checkpoints, Resumable
 from ._engine_parts import (
-    EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, staleness,
-    trainer_models,
+    EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, trainer_models,
 )
+from ._engine_train import Training, batch_of
 from ._errors import ConfigError, FlowError, PipelineClosedError, ReplicaDiedError, StageError
 from ._model import Model
 from ._pipeline import Flow, build_flow, plain_errors
 from ._progress import Progress
 from ._run_config import RunConfig
 from ._rundir import RunDir, metric_values
-from ._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, check_train_sizes, plan_steps
+from ._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, check_train_sizes
+from ._staleness import histogram
 from ._trace import ENGINE, Span, Timeline, chrome_trace, write_json
 
 RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
 GROUP_FIELDS = ("prompt_index", "copy_index")
 
 
-class Engine(Resumable):
+class Engine(Training, Overlap, Resumable):
     """Runs episodes of a rollout flow, training and weight sync on a Ray cluster.
 
     ``train``: the trainer models (or a flow that calls their ``train_step``); ``sync``:
@@ -92,6 +94,9 @@ class Engine(Resumable):
         self.timeline = Timeline(self.config.pipeline.trace_spans)  # episode phases, trainer steps
         self._pipe_timelines: list[tuple[str, Timeline]] = []  # the pipelines', by group prefix
         self._run_dir = RunDir(self.config.run_dir) if self.config.run_dir else None
+        self._gate = Gate(0)  # episodes trained and synced: rollouts ahead of training wait on it
+        self._marks: dict[int, tuple[int, int]] = {}  # episode -> (sampler position, next sample id) at its start
+        self._progress = Progress("off", 0)
 
     # ---- set-up checks, all before anything starts ----
     def _all_models(self) -> dict[str, Model]:
@@ -253,14 +258,13 @@ class Engine(Resumable):
                 # the n-th learn() runs up to episode n * num_episode: a resumed run ends where
                 # the uninterrupted one would have
                 target = self._runs * self.config.num_episode
-                progress = Progress(self.config.progress, target, self._episode)
+                self._progress = Progress(self.config.progress, target, self._episode)
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(progress.watch, live.rollout, self.config.sample_per_episode)
+                    tg.start_soon(self._progress.watch, live.rollout, self.config.sample_per_episode)
+                    if self.overlapped:
+                        await self._learn_overlapped(live, target)
                     while self._episode < target:
-                        before = self._episode
-                        await self._episode_or_rebuild(live)
-                        if self._episode > before:  # not rebuilt back to a checkpoint
-                            progress.episode_done(self._episodes[-1], live.rollout)
+                        await self._or_rebuild(live, self._run_episode, target)
                     tg.cancel_scope.cancel()
         except Exception as err:
             self._failed = err  # a trainer group may be stuck in a collective: no more runs
@@ -282,10 +286,11 @@ class Engine(Resumable):
         """Write ``spans()`` as a Chrome trace (JSON; Perfetto and chrome://tracing open it)."""
         return write_json(path, chrome_trace(self.spans()))
 
-    async def _episode_or_rebuild(self, live: Live) -> None:
+    async def _or_rebuild(self, live: Live, step: Callable[[Live, int], Awaitable[None]], target: int) -> None:
+        """``step``; a trainer rank that died in it rebuilds the trainer from the last checkpoint."""
         try:
             async with plain_errors():
-                await self._run_episode(live)
+                await step(live, target)
         except StageError as err:
             trainer = err.stage.partition(".")[0]
             if trainer not in live.trainers:
@@ -299,40 +304,52 @@ class Engine(Resumable):
                                        err.stage, dead[0], err.sample_ids)
             await self._rebuild(live, trainer, err)
 
-    async def _run_episode(self, live: Live) -> None:
-        e, cfg = self._episode, self.config
-        t0 = time.perf_counter()
-        wall, evals = time.time() - t0, len(self.eval_results)  # wall: perf_counter -> wall clock
-        samples = await live.rollout.run(self._episode_items())  # type: ignore[union-attr]
+    async def _run_episode(self, live: Live, target: int) -> None:
+        rollout, _ = await self._roll_one(live, self._episode)
+        rollout.waited = rollout.ended - rollout.started
+        await self._train_episode(live, rollout)
+
+    async def _train_episode(self, live: Live, rollout: Rollout) -> None:
+        e, cfg, samples = self._episode, self.config, rollout.samples
+        offset, evals = time.time() - time.perf_counter(), len(self.eval_results)  # perf_counter -> wall clock
         t1 = time.perf_counter()
         self._relay.add(EpisodeBuffer(e, samples))
-        train_samples = relayed(self._relay_fn, self.relay_episodes) if self._relay_fn else samples
-        lags = staleness(train_samples, self._versions)  # before this episode's sync
+        # an episode whose samples were all dropped (on_stale="drop") trains nothing
+        train_samples = relayed(self._relay_fn, self.relay_episodes) if self._relay_fn and samples else samples
+        lags = histogram(train_samples, self._versions)  # before this episode's sync
+        if self.overlapped:
+            train_samples = self._bounded(samples, train_samples)
         results: dict[str, list[Any]] = {m.name: [] for m in self.trainers}
         if train_samples:
-            batch = _batch_of(train_samples)
+            batch = batch_of(train_samples)
             async with anyio.create_task_group() as tg:
                 for m in self.trainers:
                     tg.start_soon(self._train, live, m, batch, e, results[m.name])
         t2 = time.perf_counter()
-        if (e + 1) % cfg.sync_every == 0:
+        synced = (e + 1) % cfg.sync_every == 0
+        if synced:
             await self._sync(live)
+        self._gate.set(e + 1)  # rollouts waiting for these weights may start
         t3 = time.perf_counter()
         if cfg.eval_every and (e + 1) % cfg.eval_every == 0 and self._eval_dataset:
             self.eval_results.append(await live.evaluation.run(self._eval_dataset))  # type: ignore[union-attr]
         t4 = time.perf_counter()
         self._episodes.append(EpisodeStats(
-            episode=e, samples=len(samples), rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
-            eval_s=t4 - t3, metrics={k: mean_metrics(v) for k, v in results.items()}, staleness=lags,
-            weight_versions=dict(self._versions),
+            episode=e, samples=len(samples), rollout_s=rollout.ended - rollout.started, train_s=t2 - t1,
+            sync_s=t3 - t2, eval_s=t4 - t3, wait_s=rollout.waited, dropped=rollout.dropped,
+            regenerated=rollout.regenerated, metrics={k: mean_metrics(v) for k, v in results.items()},
+            staleness=lags, weight_versions=dict(self._versions),
         ))
-        synced = bool(self.sync_pairs) and (e + 1) % cfg.sync_every == 0
-        evaluated = len(self.eval_results) > evals
-        for phase, start, end, ran in (("rollout", t0, t1, True), ("train", t1, t2, bool(train_samples)),
-                                       ("sync", t2, t3, synced), ("eval", t3, t4, evaluated)):
-            if ran:
-                self.timeline.add(ENGINE, 0, phase, wall + start, wall + end, episode=e)
+        phases = (("rollout", rollout.started, rollout.ended, True), ("train", t1, t2, bool(train_samples)),
+                  ("sync", t2, t3, synced and bool(self.sync_pairs)), ("eval", t3, t4, len(self.eval_results) > evals))
+        for phase, start, end, ran in phases:
+            if ran:  # overlapped rollouts get a lane of their own
+                lane = int(phase == "rollout" and self.overlapped)
+                self.timeline.add(ENGINE, lane, phase, offset + start, offset + end, episode=e)
         self.train_results.append(results)  # with the episode's end: a rebuild undoes whole episodes
+        await self._episode_end(live)
+
+    async def _episode_end(self, live: Live) -> None:
         stats = self.stats()
         if self._run_dir is not None:
             self._run_dir.episode(stats)
@@ -340,6 +357,7 @@ class Engine(Resumable):
         self._episode += 1
         if self._ckpt.due(self._episode):
             await self._save(live)
+        self._progress.episode_done(self._episodes[-1], live.rollout)
 
     def _episode_items(self) -> list[dict[str, Any]]:
         assert self._sampler is not None and self._dataset is not None
@@ -351,48 +369,3 @@ class Engine(Resumable):
                 item.update(prompt_index=prompt, copy_index=copy)
             items.append(item)
         return items
-
-    async def _train(self, live: Live, model: Model, batch: Batch, episode: int, out: list[Any]) -> None:
-        cfg, ranks = self.config, live.trainers[model.name]
-        keys = batch["prompt_index"] if "prompt_index" in batch else None
-        steps = plan_steps(len(batch), global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
-                           dp=len(ranks), group=cfg.num_samples_per_prompt, keys=keys)
-        # each rank's shard goes to the object store once per episode, whatever the epochs
-        rows = [[[r for mb in rank for r in mb] for rank in s.ranks] for s in steps]
-        shards = [[live.backend.put(batch.select(rank)) for rank in step_rows] for step_rows in rows]
-        counts = self._counts[model.name]
-        for _ in range(cfg.num_training_epoch):
-            for step, refs, step_rows in zip(steps, shards, rows):
-                results: list[Any] = [None] * len(ranks)
-
-                async def one(i: int, ref: Any, ids: list[int], size: int = step.size) -> None:
-                    results[i] = await live.backend.train(ranks[i], ref, ids, size, cfg.micro_batch, episode)
-
-                async with anyio.create_task_group() as tg:
-                    for i, ref in enumerate(refs):
-                        tg.start_soon(one, i, ref, batch.ids[step_rows[i]].tolist())
-                for i, res in enumerate(results):
-                    c, busy, started = counts.setdefault(i, [0, 0, 0.0]), res.pop("_busy_s"), res.pop("_started")
-                    c[0], c[1], c[2] = c[0] + res["_samples"], c[1] + 1, c[2] + busy
-                    self.timeline.add(model.name, i, "train_step", started, started + busy, episode=episode,
-                                      samples=res["_samples"], ids=batch.ids[step_rows[i]].tolist())
-                out.append(results)
-
-    async def _sync(self, live: Live) -> None:
-        for trainer, target in self.sync_pairs:
-            weights = await live.backend.get_weights(live.trainers[trainer.name][0])
-            # a rebuild back to a checkpoint before this first sync needs the weights it replaces
-            if self._folder is not None and self._versions[target.name] == 0 and target.name not in self._initial:
-                self._initial[target.name] = await self._snapshot(live, target.name)
-            await self._send(live, target.name, self._versions[target.name] + 1, weights)
-
-    async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
-        async with anyio.create_task_group() as tg:
-            for handle in live.replicas_of(name):
-                tg.start_soon(live.backend.load_weights, handle, version, weights)
-        self._versions[name] = version
-        self._sent[name] = weights
-
-
-def _batch_of(samples: Sequence[Sample]) -> Batch:
-    return Batch.from_samples([s.id for s in samples], [dict(s) for s in samples])

@@ -187,6 +187,7 @@ class Resumable:
     _sent: dict[str, Any]
     _initial: dict[str, Any]
     _folder: Path | None
+    _marks: dict[int, tuple[int, int]]
 
     async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
         raise NotImplementedError
@@ -205,12 +206,13 @@ class Resumable:
 
     def _state(self, live: Live) -> EngineState:
         assert self._sampler is not None and self._dataset is not None and live.rollout is not None
-        next_id, _ = live.rollout.numbering()
+        # a rollout running ahead of training already drew the next episode: resume from its start
+        position, next_id = self._marks.get(self._episode, (self._sampler.position, live.rollout.numbering()[0]))
         eval_id, eval_runs = live.evaluation.numbering() if live.evaluation is not None else (0, 0)
         between_syncs = self._episode % self.config.sync_every != 0  # the trainer moved on since
         return EngineState(
             episode=self._episode, next_sample_id=next_id, eval_next_id=eval_id, eval_runs=eval_runs,
-            sampler_position=self._sampler.position, weight_versions=dict(self._versions),
+            sampler_position=position, weight_versions=dict(self._versions),
             trainer_ranks={name: len(ranks) for name, ranks in live.trainers.items()},
             trainer_counts={name: {r: list(v) for r, v in c.items()} for name, c in self._counts.items()},
             synced=sorted(n for n, v in self._versions.items() if v and between_syncs),
@@ -219,6 +221,7 @@ class Resumable:
 
     async def _save(self, live: Live) -> None:
         state = self._state(live)
+        self._marks = {e: m for e, m in self._marks.items() if e >= self._episode}
         self._folder = await self._ckpt.save(state, self._relay.carried(), live, {n: self._sent[n] for n in state.synced})
 
     async def _restore(self, live: Live, folder: Path) -> None:
@@ -231,7 +234,9 @@ class Resumable:
         self._relay.episodes = relay
         self._counts = {name: {int(r): list(v) for r, v in c.items()} for name, c in state.trainer_counts.items()}
         self._episodes = list(state.episodes)
+        await live.rollout.settle()  # a rollout that ran ahead of training is done again
         live.rollout.resume_at(state.next_sample_id, state.episode)
+        self._marks = {}
         if live.evaluation is not None:
             live.evaluation.resume_at(state.eval_next_id, state.eval_runs)
         self._folder = folder

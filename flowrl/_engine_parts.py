@@ -39,8 +39,11 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     """One episode: its phases' seconds, mean train metrics per trainer, weight versions after it.
 
     ``staleness``: per synced inference model, how many weight versions behind the one its
-    replicas held at training time each trained sample was generated (version -> samples;
-    above 0 only for samples a relay function brings back from earlier episodes).
+    replicas held at training time each trained sample was generated (versions -> samples;
+    above 0 for samples a relay function brings back from earlier episodes, and with
+    ``max_staleness`` > 0). ``wait_s``: how long training waited for this episode's rollout
+    (all of ``rollout_s`` when synchronous). ``dropped`` / ``regenerated``: samples over the
+    staleness bound (``on_stale``).
     """
 
     episode: int
@@ -52,21 +55,9 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     metrics: dict[str, dict[str, float]]
     weight_versions: dict[str, int]
     staleness: dict[str, dict[int, int]] = {}
-
-
-def staleness(samples: Sequence[Sample], versions: Mapping[str, int]) -> dict[str, dict[int, int]]:
-    """Per model in ``versions``: how many samples were generated how many versions ago."""
-    out: dict[str, dict[int, int]] = {}
-    for model, now in versions.items():
-        field = f"{model}_version"
-        counts: dict[int, int] = {}
-        for s in samples:
-            if field in s:
-                lag = now - int(s[field])
-                counts[lag] = counts.get(lag, 0) + 1
-        if counts:
-            out[model] = dict(sorted(counts.items()))
-    return out
+    wait_s: float = 0.0
+    dropped: int = 0
+    regenerated: int = 0
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -163,6 +163,15 @@ class StreamingMixin:
             self._run = run
             return run
 
+    async def settle(self) -> None:
+        """Stop the current run's admission and wait until what it admitted has finished (its
+        samples are dropped): then the pipeline can be renumbered (``resume_at``)."""
+        run = self._run
+        if run is not None and not run.drained.is_set():
+            self._abandon(run)
+            await run.drained.wait()  # a failure sets it too
+        self._raise_if_failed()
+
     def _abandon(self, run: Run) -> None:
         """The consumer stopped: finished samples it never took give their room back."""
         if not run.active_closed:

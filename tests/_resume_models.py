@@ -18,11 +18,16 @@ CPU = {"cpus_per_replica": 0.1}
 
 
 class Policy(flowrl.Model):
+    def __init__(self, name: str, config: Any = None, *, sleep_s: float = 0.0) -> None:
+        super().__init__(name, config)
+        self.sleep_s = sleep_s  # per shard: a rollout that takes time
+
     def setup(self) -> None:
         self.w = np.full(4, 0.5, dtype=np.float32)
         self.b = np.zeros(1, dtype=np.float32)
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        time.sleep(self.sleep_s)
         x = np.asarray(batch["prompt"], dtype=np.float32)
         return {"action": x @ self.w + self.b[0] + np.float32(iteration)}
 
@@ -38,8 +43,9 @@ class Learner(flowrl.Model):
     """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked."""
 
     def __init__(self, name: str, config: Any = None, *, die_at: tuple[int, int] | None = None,
-                 marker: str = "", peer_first: bool = False) -> None:
+                 marker: str = "", peer_first: bool = False, sleep_s: float = 0.0) -> None:
         super().__init__(name, config)
+        self.sleep_s = sleep_s  # per step: a trainer that takes time
         self.die_at = die_at
         self.marker = marker
         self.peer_first = peer_first  # the other ranks report a broken collective before the death is seen
@@ -64,6 +70,7 @@ class Learner(flowrl.Model):
                 time.sleep(0.005)
             peer.touch()
             raise RuntimeError("[gloo] Connection closed by peer")  # what a collective raises then
+        time.sleep(self.sleep_s)
         x = torch.as_tensor(np.asarray(batch["prompt"], dtype=np.float32))
         y = torch.as_tensor(np.asarray(batch["action"], dtype=np.float32))
         self.optimizer.zero_grad()
@@ -72,7 +79,9 @@ class Learner(flowrl.Model):
         loss.backward()
         self.all_reduce_grads(self.module)
         self.optimizer.step()
-        return {"ids": batch.ids.tolist(), "loss": float(loss.detach()), "w": self.module.weight.detach().numpy().ravel().tolist()}
+        seen = {k: np.asarray(batch[k]).tolist() for k in ("idx", "policy_version", "policy_staleness") if k in batch}
+        return {"ids": batch.ids.tolist(), "loss": float(loss.detach()), "w": self.module.weight.detach().numpy().ravel().tolist(),
+                **seen}
 
 
 def dataset() -> list[dict[str, Any]]:
@@ -80,10 +89,13 @@ def dataset() -> list[dict[str, Any]]:
 
 
 def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, int] | None = None,
-                marker: str = "", peer_first: bool = False, **config: Any) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
-    """The engine and the list its relay function appends each episode's samples to."""
-    policy = Policy("policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU})
-    learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first)
+                marker: str = "", peer_first: bool = False, rollout_s: float = 0.0, train_s: float = 0.0,
+                **config: Any) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
+    """The engine and the list its relay function appends each episode's samples to
+    (``rollout_s`` / ``train_s``: seconds each policy shard / train step sleeps)."""
+    policy = Policy("policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU}, sleep_s=rollout_s)
+    learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first,
+                      sleep_s=train_s)
     cfg = {"sample_per_episode": 8, "num_episode": 6, "train_global_batch_size": 4, "train_micro_batch_size": 2,
            "num_training_epoch": 2, "shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2, **config}
     evaluate = cfg.get("eval_every", 0)

@@ -1,0 +1,167 @@
+"""Asynchronous, staleness-bounded training: the gate (sans-IO), then the engine on a real local
+Ray cluster with rollouts running ahead of a trainer that takes real time."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import flowrl
+from flowrl._sampler import EpisodeSampler
+from flowrl._staleness import histogram, lags, rollout_needs, too_stale, train_version
+from flowrl.testing import flowrl_actor_names
+
+from _resume_models import make_engine, trained
+
+INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}
+EPISODES, PER_EPISODE = 6, 8
+
+
+# ---- the gate, sans-IO ----
+@pytest.mark.parametrize("slack", [0, 1])
+@pytest.mark.parametrize("sync_every", [1, 2, 3])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_the_gate_keeps_every_episode_within_the_bound_and_waits_no_longer(k, sync_every, slack):
+    for e in range(40):
+        needed = rollout_needs(e, max_staleness=k, sync_every=sync_every, slack=slack)
+        # once `needed` episodes are trained and synced, replicas hold version needed // sync_every
+        assert train_version(e, sync_every) - train_version(needed, sync_every) <= k + slack
+        if needed:  # one episode fewer would break the bound
+            assert train_version(e, sync_every) - train_version(needed - 1, sync_every) > k + slack
+        assert needed <= e  # never waits for its own training
+
+
+@pytest.mark.parametrize("e, k, s, needed", [(5, 0, 1, 5), (5, 1, 1, 4), (1, 0, 2, 0), (2, 0, 2, 2), (5, 1, 2, 2),
+                                             (7, 2, 1, 5), (0, 0, 1, 0)])
+def test_rollout_needs_examples(e, k, s, needed):
+    assert rollout_needs(e, max_staleness=k, sync_every=s) == needed
+
+
+def test_lags_histogram_and_too_stale():
+    samples = [{"p_version": 3, "v_version": 1}, {"p_version": 1}, {"x": 0}]
+    versions = {"p": 3, "v": 2}
+    assert lags(samples[0], versions) == {"p": 0, "v": 1} and lags(samples[2], versions) == {}
+    assert histogram(samples, versions) == {"p": {0: 1, 2: 1}, "v": {1: 1}}
+    assert too_stale(samples, versions, 0) == [0, 1] and too_stale(samples, versions, 1) == [1]
+    assert too_stale(samples, versions, 2) == []
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"max_staleness": -1}, "max_staleness must be >= 0"),
+    ({"on_stale": "skip"}, "on_stale must be one of"),
+])
+def test_bad_async_settings_are_named(bad, message):
+    with pytest.raises(flowrl.ConfigError, match=message):
+        flowrl.RunConfig(sample_per_episode=8, **bad)
+
+
+# ---- the engine ----
+def seen_staleness(engine: flowrl.Engine) -> list[list[tuple[int, int, int]]]:
+    """Per episode: (sample id, version it was generated with, staleness the trainer saw)."""
+    out = []
+    for episode in engine.train_results:
+        rows = [(i, v, s) for step in episode["learner"] for r in step
+                for i, v, s in zip(r["ids"], r["policy_version"], r.get("policy_staleness", [0] * len(r["ids"])))]
+        out.append(rows)
+    return out
+
+
+def first_epoch_prompts(engine: flowrl.Engine) -> list[list[int]]:
+    """Per episode: the dataset indices trained in its first epoch (two steps), sorted."""
+    return [sorted(x for step in ep["learner"][:2] for r in step for x in r["idx"]) for ep in engine.train_results]
+
+
+def drawn() -> list[list[int]]:
+    """What the sampler draws per episode for these tests (20 prompts, not shuffled)."""
+    sampler = EpisodeSampler(20, PER_EPISODE, 1)
+    return [sorted(p for p, _ in sampler.next_episode()) for _ in range(EPISODES)]
+
+
+def phases(engine: flowrl.Engine, name: str) -> list[tuple[int, float, float]]:
+    return sorted((s.args["episode"], s.start, s.end) for s in engine.spans() if s.group == "engine" and s.name == name)
+
+
+def test_max_staleness_zero_is_the_synchronous_loop(ray_cluster):
+    sync, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=4)
+    sync.learn()
+    explicit, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=4, max_staleness=0, on_stale="wait")
+    stats = explicit.learn()
+    assert trained(explicit) == trained(sync)  # same batches, losses, weights
+    assert all(e.staleness == {"policy": {0: PER_EPISODE}} for e in stats.episodes)
+    rollouts, syncs = phases(explicit, "rollout"), phases(explicit, "sync")
+    for (_, _, synced), (_, started, _) in zip(syncs, rollouts[1:]):
+        assert started >= synced  # each rollout began after the previous episode's weights arrived
+    assert all(e.wait_s == e.rollout_s for e in stats.episodes)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cluster, k):
+    engine, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=EPISODES, max_staleness=k,
+                            rollout_s=0.01, train_s=0.15, shuffle=False)
+    stats = engine.learn()
+    assert flowrl_actor_names() == []
+    rows = seen_staleness(engine)
+    for e, episode in enumerate(rows):
+        for sid, version, seen in episode:
+            assert seen == train_version(e, 1) - version <= k  # checked on every trained sample
+    assert max(s for episode in rows for _, _, s in episode) >= 1  # rollouts did run ahead of training
+    ids = [sid for episode in rows for sid, _, _ in episode]
+    assert Counter(ids) == Counter({i: 2 for i in range(EPISODES * PER_EPISODE)})  # two epochs: once in each
+    assert stats.rollout["policy.forward_step"].samples == EPISODES * PER_EPISODE
+    assert [e.samples for e in stats.episodes] == [PER_EPISODE] * EPISODES
+    for e, episode_stats in enumerate(stats.episodes):
+        assert episode_stats.staleness == histogram([{"policy_version": v} for _, v, _ in rows[e][:PER_EPISODE]],
+                                                    {"policy": train_version(e, 1)})
+    assert first_epoch_prompts(engine) == drawn()  # the sampler's prompts, episode by episode
+    rollouts, trains = phases(engine, "rollout"), phases(engine, "train")
+    assert any(r0 < t1 and t0 < r1 for _, r0, r1 in rollouts for _, t0, t1 in trains)  # they overlapped in time
+    lanes = {s.lane for s in engine.spans() if s.group == "engine" and s.name == "rollout"}
+    assert lanes == {1}  # a lane of their own: the engine's lanes have no overlapping spans
+
+
+@pytest.mark.parametrize("policy", ["drop", "regenerate"])
+def test_stale_samples_are_dropped_or_generated_again_and_counted(ray_cluster, policy):
+    engine, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=EPISODES, on_stale=policy,
+                            rollout_s=0.05, train_s=0.02, shuffle=False)
+    stats = engine.learn()
+    rows = seen_staleness(engine)
+    assert all(seen == 0 for episode in rows for _, _, seen in episode)  # max_staleness=0 holds on every sample
+    over = [e.dropped if policy == "drop" else e.regenerated for e in stats.episodes]
+    # each rollout starts as the previous episode starts training: its first shards run on the
+    # weights before that episode's sync, one version too old
+    assert sum(over) > 0
+    policy_calls = stats.rollout["policy.forward_step"].samples
+    if policy == "drop":
+        assert [e.samples for e in stats.episodes] == [PER_EPISODE - d for d in over]
+        assert policy_calls == EPISODES * PER_EPISODE and all(e.regenerated == 0 for e in stats.episodes)
+    else:
+        assert [e.samples for e in stats.episodes] == [PER_EPISODE] * EPISODES
+        assert policy_calls == EPISODES * PER_EPISODE + sum(over)  # each generated again once
+        assert first_epoch_prompts(engine) == drawn()  # each generated again in its own episode
+    ids = [sid for episode in rows for sid, _, _ in episode]
+    assert len(ids) == 2 * len(set(ids))  # two epochs; no sample trained twice in one
+
+
+def test_a_checkpoint_taken_while_a_rollout_ran_ahead_resumes_that_episode(tmp_path):
+    first, seen_first = make_engine(max_relay_episode=0, num_episode=4, max_staleness=1, checkpoint_every=2,
+                                    checkpoint_dir=str(tmp_path), **INPROCESS)
+    first.learn()
+    resumed, seen = make_engine(max_relay_episode=0, num_episode=4, max_staleness=1,
+                                resume=str(tmp_path / "episode-000002"), **INPROCESS)
+    resumed.learn()  # episodes 2 and 3: the rollouts the first run had drawn ahead are drawn again
+    assert [(s["episode"], s["ids"], s["idx"]) for s in seen] == [
+        (s["episode"], s["ids"], s["idx"]) for s in seen_first[2:]]
+
+
+def test_a_trainer_rebuilt_under_overlap_trains_each_episode_once(ray_cluster, tmp_path):
+    ref, _ = make_engine(sync_every=1, max_relay_episode=0, max_staleness=1, train_s=0.05)
+    ref.learn()
+    engine, seen = make_engine(sync_every=1, max_relay_episode=0, max_staleness=1, train_s=0.05, checkpoint_every=2,
+                               checkpoint_dir=str(tmp_path), die_at=(3, 0), marker=str(tmp_path / "died"))
+    stats = engine.learn()
+    assert (tmp_path / "died").exists() and flowrl_actor_names() == []
+    assert [e.episode for e in stats.episodes] == list(range(EPISODES))
+    ids = [[r["ids"] for step in ep["learner"] for r in step] for ep in engine.train_results]
+    assert ids == [[r["ids"] for step in ep["learner"] for r in step] for ep in ref.train_results]
+    assert all(s <= 1 for episode in seen_staleness(engine) for _, _, s in episode)
