@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ._batch import Batch, Sample
-from ._config import ModelConfig, PipelineConfig
+from ._autoscale import ScaleEvent
+from ._config import Autoscale, ModelConfig, PipelineConfig
 from ._engine import Engine
 from ._engine_parts import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._rlhf import RLHFEngine
@@ -51,6 +52,8 @@ __all__ = [
     "InputLostError",
     "Model",
     "ModelConfig",
+    "Autoscale",
+    "ScaleEvent",
     "OutputError",
     "Pipeline",
     "PipelineClosedError",

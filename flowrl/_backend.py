@@ -41,6 +41,11 @@ class ReplicaHandle:
     ref: Any  # the backend's own handle
 
 
+def default_spec(model: Model, replica: int) -> ReplicaSpec:
+    """A replica placed by its resources alone (no placement group)."""
+    return ReplicaSpec(model, replica, model.config.cpus_per_replica, model.config.replica_gpus)
+
+
 def check_capacity(specs: list[ReplicaSpec], total: dict[str, float], nodes: list[dict[str, float]]) -> None:
     """The replicas fit the cluster (``total`` resources) and each replica, or its placement
     bundle, fits one of ``nodes``; else Ray would wait for room until setup_timeout_s."""
@@ -139,7 +144,11 @@ class Backend(Protocol):
         ...
 
     async def stop(self, handles: list[ReplicaHandle]) -> None:
-        """Stop these actors (a trainer group being rebuilt); returns once they are gone."""
+        """Stop these actors (a trainer group being rebuilt, replicas removed); returns once they are gone."""
+        ...
+
+    async def room(self, spec: ReplicaSpec) -> int:
+        """How many more replicas like ``spec`` the cluster's free resources hold now."""
         ...
 
     async def close(self) -> None:

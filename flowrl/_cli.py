@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", metavar="CONFIG", help="a .yaml, .yml or .toml file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a key, e.g. run.num_episode=4 or models.policy.num_replicas=1 (repeatable)")
+    scale = commands.add_parser(
+        "scale", help="resize inference pools of a running engine",
+        description="Ask the engine writing RUN_DIR (RunConfig.run_dir) to grow or shrink inference models' "
+        "rollout pools; it applies the request within a second and writes RUN_DIR/scale.done.json.",
+    )
+    scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running engine")
+    scale.add_argument("sizes", metavar="MODEL=N", nargs="+", help="replicas each model should have, e.g. policy=4")
     args, rest = parser.parse_known_args(argv)
     if args.command == "loadtest":
         from ._loadtest import loadtest_main
@@ -36,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return loadtest_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return run_main(args) if args.command == "run" else trace_main(args)
+    return {"run": run_main, "trace": trace_main, "scale": scale_main}[args.command](args)
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -57,6 +64,26 @@ def run_main(args: argparse.Namespace) -> int:
     print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
     if engine.config.run_dir:
         print(f"run directory: {engine.config.run_dir} (flowrl trace {engine.config.run_dir})")
+    return 0
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    from ._engine_elastic import request_scale
+    from ._errors import FlowError
+
+    sizes = {}
+    for item in args.sizes:
+        name, _, count = item.partition("=")
+        if not name or not count.isdigit() or int(count) < 1:
+            print(f"flowrl scale: {item!r}: expected MODEL=N with N >= 1, e.g. policy=4", file=sys.stderr)
+            return 2
+        sizes[name] = int(count)
+    try:
+        path = request_scale(args.run_dir, sizes)
+    except FlowError as err:
+        print(f"flowrl scale: {err}", file=sys.stderr)
+        return 2
+    print(f"requested {sizes} in {path}; the engine writes scale.done.json (or scale.failed.json) when applied")
     return 0
 
 

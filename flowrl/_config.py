@@ -45,6 +45,33 @@ def _check_types(config: msgspec.Struct) -> None:
             raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
 
 
+class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Grow and shrink one model's pool while runs go on, between ``min_replicas`` and
+    ``max_replicas`` and within the cluster's free resources.
+
+    Every ``every_s`` seconds of an active run the pool is measured. It grows when the
+    samples waiting for its stages stay at least ``grow_queue`` batches per serving replica,
+    and shrinks when its replicas spent at least ``shrink_starved`` of the time with no shard,
+    each for ``patience`` measurements in a row.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int
+    grow_queue: float = 1.0
+    shrink_starved: float = 0.5
+    patience: int = 2
+    every_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive("Autoscale", min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                  grow_queue=self.grow_queue, patience=self.patience, every_s=self.every_s)
+        if self.max_replicas < self.min_replicas:
+            raise ConfigError(f"Autoscale.max_replicas={self.max_replicas} is below min_replicas={self.min_replicas}")
+        if not 0 < self.shrink_starved <= 1:
+            raise ConfigError(f"Autoscale.shrink_starved must be in (0, 1] (a fraction of the time), got {self.shrink_starved}")
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How one model runs: replica count, per-call batch size, resources, splitter policy.
 
@@ -54,6 +81,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     size with ``num_gpu``, else 0); a fraction lets several models share (colocate on) GPUs.
     ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
     behind another on its replica waits for it too); a later reply fails the run.
+    ``autoscale``: grow and shrink the pool from its measured queue and starvation.
     """
 
     num_replicas: int | None = None
@@ -66,6 +94,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     splitter: SplitterName = "guided"
     prefetch: int = 2
     call_timeout_s: float | None = None
+    autoscale: Autoscale | None = None
 
     def __post_init__(self) -> None:
         _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
@@ -100,6 +129,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     f"{self.num_gpu} / (tensor_parallel_size*pipeline_parallel_size={per}) = "
                     f"{derived}; give one of them"
                 )
+
+        scale = self.autoscale
+        if isinstance(scale, Mapping):  # ModelConfig(autoscale={...}) built directly
+            scale = msgspec.convert(dict(scale), Autoscale)
+            msgspec.structs.force_setattr(self, "autoscale", scale)
+        if scale is not None and not scale.min_replicas <= self.replicas <= scale.max_replicas:
+            raise ConfigError(
+                f"ModelConfig: {self.replicas} replicas to start with, outside autoscale's "
+                f"[min_replicas={scale.min_replicas}, max_replicas={scale.max_replicas}]"
+            )
 
     @property
     def replicas(self) -> int:

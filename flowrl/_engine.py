@@ -23,6 +23,7 @@ from ._batch import Sample
 from ._config import to_config
 from ._engine_async import Gate, Overlap, Rollout
 from ._engine_ckpt import Checkpoints, Resumable
+from ._engine_elastic import Elastic
 from ._engine_parts import (
     EngineStats, EpisodeStats, Live, Placement, RankStats, TrainerStats, mean_metrics, relayed, trainer_models,
 )
@@ -41,7 +42,7 @@ RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
 GROUP_FIELDS = ("prompt_index", "copy_index")
 
 
-class Engine(Training, Overlap, Resumable):
+class Engine(Training, Overlap, Elastic, Resumable):
     """Runs episodes of a rollout flow, training and weight sync on a Ray cluster.
 
     ``train``: the trainer models (or a flow that calls their ``train_step``); ``sync``:
@@ -199,6 +200,9 @@ class Engine(Training, Overlap, Resumable):
             )
         live = Live(self.config, self.placement, self.trainers, self.rollout_graph, self.eval_graph)
         await live.start()
+        for pipe in (live.rollout, live.evaluation):
+            if pipe is not None:
+                pipe.join_hook = lambda handle, live=live: self._join(live, handle)
         self._live = live
         self._pipe_timelines = [(prefix, p.timeline) for prefix, p in (("", live.rollout), ("eval:", live.evaluation))
                                 if p is not None]
@@ -261,6 +265,8 @@ class Engine(Training, Overlap, Resumable):
                 self._progress = Progress(self.config.progress, target, self._episode)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._progress.watch, live.rollout, self.config.sample_per_episode)
+                    if self._run_dir is not None:
+                        tg.start_soon(self._watch_requests, self._run_dir.path)
                     if self.overlapped:
                         await self._learn_overlapped(live, target)
                     while self._episode < target:

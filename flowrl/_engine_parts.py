@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from ._backend import Backend, Bundle, ReplicaHandle, ReplicaSpec, make_backend
+from ._backend import Backend, Bundle, ReplicaHandle, ReplicaSpec, default_spec, make_backend
 from ._batch import Sample
 from ._errors import ConfigError, FlowDefinitionError
 from ._graph import FlowGraph
@@ -128,6 +128,11 @@ class Placement:
             size = self._size(group)
             for name in group:
                 c = models[name].config
+                if c.autoscale is not None:
+                    raise ConfigError(
+                        f"colocation group {gi}: model {name!r} has ModelConfig.autoscale, but colocated replicas "
+                        "share GPUs with other models' and their pools cannot grow or shrink"
+                    )
                 if c.replica_gpus > 1:
                     raise ConfigError(
                         f"colocation: model {name!r} has replicas of {c.replica_gpus:g} GPUs; colocated replicas "
@@ -158,6 +163,15 @@ class Placement:
         bundle = Bundle(f"model-{model.name}{pool}", replica, c.replicas, c.cpus_per_replica, c.replica_gpus)
         return ReplicaSpec(model, replica, c.cpus_per_replica, c.replica_gpus, bundle)
 
+    def grown(self, model: Model, replica: int) -> ReplicaSpec:
+        """The spec of a replica added while the engine runs: placed by its resources alone."""
+        if any(model.name in group for group in self.groups):
+            raise ConfigError(
+                f"model {model.name!r} is colocated (RunConfig.colocation): its replicas share GPUs with other "
+                "models', so its pool cannot grow or shrink; leave it out of colocation to resize it"
+            )
+        return default_spec(model, replica)
+
 
 class Live:
     """The running parts of an engine: backend, trainer groups, rollout and eval pipelines."""
@@ -174,6 +188,7 @@ class Live:
         self.rollout: AsyncPipeline | None = None
         self.evaluation: AsyncPipeline | None = None
         self.last_stats: tuple[PipelineStats | None, PipelineStats | None] = (None, None)
+        self.members = anyio.Lock()
 
     def replicas_of(self, model: str) -> list[ReplicaHandle]:
         """Every replica of ``model``, in the rollout and the evaluation pools."""
@@ -206,6 +221,9 @@ class Live:
             self.evaluation = await self.stack.enter_async_context(
                 running(evaluation, self.backend, cfg, lambda m, r: self.placement.spec(m, r, "-eval"))
             )
+        for pipe in (self.rollout, self.evaluation):
+            if pipe is not None:  # one lock: a weight sync and a pool's change of members exclude each other
+                pipe.members_lock, pipe.grow_spec = self.members, self.placement.grown
 
     async def start_trainer(self, model: Model) -> None:
         specs = [self.placement.spec(model, r) for r in range(model.config.replicas)]

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 
+from ._backend import ReplicaHandle
 from ._batch import Batch, Sample
 from ._engine_parts import Live
 from ._model import Model
@@ -67,11 +68,16 @@ class Training:
     async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
         # Every replica loads between two of its shards (one worker thread per replica), and
         # the version counts only once all hold it: the staleness gate reads it.
-        async with anyio.create_task_group() as tg:
+        async with live.members, anyio.create_task_group() as tg:  # no replica joins or leaves meanwhile
             for handle in live.replicas_of(name):
                 tg.start_soon(live.backend.load_weights, handle, version, weights)
         self._versions[name] = version
         self._sent[name] = weights
+
+    async def _join(self, live: Live, handle: ReplicaHandle) -> None:
+        """A replica added to a pool while the engine runs gets the weights the others hold."""
+        if handle.model in self._sent:  # (called under live.members, like _send)
+            await live.backend.load_weights(handle, self._versions[handle.model], self._sent[handle.model])
 
 
 def batch_of(samples: Sequence[Sample]) -> Batch:

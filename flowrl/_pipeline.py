@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from ._backend import Backend, ReplicaSpec, make_backend
+from ._backend import Backend, ReplicaSpec, default_spec, make_backend
 from ._batch import Sample
 from ._config import PipelineConfig, to_config
 from ._errors import FlowError, PipelineClosedError
@@ -31,10 +31,6 @@ def build_flow(flow: Flow, input_fields: Iterable[str] | None = None) -> FlowGra
 
 
 SpecFn = Callable[[Model, int], ReplicaSpec]
-
-
-def default_spec(model: Model, replica: int) -> ReplicaSpec:
-    return ReplicaSpec(model, replica, model.config.cpus_per_replica, model.config.replica_gpus)
 
 
 def replica_specs(graph: FlowGraph, make_spec: SpecFn = default_spec) -> list[ReplicaSpec]:
@@ -82,6 +78,7 @@ async def running(
     async with anyio.create_task_group() as tg:
         handles = await backend.start(replica_specs(graph, make_spec))
         pipe = AsyncPipeline(graph, backend, config, handles)
+        pipe.grow_spec = make_spec
         pipe._start(tg)
         try:
             yield pipe

@@ -32,6 +32,8 @@ class AsyncPool:
 
     async def next(self, replica: int) -> Assignment:
         """Ask for a shard for one idle slot of ``replica`` and wait until one is cut."""
+        if replica in self.scheduler.retired:  # removed while its shard ran
+            raise Retired()
         waiter = _Waiter()
         self._waiters[replica].append(waiter)
         self.scheduler.request(replica)
@@ -46,8 +48,13 @@ class AsyncPool:
         self.scheduler.finish(assignment)
         self.pump()  # a slot of that replica may wait for it to finish (see ``queue_ahead``)
 
+    def add_replica(self) -> int:
+        replica = self.scheduler.add_replica()
+        self._waiters[replica] = deque()
+        return replica
+
     def retire(self, replica: int) -> None:
-        """``replica`` died: its waiting slots stop, and it gets no more shards."""
+        """``replica`` died or is removed: its waiting slots stop, and it gets no more shards."""
         self.scheduler.retire(replica)
         waiters, self._waiters[replica] = self._waiters[replica], deque()
         for waiter in waiters:

@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 
-from ._config import ModelConfig, PipelineConfig
+from ._config import Autoscale, ModelConfig, PipelineConfig
 from ._run_config import RunConfig
 
 MEANING: dict[type, dict[str, str]] = {
@@ -31,6 +31,7 @@ MEANING: dict[type, dict[str, str]] = {
         "call_timeout_s": "the longest one call may take, seen from the driver (including the wait behind a shard "
                           "queued first); a call still running then fails the run with a `StageError` naming it and "
                           "every replica is stopped (Ray; an in-process call cannot be cut short)",
+        "autoscale": "an `Autoscale`: grow and shrink this model's pool while runs go on (below)",
     },
     PipelineConfig: {
         "backend": "`ray`: one Ray actor per replica; `inprocess`: every replica in this process (tests, "
@@ -87,9 +88,21 @@ MEANING: dict[type, dict[str, str]] = {
     },
 }
 
+MEANING[Autoscale] = {
+    "min_replicas": "the fewest replicas the autoscaler leaves serving",
+    "max_replicas": "the most replicas it grows to (and only while the cluster has free resources for one more)",
+    "grow_queue": "grow when the samples waiting for the model's stages are at least this many batches per serving "
+                  "replica; it grows by as many replicas as would bring the queue down to that",
+    "shrink_starved": "shrink when the replicas spent at least this fraction of the time with no shard (and "
+                      "nothing waits); it removes half the replicas that starvation says are spare, at least one",
+    "patience": "readings in a row that must agree before the pool is resized",
+    "every_s": "seconds between readings, while a run is active",
+}
+
 WHERE = {ModelConfig: "`Model(name, config)`, `RunConfig.models.<name>`, a run file's `models.<name>`",
          PipelineConfig: "`open_pipeline(flow, config)`, `Pipeline`, `RunConfig.pipeline`",
-         RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`"}
+         RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`",
+         Autoscale: "`ModelConfig.autoscale`, e.g. `{\"max_replicas\": 8}`"}
 
 
 def _type(t: Any) -> str:

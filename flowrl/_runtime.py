@@ -9,7 +9,7 @@ Runs (admission and delivery) live in ``_runs.py``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +17,17 @@ import anyio
 import numpy as np
 from anyio.abc import TaskGroup
 
-from ._backend import Backend, ReplicaHandle
+from ._autoscale import ScaleEvent
+from ._backend import Backend, ReplicaHandle, ReplicaSpec, default_spec
 from ._batch import Batch
 from ._config import CallMeta, Piece, PipelineConfig, ShardCall
 from ._errors import (
     FlowDefinitionError, FlowError, InputLostError, OutputError, PipelineClosedError, ReplicaDiedError, StageError,
 )
 from ._graph import SOURCE, FlowGraph
+from ._model import Model
 from ._pool import AsyncPool, Retired, Window
+from ._elastic import ElasticMixin
 from ._recover import RecoveryMixin
 from ._runs import Loc, Run, StreamingMixin
 from ._scheduler import Assignment, PoolScheduler
@@ -43,7 +46,7 @@ class _SampleState:
         self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
 
 
-class AsyncPipeline(StreamingMixin, RecoveryMixin):
+class AsyncPipeline(StreamingMixin, RecoveryMixin, ElasticMixin):
     """A running flow: ``await pipe.run(items)``, ``async for s in pipe.stream(items)``,
     ``pipe.stats()``, ``pipe.placement``. Get one from ``flowrl.open_pipeline``."""
 
@@ -76,6 +79,14 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         self.timeline = Timeline(config.trace_spans)  # a span per shard, as its replica timed it
         started = time.perf_counter()  # every replica waits for work from the start
         self._hungry = {(h.model, h.replica_id): started for h in handles}
+        # elastic pools (``_elastic``): set by whoever opens the pipeline
+        self.grow_spec: Callable[[Model, int], ReplicaSpec] = default_spec
+        self.join_hook: Callable[[ReplicaHandle], Awaitable[None]] | None = None
+        self.members_lock = anyio.Lock()
+        self.scale_events: list[ScaleEvent] = []
+        self._slots: dict[tuple[str, int], int] = {}  # (model, replica) -> slots running
+        self._left: dict[tuple[str, int], anyio.Event] = {}  # replicas being removed, set once their slots end
+        self._resizing = anyio.Lock()
 
     # ---- lifecycle (driven by open_pipeline) ----
     def _start(self, tg: TaskGroup) -> None:
@@ -83,7 +94,9 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
         for handle in self._handles:
             model = self.graph.models[handle.model]
             for _ in range(model.config.prefetch):
-                tg.start_soon(self._slot, handle)
+                self._start_slot(handle)
+        if any(m.config.autoscale is not None for m in self.graph.models.values()):
+            tg.start_soon(self._autoscale)
 
     def _fail(self, err: BaseException) -> None:
         """Record the first failure and wake consumers that wait outside the task group."""
@@ -100,7 +113,7 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
     @property
     def placement(self) -> dict[str, list[str]]:
         """Node id of each replica, per model."""
-        out: dict[str, list[str]] = {m: [""] * c.config.replicas for m, c in self.graph.models.items()}
+        out: dict[str, list[str]] = {m: [""] * pool.scheduler.replicas for m, pool in self._pools.items()}
         for h in self._handles:
             out[h.model][h.replica_id] = h.node_id
         return out
@@ -132,6 +145,14 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
             serving = [r for r in range(s.replicas) if r not in s.retired]
             out[name] = (sum(1 for r in serving if s.in_flight[r]), len(serving))
         return out
+
+    def _active_now(self) -> float:
+        """Seconds of runs so far, the one in progress included."""
+        run = self._run
+        return self._recorder.active_s + (0.0 if run is None or run.active_closed else time.perf_counter() - run.started)
+
+    def _running(self) -> bool:
+        return self._run is not None and not self._run.drained.is_set()
 
     def stats(self) -> PipelineStats:
         """Counters so far; a stream in progress counts its time up to now."""
@@ -199,11 +220,13 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin):
                     return
                 if not pool.scheduler.in_flight[r]:  # nothing left to run: starved from now on
                     self._hungry[(handle.model, r)] = time.perf_counter()
-        except Retired:  # its replica died while this slot waited
+        except Retired:  # its replica died or was removed while this slot waited
             return
         except Exception as err:
             self._fail(err)
             raise
+        finally:
+            self._slot_left(handle)
 
     def _fed(self, handle: ReplicaHandle) -> None:
         since = self._hungry.pop((handle.model, handle.replica_id), None)

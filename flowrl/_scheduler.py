@@ -109,14 +109,25 @@ class PoolScheduler:
         if self._waiting[replica] == 1:
             self._enqueue(replica)
 
+    def add_replica(self) -> int:
+        """A new replica joins the pool (ids are never reused); it is served first."""
+        r = self.replicas
+        self.replicas += 1
+        self.in_flight.append(0)
+        self._last_served.append(min(self._last_served, default=0) - 1)
+        self._waiting.append(0)
+        self._version.append(0)
+        return r
+
     def withdraw(self, replica: int) -> None:
         """Forget the waiting slots of ``replica`` (it stopped pulling)."""
         self._waiting[replica] = 0
         self._version[replica] += 1
 
     def retire(self, replica: int) -> None:
-        """``replica`` serves no more: its waiting slots are forgotten, its shards are not cut
-        for, and shard sizes count the replicas left."""
+        """``replica`` serves no more (its process died, or it was removed): its waiting slots
+        are forgotten, its shards are not cut for, and shard sizes count the replicas left. The
+        shards it holds still finish (or are given back)."""
         self.withdraw(replica)
         self.retired.add(replica)
 

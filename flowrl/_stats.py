@@ -76,6 +76,28 @@ class StatsRecorder:
         self._starved = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
         self.blocked_s = 0.0
+        self._serving: dict[tuple[str, int], tuple[float, float | None]] = {}  # replicas added or removed
+
+    def add_replica(self, model: str, active_s: float) -> int:
+        """A replica joins ``model``'s pool after ``active_s`` of runs: counters for it,
+        numbered after the others; its idle time counts from now."""
+        r = self._replicas[model]
+        self._replicas[model] += 1
+        self._serving[(model, r)] = (active_s, None)
+        for stage, m in self._stage_models.items():
+            if m == model:
+                self._cells[(stage, r)] = _Cell()
+        self._model_busy[(model, r)] = self._starved[(model, r)] = 0.0
+        return r
+
+    def remove_replica(self, model: str, replica: int, active_s: float) -> None:
+        """``replica`` left the pool after ``active_s`` of runs: its idle time stops there."""
+        joined, _ = self._serving.get((model, replica), (0.0, None))
+        self._serving[(model, replica)] = (joined, active_s)
+
+    def starved_s(self, model: str) -> float:
+        """Seconds ``model``'s replicas had no shard, closed intervals only."""
+        return sum(v for (m, _), v in self._starved.items() if m == model)
 
     def starved(self, model: str, replica: int, seconds: float) -> None:
         self._starved[(model, replica)] += seconds
@@ -124,7 +146,9 @@ class StatsRecorder:
 
     def _replica(self, stage: str, model: str, r: int, active: float, starving: float) -> ReplicaStats:
         cell = self._cells[(stage, r)]
-        idle = max(0.0, active - self._model_busy[(model, r)])
+        joined, left = self._serving.get((model, r), (0.0, None))
+        served = (active if left is None else min(active, left)) - joined  # the run time it was in the pool
+        idle = max(0.0, served - self._model_busy[(model, r)])
         return ReplicaStats(
             replica=r, samples=cell.samples, calls=cell.calls, busy_s=cell.busy_s, idle_s=idle,
             max_shard=max(cell.sizes, default=0), out_bytes=cell.out_bytes, overhead_s=cell.overhead_s,

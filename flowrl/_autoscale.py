@@ -1,0 +1,84 @@
+"""The autoscaling policy (layer 3, sans-IO: no Ray, no event loop).
+
+Fed one ``Reading`` per autoscaled model at every tick of an active run, it answers with the
+pools to grow or shrink. A pool grows when its queue stays long (every serving replica has at
+least ``grow_queue`` batches waiting), by as many replicas as would bring the queue down to
+that, within ``max_replicas`` and the room the cluster has. It shrinks when its replicas stay
+starved (at least ``shrink_starved`` of their time without a shard), by half the replicas that
+starvation says are spare, never below ``min_replicas``. Either needs ``patience`` readings in
+a row; a decision starts the count again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import msgspec
+
+from ._config import Autoscale
+
+
+class Reading(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's pool over the last tick."""
+
+    model: str
+    serving: int  # replicas serving (not removed, not dead)
+    queued: int  # samples waiting for the model's stages now
+    starved: float  # fraction of the serving replicas' time with no shard, over the tick
+    batch_size: int
+    room: int  # replicas more the cluster has free resources for
+
+
+class ScaleEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool resized: by the autoscaler (with the reading behind it) or on request."""
+
+    model: str
+    action: str  # "grow" | "shrink"
+    before: int
+    after: int
+    reason: str
+    time: float = 0.0  # wall clock, set when applied
+    reading: Reading | None = None
+
+
+class AutoscalePolicy:
+    def __init__(self, configs: Mapping[str, Autoscale]) -> None:
+        self.configs = dict(configs)
+        self._streak: dict[str, tuple[str, int]] = {}  # model -> (the action it points to, readings in a row)
+
+    def reset(self) -> None:
+        """No run is active: readings in a row start again."""
+        self._streak.clear()
+
+    def decide(self, readings: list[Reading]) -> list[ScaleEvent]:
+        out = []
+        for reading in readings:
+            event = self._one(self.configs[reading.model], reading)
+            if event is not None:
+                out.append(event)
+        return out
+
+    def _one(self, cfg: Autoscale, r: Reading) -> ScaleEvent | None:
+        per_replica = r.queued / max(1, r.serving) / r.batch_size  # batches waiting per replica
+        action, target, reason = "", r.serving, ""
+        if per_replica >= cfg.grow_queue and r.serving < cfg.max_replicas:
+            wanted = math.ceil(r.queued / (cfg.grow_queue * r.batch_size))  # replicas for that queue
+            target = min(cfg.max_replicas, r.serving + r.room, max(wanted, r.serving + 1))
+            action = "grow"
+            reason = f"{per_replica:.2f} batches waiting per replica >= grow_queue={cfg.grow_queue:g}"
+        elif r.starved >= cfg.shrink_starved and r.queued == 0 and r.serving > cfg.min_replicas:
+            spare = math.floor(r.serving * r.starved)
+            target = max(cfg.min_replicas, r.serving - max(1, spare // 2))
+            action = "shrink"
+            reason = f"starved {r.starved:.0%} of the time >= shrink_starved={cfg.shrink_starved:.0%}"
+        if not action:
+            self._streak.pop(r.model, None)
+            return None
+        last, count = self._streak.get(r.model, ("", 0))
+        count = count + 1 if last == action else 1
+        if count < cfg.patience or target == r.serving:
+            self._streak[r.model] = (action, count)
+            return None
+        self._streak.pop(r.model, None)
+        return ScaleEvent(model=r.model, action=action, before=r.serving, after=target, reason=reason, reading=r)
