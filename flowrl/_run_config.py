@@ -56,9 +56,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     keep_checkpoints: int = 2
     resume: str = "auto"
     max_trainer_restarts: int = 3
-    run_dir: str | None = None
     max_staleness: int = 0
     on_stale: str = "wait"
+    run_dir: str | None = None
     progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
     colocation: list[list[str]] = msgspec.field(default_factory=list)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
