@@ -147,8 +147,8 @@ class Backend(Protocol):
         """Stop these actors (a trainer group being rebuilt, replicas removed); returns once they are gone."""
         ...
 
-    async def room(self, spec: ReplicaSpec) -> int:
-        """How many more replicas like ``spec`` the cluster's free resources hold now."""
+    async def free(self) -> dict[str, float]:
+        """The cluster's free resources now, by Ray's names (``CPU``, ``GPU``)."""
         ...
 
     async def close(self) -> None:

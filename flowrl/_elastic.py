@@ -181,8 +181,8 @@ class ElasticMixin:
             if not self._running():
                 policy.reset()
             else:
-                readings = [await self._reading(n, last[n], now[n]) for n in configs]
-                for event in policy.decide(readings):
+                readings = [self._reading(n, last[n], now[n]) for n in configs]
+                for event in policy.decide(readings, await self._backend.free()):
                     try:
                         await self.resize(event.model, event.after, reason=event.reason, reading=event.reading)
                     except FlowError as err:  # e.g. no room after all: the run goes on as it is
@@ -199,10 +199,10 @@ class ElasticMixin:
             out[name] = (now, self._recorder.starved_s(name) + open_s)
         return out
 
-    async def _reading(self, model: str, before: tuple[float, float], after: tuple[float, float]) -> Reading:
+    def _reading(self, model: str, before: tuple[float, float], after: tuple[float, float]) -> Reading:
         serving = len(self.serving(model))
         elapsed = max(1e-9, after[0] - before[0]) * serving
         queued = sum(q for q, _ in self._pools[model].scheduler.queues().values())
         spec = self.grow_spec(self.graph.models[model], 0)
         return Reading(model=model, serving=serving, queued=queued, starved=min(1.0, (after[1] - before[1]) / elapsed),
-                       batch_size=self.graph.models[model].config.batch_size, room=await self._backend.room(spec))
+                       batch_size=self.graph.models[model].config.batch_size, cpus=spec.num_cpus, gpus=spec.num_gpus)

@@ -129,8 +129,8 @@ class InProcessBackend:
         gone = {id(h.ref) for h in handles}
         self._replicas = [r for r in self._replicas if id(r) not in gone]
 
-    async def room(self, spec: ReplicaSpec) -> int:
-        return 1 << 20  # this process: no resources to count
+    async def free(self) -> dict[str, float]:
+        return {"CPU": float("inf"), "GPU": float("inf")}  # this process: no resources to count
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
         local: _LocalReplica = replica.ref

@@ -289,10 +289,8 @@ class RayBackend:
         self._actors = [a for a in self._actors if id(a) not in gone]
         await _kill([h.ref for h in handles])
 
-    async def room(self, spec: ReplicaSpec) -> int:
-        free = await anyio.to_thread.run_sync(ray.available_resources)
-        fits = [free.get(key, 0.0) / need for key, need in (("CPU", spec.num_cpus), ("GPU", spec.num_gpus)) if need > 0]
-        return int(min(fits) + 1e-9) if fits else 1 << 20
+    async def free(self) -> dict[str, float]:
+        return await anyio.to_thread.run_sync(ray.available_resources)
 
     def put(self, batch: Batch) -> Any:
         if approx_nbytes(batch) <= INLINE_BYTES:
