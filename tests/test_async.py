@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 import flowrl
@@ -165,3 +166,23 @@ def test_a_trainer_rebuilt_under_overlap_trains_each_episode_once(ray_cluster, t
     ids = [[r["ids"] for step in ep["learner"] for r in step] for ep in engine.train_results]
     assert ids == [[r["ids"] for step in ep["learner"] for r in step] for ep in ref.train_results]
     assert all(s <= 1 for episode in seen_staleness(engine) for _, _, s in episode)
+
+
+def test_a_field_named_like_the_staleness_column_is_refused():
+    class Clash(flowrl.Model):
+        def forward_step(self, batch, iteration):
+            return {"action": batch["prompt"], "policy_staleness": [0] * len(batch)}
+
+        def set_weights(self, weights):
+            pass
+
+    from _resume_models import Learner
+
+    policy = Clash("policy", {"batch_size": 4})
+    learner = Learner("learner")
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[learner], sync=[(learner, policy)],
+                           config={"sample_per_episode": 4, "max_staleness": 1, "progress": "off",
+                                   "pipeline": {"backend": "inprocess"}})
+    engine.set_dataset([{"idx": i, "prompt": np.zeros(4, dtype=np.float32)} for i in range(8)])
+    with pytest.raises(flowrl.FlowDefinitionError, match="has a field 'policy_staleness': that name is reserved"):
+        engine.learn()

@@ -259,3 +259,32 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
     assert b'"changed":{"policy":[2]}' in (tmp_path / DONE).read_bytes()
     with pytest.raises(flowrl.ConfigError, match="not a folder"):
         request_scale(tmp_path / "missing", {"policy": 2})
+
+
+def test_resize_mistakes_on_an_engine_are_named(tmp_path):
+    engine, _ = make_engine(pipeline={"backend": "inprocess"}, policy_replicas=1, ranks=1)
+    with pytest.raises(flowrl.PipelineClosedError, match="resize\\(\\) needs an engine open with `with engine:`"):
+        engine.resize("policy", 2)
+    with engine:
+        with pytest.raises(flowrl.ConfigError, match="'learner' is a trainer: a data-parallel group keeps its world size"):
+            engine.resize("learner", 2)
+        assert engine.resize("policy", 2) == [1]  # between learn() calls too
+        stats = engine.learn()
+    assert {r.replica for r in stats.rollout.stages["policy.forward_step"].replicas} == {0, 1}
+
+
+def test_autoscale_on_a_colocated_model_is_refused_when_the_engine_is_built():
+    with pytest.raises(flowrl.ConfigError, match="model 'policy' has ModelConfig.autoscale, but colocated replicas"):
+        make_engine(colocation=[["policy", "learner"]],
+                    models={"policy": {"num_replicas": 2, "autoscale": {"max_replicas": 4}}})
+
+
+@pytest.mark.parametrize("args, message", [(["policy=0"], "expected MODEL=N with N >= 1"),
+                                           (["policy"], "expected MODEL=N"),
+                                           (["missing-dir", "policy=2"], "not a folder")])
+def test_flowrl_scale_mistakes_exit_2_with_a_message(tmp_path, capsys, args, message):
+    from flowrl._cli import main
+
+    where = [str(tmp_path)] if args[0] != "missing-dir" else [str(tmp_path / "missing")]
+    assert main(["scale", *where, *args[-1:]]) == 2
+    assert message in capsys.readouterr().err
