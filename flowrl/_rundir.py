@@ -34,6 +34,7 @@ class RunDir:
             "trainers": msgspec.to_builtins(stats.trainers),
             "rollout": msgspec.to_builtins(stats.rollout.stages) if stats.rollout is not None else {},
             "rollout_blocked_s": stats.rollout.blocked_s if stats.rollout is not None else 0.0,
+            "rollout_serving": stats.rollout.serving if stats.rollout is not None else {},
         }
         with open(self.path / METRICS, "ab") as f:
             f.write(msgspec.json.encode(line) + b"\n")
@@ -63,6 +64,13 @@ def metric_values(stats: EngineStats) -> list[Metric]:
     for name, trainer in stats.trainers.items():
         out.append(("flowrl_trainer_steps", "optimizer steps of a trainer", {"trainer": name}, float(trainer.steps)))
         out.append(("flowrl_trainer_samples", "samples a trainer trained on", {"trainer": name}, float(trainer.samples)))
+    out.append(("flowrl_rollout_wait_seconds", "seconds training waited for the last episode's rollout", {},
+                float(last.wait_s)))
+    for kind in ("dropped", "regenerated"):
+        out.append((f"flowrl_stale_{kind}", f"samples over the staleness bound {kind} in the last episode", {},
+                    float(getattr(last, kind))))
+    for model, replicas in (stats.rollout.serving.items() if stats.rollout is not None else ()):
+        out.append(("flowrl_pool_replicas", "replicas serving in a rollout pool", {"model": model}, float(replicas)))
     if stats.rollout is not None:
         out.append(("flowrl_rollout_blocked_seconds", "seconds admission waited for room in the in-flight window",
                     {}, stats.rollout.blocked_s))

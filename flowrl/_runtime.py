@@ -161,7 +161,8 @@ class AsyncPipeline(StreamingMixin, RecoveryMixin, ElasticMixin):
         queues = {stage: q for pool in self._pools.values() for stage, q in pool.scheduler.queues().items()}
         now = time.perf_counter()
         waiting = {key: now - since for key, since in self._hungry.items()}  # starved until now
-        return self._recorder.snapshot(extra_active_s=live, queues=queues, starving=waiting)
+        serving = {name: len(self.serving(name)) for name in self._pools}
+        return self._recorder.snapshot(extra_active_s=live, queues=queues, starving=waiting, serving=serving)
 
     def _expect(self, count: int) -> None:
         for spec in self.graph.stages.values():

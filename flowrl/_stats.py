@@ -45,11 +45,13 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counters since the pipeline opened; ``active_s`` is the time spent inside runs;
     ``blocked_s`` the time admission waited for room in the in-flight window (``max_inflight``:
-    the caller, or stages downstream, held every place)."""
+    the caller, or stages downstream, held every place). ``serving``: replicas serving now, per
+    model (pools grow and shrink: ``resize``, ``ModelConfig.autoscale``)."""
 
     active_s: float
     stages: dict[str, StageStats]
     blocked_s: float = 0.0
+    serving: dict[str, int] = {}
 
     def __getitem__(self, stage: str) -> StageStats:
         return self.stages[stage]
@@ -119,6 +121,7 @@ class StatsRecorder:
         self.active_s += seconds
 
     def snapshot(self, extra_active_s: float = 0.0, queues: Mapping[str, tuple[int, int]] | None = None,
+                 serving: Mapping[str, int] | None = None,
                  starving: Mapping[tuple[str, int], float] | None = None) -> PipelineStats:
         active = self.active_s + extra_active_s
         queues, starving = queues or {}, starving or {}
@@ -142,7 +145,7 @@ class StatsRecorder:
                 queued=queues.get(stage, (0, 0))[0],
                 queue_peak=queues.get(stage, (0, 0))[1],
             )
-        return PipelineStats(active_s=active, stages=stages, blocked_s=self.blocked_s)
+        return PipelineStats(active_s=active, stages=stages, blocked_s=self.blocked_s, serving=dict(serving or {}))
 
     def _replica(self, stage: str, model: str, r: int, active: float, starving: float) -> ReplicaStats:
         cell = self._cells[(stage, r)]

@@ -139,6 +139,7 @@ def test_replicas_added_and_removed_mid_run_keep_accounting_exact(ray_cluster, b
     assert [s.id for s in got] == list(range(n)) and [float(s["y"][0]) for s in got] == [float(i) for i in range(n)]
     stage = stats.stages[STAGE]
     assert stage.samples == n and stage.retried == 0  # each sample once, none sent again
+    assert stats.serving == {"m": 1}
     per = {r.replica: r.samples for r in stage.replicas}
     assert sum(per.values()) == n and per[2] > 0 and per[3] > 0  # the added replicas worked
     assert all(per[r] == after_removal[r] for r in removed)  # the removed ones did nothing after
