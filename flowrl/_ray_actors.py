@@ -1,7 +1,7 @@
 """The Ray actors (layer 4): what runs in a replica's or a trainer rank's process.
 
 A replica actor runs one shard at a time on its one worker thread (a second shard sent ahead
-waits, and weights load between shards), whether the shard came as a Ray call or over the
+waits, and weights load between shards, before the shards waiting), whether the shard came as a Ray call or over the
 replica's Unix socket (``_ray_channel``). It has no extra concurrency group: one costs every
 call about a quarter of its throughput, and closing needs none (a killed actor fails its pings).
 """
@@ -68,7 +68,9 @@ class ReplicaActor:
         return [ray.put(self.worker.submit(self.runtime.get_weights).result())]
 
     def load_weights(self, version: int, weights: Any) -> None:
-        self.worker.submit(self.runtime.load_weights, version, weights).result()
+        # right after the shard running now, before any queued behind it: a sync waits for
+        # one shard of each replica at most
+        self.worker.submit(self.runtime.load_weights, version, weights, first=True).result()
 
     def ping(self) -> bool:
         return True

@@ -148,16 +148,19 @@ class RayBackend:
 
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         await self.prepare(specs)
-        waits = {}
+        waits, actors = {}, {}
         for s in specs:
             actor = self._create(ReplicaActor, s, s.model, s.replica_id)
-            waits[asyncio.ensure_future(_setup(s, actor))] = s
+            future = asyncio.ensure_future(_setup(s, actor))
+            waits[future], actors[future] = s, actor
         done, pending = await asyncio.wait(
             waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
         )
         for fut in pending:
             fut.cancel()
         failed = [f for f in done if f.exception() is not None]
+        if failed or pending:  # none of this call's actors is left holding resources
+            await self.stop([ReplicaHandle(s.model.name, s.replica_id, "", actors[f]) for f, s in waits.items()])
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
         if pending:

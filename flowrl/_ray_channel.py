@@ -57,6 +57,10 @@ def _as_is(seq: int, value: Any) -> Any:
     return value
 
 
+def _nothing() -> None:
+    pass
+
+
 class ReplicaWorker:
     """The one thread that runs a replica's user code (the worker), fed in order by its
     channel and by the jobs that Ray calls submit (setup, weights, shards that read stored
@@ -70,12 +74,15 @@ class ReplicaWorker:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._urgent: collections.deque[Callable[[], None]] = collections.deque()  # before any job queued
         self._channel: socket.socket | None = None
         self._dead = False
         self.thread = threading.Thread(target=self._work, name="flowrl-replica", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(self, fn: Callable[..., Any], *args: Any, first: bool = False) -> Future[Any]:
+        """Run ``fn(*args)`` on the worker after the jobs queued before it, or with ``first``
+        right after the job running now (weights load before the shards queued ahead)."""
         future: Future[Any] = Future()
 
         def job() -> None:
@@ -86,7 +93,11 @@ class ReplicaWorker:
                     future.set_exception(err)
 
         job.future = future  # type: ignore[attr-defined]  # failed if the worker has stopped
-        self._jobs.put(job)
+        if first:
+            self._urgent.append(job)
+            self._jobs.put(_nothing)  # wakes an idle worker
+        else:
+            self._jobs.put(job)
         if self._dead:
             self._fail_jobs()
         return future
@@ -111,7 +122,10 @@ class ReplicaWorker:
     def _work(self) -> None:
         try:
             while True:
-                self._jobs.get()()
+                job = self._jobs.get()
+                while self._urgent:
+                    self._urgent.popleft()()
+                job()
         finally:  # a bug here must not leave anyone waiting: the driver sees the channel close,
             self._dead = True  # and Ray calls get an error instead of a thread that never runs
             self.close_channel()
@@ -120,7 +134,7 @@ class ReplicaWorker:
     def _fail_jobs(self) -> None:
         while True:
             try:
-                job = self._jobs.get_nowait()
+                job = self._urgent.popleft() if self._urgent else self._jobs.get_nowait()
             except queue.Empty:
                 return
             future = getattr(job, "future", None)

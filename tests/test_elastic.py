@@ -216,26 +216,42 @@ def test_the_autoscaler_grows_a_queued_pool_and_shrinks_a_starved_one_within_lim
 
 
 # ---- the engine ----
-def test_the_engine_resizes_its_policy_mid_run_and_new_replicas_get_the_current_weights(ray_cluster, tmp_path):
-    engine, seen = make_engine(sync_every=1, max_relay_episode=0, num_episode=4, rollout_s=0.01,
-                               run_dir=str(tmp_path))
-    grown = anyio.Event()
+def test_the_engine_resizes_its_policy_mid_episode_and_new_replicas_get_the_current_weights(ray_cluster):
+    episodes = 8
+    engine, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=episodes, rollout_s=0.1)
+
+    async def generated() -> int:
+        return engine.stats().rollout.stages["policy.forward_step"].samples
+
+    async def by_new_replicas() -> int:
+        return sum(r.samples for r in engine.stats().rollout.stages["policy.forward_step"].replicas if r.replica >= 2)
 
     async def main():
         async with engine:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(engine.alearn)
-                while not seen:  # the first episode trained
-                    await anyio.sleep(0.01)
-                assert await engine.aresize("policy", 4) == [2, 3]
-                grown.set()
-            return engine.stats()
+                with anyio.fail_after(60):
+                    while await generated() < 12:  # halfway through episode 1
+                        await anyio.sleep(0.005)
+                    assert await engine.aresize("policy", 4) == [2, 3]
+                    while not await by_new_replicas():
+                        await anyio.sleep(0.005)
+                    now = await generated()
+                    while await generated() < now // 8 * 8 + 12:  # halfway through the next episode
+                        await anyio.sleep(0.005)
+                    assert len(await engine.aresize("policy", 1)) == 3
+            return engine.stats(), flowrl_actor_names()
 
-    stats = anyio.run(main)
+    stats, names = anyio.run(main)
     rollout = stats.rollout.stages["policy.forward_step"]
-    assert rollout.samples == 4 * 8 and {r.replica for r in rollout.replicas} == {0, 1, 2, 3}
+    assert rollout.samples == episodes * 8 and rollout.retried == 0
+    assert {r.replica for r in rollout.replicas if r.samples} >= {2, 3}  # the added replicas worked
     for e, episode in enumerate(stats.episodes):
         assert episode.staleness == {"policy": {0: 8}}, e  # every replica ran the current weights
+    trained_ids = sorted(i for ep in engine.train_results for r in ep["learner"][:2] for x in r for i in x["ids"])
+    assert trained_ids == list(range(episodes * 8))  # each sample trained once (first epoch)
+    assert stats.rollout.serving == {"policy": 1}
+    assert sum(1 for n in names if "-policy-" in n) == 1  # the removed replicas' actors are gone
     assert flowrl_actor_names() == []
 
 

@@ -252,3 +252,16 @@ async def test_a_channel_that_cannot_open_fails_the_start_with_a_cluster_error(r
         async with flowrl.open_pipeline(lambda x: model.forward_step(x)):
             pass
     assert flowrl_actor_names() == []
+
+
+def test_weights_submitted_first_run_right_after_the_running_job_before_queued_ones():
+    from flowrl._ray_channel import ReplicaWorker
+
+    worker, release, order = ReplicaWorker(), threading.Event(), []
+    running = worker.submit(release.wait)  # the shard running now
+    queued = [worker.submit(order.append, f"shard {i}") for i in range(2)]  # sent ahead
+    weights = worker.submit(order.append, "weights", first=True)
+    release.set()
+    for future in (running, *queued, weights):
+        future.result(timeout=10)
+    assert order == ["weights", "shard 0", "shard 1"]
