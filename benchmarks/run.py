@@ -4,8 +4,10 @@
     python benchmarks/run.py --repeats 1 --scenario chatlearn-209
 
 The load test is ``flowrl loadtest --out docs/benchmarks.md``; the simulator at scale
-(``sim_scaling.py``), big payloads (``payload.py``) and what the numbers say (``notes.md``,
-written by hand) are appended to the same page.
+(``sim_scaling.py``), big payloads (``payload.py``), the sections of the benchmarks run on
+their own (``sections/*.md``: asynchronous training, autoscaling; each written from its
+script's latest run) and what the numbers say (``notes.md``, written by hand) are appended to
+the same page.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if __name__ == "__main__":
         finally:
             ray.shutdown()
         with open(args[args.index("--out") + 1], "a") as f:
-            notes = (Path(__file__).parent / "notes.md").read_text()
-            f.write("\n" + scaling + "\n" + extra + "\n" + notes)
+            here = Path(__file__).parent
+            sections = "".join(p.read_text() for p in sorted((here / "sections").glob("*.md")))
+            f.write("\n" + scaling + "\n" + extra + "\n" + sections + (here / "notes.md").read_text())
     sys.exit(code)

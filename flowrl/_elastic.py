@@ -84,8 +84,9 @@ class ElasticMixin:
 
     def _note(self, event: ScaleEvent) -> None:
         self.scale_events.append(event)
+        measured = {} if event.reading is None else {"queued": event.reading.queued, "starved": event.reading.starved}
         self.timeline.add(AUTOSCALE, 0, f"{event.action} {event.model}", event.time, event.time, before=event.before,
-                          after=event.after, reason=event.reason)
+                          after=event.after, reason=event.reason, **measured)
         log.info("%s %s: %d -> %d replicas (%s)", event.action, event.model, event.before, event.after, event.reason)
 
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:

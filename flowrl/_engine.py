@@ -322,9 +322,10 @@ class Engine(Training, Overlap, Elastic, Resumable):
         self._relay.add(EpisodeBuffer(e, samples))
         # an episode whose samples were all dropped (on_stale="drop") trains nothing
         train_samples = relayed(self._relay_fn, self.relay_episodes) if self._relay_fn and samples else samples
-        lags = histogram(train_samples, self._versions)  # before this episode's sync
+        versions = self._train_versions(e)
+        lags = histogram(train_samples, versions)
         if self.overlapped:
-            train_samples = self._bounded(samples, train_samples)
+            train_samples = self._bounded(samples, train_samples, versions)
         results: dict[str, list[Any]] = {m.name: [] for m in self.trainers}
         if train_samples:
             batch = batch_of(train_samples)
@@ -333,9 +334,7 @@ class Engine(Training, Overlap, Elastic, Resumable):
                     tg.start_soon(self._train, live, m, batch, e, results[m.name])
         t2 = time.perf_counter()
         synced = (e + 1) % cfg.sync_every == 0
-        if synced:
-            await self._sync(live)
-        self._gate.set(e + 1)  # rollouts waiting for these weights may start
+        await self._after_training(live, e, synced)  # the sync, or its start; then the gate
         t3 = time.perf_counter()
         if cfg.eval_every and (e + 1) % cfg.eval_every == 0 and self._eval_dataset:
             self.eval_results.append(await live.evaluation.run(self._eval_dataset))  # type: ignore[union-attr]
@@ -344,7 +343,7 @@ class Engine(Training, Overlap, Elastic, Resumable):
             episode=e, samples=len(samples), rollout_s=rollout.ended - rollout.started, train_s=t2 - t1,
             sync_s=t3 - t2, eval_s=t4 - t3, wait_s=rollout.waited, dropped=rollout.dropped,
             regenerated=rollout.regenerated, metrics={k: mean_metrics(v) for k, v in results.items()},
-            staleness=lags, weight_versions=dict(self._versions),
+            staleness=lags, weight_versions=self._train_versions(e + 1),
         ))
         phases = (("rollout", rollout.started, rollout.ended, True), ("train", t1, t2, bool(train_samples)),
                   ("sync", t2, t3, synced and bool(self.sync_pairs)), ("eval", t3, t4, len(self.eval_results) > evals))

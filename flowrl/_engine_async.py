@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from ._batch import Sample
+from ._engine_ckpt import Checkpoints
 from ._engine_parts import Live
 from ._errors import FlowDefinitionError, FlowError
 from ._pipeline import plain_errors
@@ -26,6 +28,7 @@ from ._progress import Progress
 from ._run_config import RunConfig
 from ._sampler import EpisodeSampler
 from ._staleness import lags, rollout_needs, staleness_field, too_stale, train_version
+from ._trace import ENGINE, Timeline
 
 
 @dataclass
@@ -71,6 +74,19 @@ class Overlap:
     _marks: dict[int, tuple[int, int]]
     _gate: Gate
     _progress: Progress
+    _ckpt: Checkpoints
+    timeline: Timeline
+    _background: TaskGroup | None = None  # while rollouts run ahead: where background syncs run
+    _synced: anyio.Event | None = None  # set when the sync in the background has landed
+
+    async def _snapshots(self, live: Live) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+    async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
+        raise NotImplementedError
+
+    async def _sync(self, live: Live) -> None:
+        raise NotImplementedError
 
     def _episode_items(self) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -100,16 +116,20 @@ class Overlap:
             await self._or_rebuild(live, self._overlap, target)
 
     async def _overlap(self, live: Live, target: int) -> None:
-        self._gate = Gate(self._episode)
+        self._gate, self._synced = Gate(self._episode), None
         send, recv = anyio.create_memory_object_stream[Rollout](self.config.max_staleness + 1)
-        async with plain_errors(), anyio.create_task_group() as tg:
-            tg.start_soon(self._roll_ahead, live, target, send)
-            async with recv:
-                waiting = time.perf_counter()
-                async for rollout in recv:
-                    rollout.waited = time.perf_counter() - waiting
-                    await self._train_episode(live, rollout)
+        try:
+            async with plain_errors(), anyio.create_task_group() as tg:
+                self._background = tg  # weight syncs sent while the next episode trains
+                tg.start_soon(self._roll_ahead, live, target, send)
+                async with recv:
                     waiting = time.perf_counter()
+                    async for rollout in recv:
+                        rollout.waited = time.perf_counter() - waiting
+                        await self._train_episode(live, rollout)
+                        waiting = time.perf_counter()
+        finally:
+            self._background = self._synced = None
 
     async def _roll_ahead(self, live: Live, target: int, send: Any) -> None:
         cfg = self.config
@@ -144,21 +164,59 @@ class Overlap:
             rollout.samples[i] = sample
         rollout.regenerated = len(stale)
 
-    def _bounded(self, samples: list[Sample], train: list[Sample]) -> list[Sample]:
+    def _train_versions(self, episode: int) -> dict[str, int]:
+        """The versions synced models hold while ``episode`` trains. Asynchronous: the ones its
+        trainer's weights stand for, whether or not a sync in the background has landed yet."""
+        if not self.overlapped:
+            return dict(self._versions)
+        return {m: train_version(episode, self.config.sync_every) for m in self._versions}
+
+    async def _after_training(self, live: Live, e: int, due: bool) -> None:
+        """Sync after episode ``e`` trained, if ``due``, and open the gate for the rollouts that
+        wait for it. Asynchronous, the weights are read now and sent in the background while
+        the next episode trains (one sync at a time), unless an eval or checkpoint needs them."""
+        await self._settle_sync()
+        cfg = self.config
+        background = self._background is not None and not (
+            cfg.eval_every and (e + 1) % cfg.eval_every == 0) and not self._ckpt.due(e + 1)
+        if not due or not background:
+            if due:
+                await self._sync(live)
+            self._gate.set(e + 1)
+            return
+        snapshots = await self._snapshots(live)
+        self._synced = anyio.Event()
+        assert self._background is not None
+        self._background.start_soon(self._push, live, snapshots, e, self._synced)
+
+    async def _push(self, live: Live, snapshots: list[tuple[str, Any]], e: int, done: anyio.Event) -> None:
+        started = time.time()
+        for name, weights in snapshots:
+            await self._send(live, name, train_version(e + 1, self.config.sync_every), weights)
+        self._gate.set(e + 1)
+        done.set()
+        self.timeline.add(ENGINE, 2, "sync", started, time.time(), episode=e)  # in the background: a lane of its own
+
+    async def _settle_sync(self) -> None:
+        if self._synced is not None:
+            await self._synced.wait()
+            self._synced = None
+
+    def _bounded(self, samples: list[Sample], train: list[Sample], versions: dict[str, int]) -> list[Sample]:
         """``train`` with each sample's staleness per synced model (``<model>_staleness``), after
         checking that the episode's own samples are within the bound."""
         bound = self.config.max_staleness
-        over = too_stale(samples, self._versions, bound)
+        over = too_stale(samples, versions, bound)
         if over:
             s = samples[over[0]]
             raise FlowError(
-                f"internal: sample {s.id} of episode {self._episode} is {lags(s, self._versions)} versions behind, "
+                f"internal: sample {s.id} of episode {self._episode} is {lags(s, versions)} versions behind, "
                 f"over RunConfig.max_staleness={bound}"
             )
         out = []
         for s in train:
             fields = dict(s)
-            for model, lag in lags(s, self._versions).items():
+            for model, lag in lags(s, versions).items():
                 if staleness_field(model) in fields:
                     raise FlowDefinitionError(f"sample {s.id} has a field {staleness_field(model)!r}: that name is reserved for "
                                     "the staleness the engine adds in asynchronous training")

@@ -74,7 +74,7 @@ class Elastic:
                 sizes = msgspec.json.decode(raw, type=dict[str, int])
                 done = {name: await self.aresize(name, n) for name, n in sizes.items()}
             except (FlowError, msgspec.DecodeError, msgspec.ValidationError) as err:
-                log.warning("resize request %s failed: %s", sizes if "sizes" in locals() else raw, err)
+                log.warning("resize request %r failed: %s", raw.decode(errors="replace"), err)
                 (folder / FAILED).write_text(f"{type(err).__name__}: {err}\n")
                 continue
             (folder / DONE).write_bytes(msgspec.json.encode({"requested": sizes, "changed": done}))

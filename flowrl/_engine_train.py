@@ -58,19 +58,29 @@ class Training:
                 out.append(results)
 
     async def _sync(self, live: Live) -> None:
+        for name, weights in await self._snapshots(live):
+            await self._send(live, name, self._versions[name] + 1, weights)
+
+    async def _snapshots(self, live: Live) -> list[tuple[str, Any]]:
+        """Each trainer's weights now (stored: later steps do not change them), per target."""
+        out = []
         for trainer, target in self.sync_pairs:
-            weights = await live.backend.get_weights(live.trainers[trainer.name][0])
+            out.append((target.name, await live.backend.get_weights(live.trainers[trainer.name][0])))
             # a rebuild back to a checkpoint before this first sync needs the weights it replaces
             if self._folder is not None and self._versions[target.name] == 0 and target.name not in self._initial:
                 self._initial[target.name] = await self._snapshot(live, target.name)
-            await self._send(live, target.name, self._versions[target.name] + 1, weights)
+        return out
 
     async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
         # Every replica loads between two of its shards (one worker thread per replica), and
         # the version counts only once all hold it: the staleness gate reads it.
-        async with live.members, anyio.create_task_group() as tg:  # no replica joins or leaves meanwhile
-            for handle in live.replicas_of(name):
-                tg.start_soon(live.backend.load_weights, handle, version, weights)
+        try:
+            async with live.members, anyio.create_task_group() as tg:  # no replica joins or leaves meanwhile
+                for handle in live.replicas_of(name):
+                    tg.start_soon(live.backend.load_weights, handle, version, weights)
+        except BaseException:
+            self._versions[name] = -1  # some replicas may hold it, some not: a restore sends again
+            raise
         self._versions[name] = version
         self._sent[name] = weights
 

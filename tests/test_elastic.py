@@ -13,7 +13,7 @@ import pytest
 
 import flowrl
 from flowrl._autoscale import AutoscalePolicy, Reading
-from flowrl._engine_elastic import DONE, request_scale
+from flowrl._engine_elastic import DONE, FAILED, request_scale
 from flowrl._scheduler import PoolScheduler
 from flowrl.testing import Scale, flowrl_actor_names
 
@@ -269,11 +269,16 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
                 with anyio.fail_after(20):
                     while not (tmp_path / DONE).exists():
                         await anyio.sleep(0.05)
+                request_scale(tmp_path, {"nope": 2})  # a mistake is written back, the engine goes on
+                with anyio.fail_after(20):
+                    while not (tmp_path / FAILED).exists():
+                        await anyio.sleep(0.05)
                 tg.cancel_scope.cancel()
             return engine._live.rollout.serving("policy")
 
     assert anyio.run(main) == [0, 1, 2]
     assert b'"changed":{"policy":[2]}' in (tmp_path / DONE).read_bytes()
+    assert "ConfigError: no model 'nope' in this pipeline" in (tmp_path / FAILED).read_text()
     with pytest.raises(flowrl.ConfigError, match="not a folder"):
         request_scale(tmp_path / "missing", {"policy": 2})
 
