@@ -11,7 +11,7 @@ import pytest
 import flowrl
 from flowrl._sampler import EpisodeSampler
 from flowrl._staleness import histogram, lags, rollout_needs, too_stale, train_version
-from flowrl.testing import flowrl_actor_names
+from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 from _resume_models import make_engine, trained
 
@@ -186,3 +186,40 @@ def test_a_field_named_like_the_staleness_column_is_refused():
     engine.set_dataset([{"idx": i, "prompt": np.zeros(4, dtype=np.float32)} for i in range(8)])
     with pytest.raises(flowrl.FlowDefinitionError, match="has a field 'policy_staleness': that name is reserved"):
         engine.learn()
+
+
+class SeenTrainer(CountingTrainer):
+    """Reports, per sample, each synced model's version and the staleness the engine added."""
+
+    def train_step(self, batch, iteration):
+        import time
+
+        time.sleep(0.1)  # a trainer that takes time, so rollouts run ahead
+        out = super().train_step(batch, iteration)
+        for model in ("policy", "value"):
+            out[model] = list(zip(np.asarray(batch[f"{model}_version"]).tolist(),
+                                  np.asarray(batch[f"{model}_staleness"]).tolist()))
+        return out
+
+
+def test_every_synced_model_carries_its_own_version_and_each_is_bounded(ray_cluster):
+    cpu = {"cpus_per_replica": 0.1}
+    models = (
+        Scale("policy", {"num_replicas": 2, "batch_size": 4, **cpu}, srcs=["query"], dst="policy_out", sleep_s=0.01),
+        Scale("reference", {"num_replicas": 2, "batch_size": 2, **cpu}, srcs=["policy_out"], dst="ref_out"),
+        Scale("reward", {"num_replicas": 2, "batch_size": 2, **cpu}, srcs=["ref_out", "value_out"], dst="reward_out"),
+        Scale("value", {"num_replicas": 2, "batch_size": 2, **cpu}, srcs=["policy_out"], dst="value_out"),
+        SeenTrainer("ppo_policy", {"num_replicas": 1, **cpu}),
+        SeenTrainer("ppo_value", {"num_replicas": 1, **cpu}),
+    )
+    engine = flowrl.RLHFEngine(*models, {"sample_per_episode": 8, "num_episode": 5, "max_staleness": 1,
+                                         "progress": "off"})
+    engine.set_dataset([{"query": np.full(2, float(i))} for i in range(40)])
+    stats = engine.learn()
+    for e, episode in enumerate(engine.train_results):
+        for model in ("policy", "value"):
+            pairs = [p for step in episode["ppo_policy"] for r in step for p in r[model]]
+            assert len(pairs) == 8 and all(lag == e - version <= 1 for version, lag in pairs), (e, model, pairs)
+    assert set(stats.episodes[-1].staleness) == {"policy", "value"}
+    assert any(1 in lags for e in stats.episodes for lags in e.staleness.values())  # the overlap happened
+    assert flowrl_actor_names() == []
