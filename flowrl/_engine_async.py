@@ -151,7 +151,8 @@ class Overlap:
         if not stale:
             return
         if cfg.on_stale == "drop":
-            rollout.samples = [s for i, s in enumerate(rollout.samples) if i not in set(stale)]
+            gone = set(stale)
+            rollout.samples = [s for i, s in enumerate(rollout.samples) if i not in gone]
             rollout.dropped = len(stale)
             return
         await self._gate.reach(rollout_needs(e, max_staleness=cfg.max_staleness, sync_every=cfg.sync_every))
