@@ -21,8 +21,10 @@ from ppo_tiny import CLIP, KL_COEF, VOCAB, Policy, Reference, Reward, Trainer, l
 
 
 class GRPOPolicy(Trainer):
-    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
-        new = logprobs(self.module, torch.as_tensor(mb["prompt"]).long(), mb["response"])
+    fields = ("prompt", "response", "old_logprobs", "ref_logprobs", "advantage")
+
+    def loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        new = logprobs(self.module, mb["prompt"].long(), mb["response"])
         ratio = torch.exp(new - mb["old_logprobs"])
         adv = mb["advantage"][:, None]
         clipped = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)

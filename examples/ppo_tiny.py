@@ -9,7 +9,7 @@ for the KL penalty), reward (scores responses), value (a value head), ppo_policy
 ppo_value (trainers with clipped objectives and GAE). Weights flow ppo_policy -> policy and
 ppo_value -> value after every episode.
 
-    python examples/ppo_tiny.py                  # Ray backend, prints the reward curve
+    python examples/ppo_tiny.py                  # Ray backend, prints the reward curve; a GPU is used if present
     python examples/ppo_tiny.py --episodes 40 --plot reward.png   # pip install matplotlib first
 """
 
@@ -65,41 +65,47 @@ def logprobs(model: nn.Module, prompt: torch.Tensor, response: torch.Tensor) -> 
     return torch.log_softmax(logits, -1).gather(-1, response[..., None]).squeeze(-1)
 
 
+def on(device: torch.device, batch: flowrl.Batch | dict[str, Any], *fields: str) -> list[torch.Tensor]:
+    """``fields`` of ``batch`` as tensors on ``device`` (the GPU when the replica holds one)."""
+    return [torch.as_tensor(batch[f]).to(device) for f in fields]
+
+
 class Policy(flowrl.Model):
     def setup(self) -> None:
         self.module = build(TinyLM).to(self.device).eval()
-        self.generator = torch.Generator().manual_seed(SEED + 1 + self.replica_id)
+        self.generator = torch.Generator(self.device).manual_seed(SEED + 1 + self.replica_id)
 
     @torch.no_grad()
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        prompt = torch.as_tensor(batch["prompt"]).long()
+        (prompt,) = on(self.device, batch, "prompt")
+        prompt = prompt.long()
         tokens = [prompt]
         for t in range(LENGTH):  # sampling with a running prefix (the KV cache of a real LM)
             step = torch.stack(tokens[-1:], 1)
             logits = self.module.head(self.module.token(step[:, -1]) + self.module.position.weight[t])
             tokens.append(torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator).squeeze(1))
         response = torch.stack(tokens[1:], 1)
-        return {"response": response, "old_logprobs": logprobs(self.module, prompt, response)}
+        return {"response": response.cpu(), "old_logprobs": logprobs(self.module, prompt, response).cpu()}
 
 
 class Reference(flowrl.Model):
     def setup(self) -> None:
-        self.module = build(TinyLM).eval()
+        self.module = build(TinyLM).to(self.device).eval()
 
     @torch.no_grad()
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        prompt, response = torch.as_tensor(batch["prompt"]).long(), batch["response"]
-        return {"ref_logprobs": logprobs(self.module, prompt, response)}
+        prompt, response = on(self.device, batch, "prompt", "response")
+        return {"ref_logprobs": logprobs(self.module, prompt.long(), response).cpu()}
 
 
 class Value(flowrl.Model):
     def setup(self) -> None:
-        self.module = build(ValueHead).eval()
+        self.module = build(ValueHead).to(self.device).eval()
 
     @torch.no_grad()
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        prompt, response = torch.as_tensor(batch["prompt"]).long(), batch["response"]
-        return {"values": self.module(previous_tokens(prompt, response))}
+        prompt, response = on(self.device, batch, "prompt", "response")
+        return {"values": self.module(previous_tokens(prompt.long(), response)).cpu()}
 
 
 class Reward(flowrl.Model):
@@ -111,15 +117,15 @@ class Reward(flowrl.Model):
         return {"score": (response == target).float().mean(1)}
 
 
-def advantages(batch: flowrl.Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the response tokens; per-token KL penalty, the score at the last token."""
     rewards = -KL_COEF * (batch["old_logprobs"] - batch["ref_logprobs"])
     rewards[:, -1] += batch["score"]
     values = batch["values"]
     adv = torch.zeros_like(rewards)
-    running = torch.zeros(len(batch))
+    running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(LENGTH)):
-        following = values[:, t + 1] if t + 1 < LENGTH else torch.zeros(len(batch))
+        following = values[:, t + 1] if t + 1 < LENGTH else torch.zeros_like(running)
         delta = rewards[:, t] + GAMMA * following - values[:, t]
         running = delta + GAMMA * LAMBDA * running
         adv[:, t] = running
@@ -131,12 +137,13 @@ class Trainer(flowrl.Model):
     micro-batch's tokens), divided by the global batch: exact whatever the shard sizes."""
 
     net: type[nn.Module] = TinyLM
+    fields = ("prompt", "response", "old_logprobs", "ref_logprobs", "values", "score")  # what a loss reads
 
     def setup(self) -> None:
-        self.module = build(self.net)
+        self.module = build(self.net).to(self.device)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=1e-2)
 
-    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+    def loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
     def step(self, batch: flowrl.Batch) -> float:
@@ -144,7 +151,7 @@ class Trainer(flowrl.Model):
         self.optimizer.zero_grad()
         total = 0.0
         for mb in self.micro_batches(batch):
-            loss = self.loss(mb)
+            loss = self.loss(dict(zip(self.fields, on(self.device, mb, *self.fields))))
             (loss / (self.global_batch_size * LENGTH)).backward()
             total += float(loss.detach())
         self.all_reduce_grads(self.module)
@@ -157,9 +164,9 @@ def mean_score(batch: flowrl.Batch) -> float:
 
 
 class PPOPolicy(Trainer):
-    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+    def loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         adv, _ = advantages(mb)  # not whitened per micro-batch: that would tie the gradient to the split
-        ratio = torch.exp(logprobs(self.module, torch.as_tensor(mb["prompt"]).long(), mb["response"]) - mb["old_logprobs"])
+        ratio = torch.exp(logprobs(self.module, mb["prompt"].long(), mb["response"]) - mb["old_logprobs"])
         return -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).sum()
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
@@ -169,17 +176,24 @@ class PPOPolicy(Trainer):
 class PPOValue(Trainer):
     net = ValueHead
 
-    def loss(self, mb: flowrl.Batch) -> torch.Tensor:
+    def loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         _, returns = advantages(mb)
-        values = self.module(previous_tokens(torch.as_tensor(mb["prompt"]).long(), mb["response"]))
+        values = self.module(previous_tokens(mb["prompt"].long(), mb["response"]))
         return 0.5 * ((values - returns) ** 2).sum()
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
         return {"value_loss": self.step(batch)}
 
 
+def on_gpu(backend: str) -> bool:
+    """A CUDA GPU here, and replicas that can hold it (Ray): every model but the reward then
+    takes a tenth of it and computes there (``self.device`` is cuda)."""
+    return backend == "ray" and torch.cuda.is_available()
+
+
 def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> flowrl.RLHFEngine:
     cpu = {"cpus_per_replica": 0.25}
+    gpu = {**cpu, "gpus_per_replica": 0.1} if on_gpu(backend) else cpu
     config = flowrl.RunConfig(
         sample_per_episode=64,
         num_episode=episodes,
@@ -190,12 +204,12 @@ def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> 
         pipeline=flowrl.PipelineConfig(backend=backend),
     )
     engine = flowrl.RLHFEngine(
-        Policy("policy", {"num_replicas": 2, "batch_size": 16, **cpu}),
-        Reference("reference", {"num_replicas": 1, "batch_size": 32, **cpu}),
+        Policy("policy", {"num_replicas": 2, "batch_size": 16, **gpu}),
+        Reference("reference", {"num_replicas": 1, "batch_size": 32, **gpu}),
         Reward("reward", {"num_replicas": 2, "batch_size": 16, **cpu}),
-        Value("value", {"num_replicas": 1, "batch_size": 32, **cpu}),
-        PPOPolicy("ppo_policy", {"num_replicas": trainer_ranks, **cpu}),
-        PPOValue("ppo_value", {"num_replicas": 1, **cpu}),
+        Value("value", {"num_replicas": 1, "batch_size": 32, **gpu}),
+        PPOPolicy("ppo_policy", {"num_replicas": trainer_ranks, **gpu}),
+        PPOValue("ppo_value", {"num_replicas": 1, **gpu}),
         config,
     )
     engine.set_dataset(dataset())
@@ -226,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="ray")
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
-    ranks = 2 if args.backend == "ray" else 1
+    # NCCL takes one rank per GPU, and fractional replicas share GPU 0: one trainer rank on GPUs
+    ranks = 2 if args.backend == "ray" and not on_gpu(args.backend) else 1
+    if on_gpu(args.backend):
+        print(f"on {torch.cuda.get_device_name(0)}: policy, reference, value and trainers compute on cuda")
     stats = make_engine(args.episodes, args.backend, ranks).learn()
     curve = reward_curve(stats)
     first, last = print_curve(curve)
