@@ -196,7 +196,8 @@ class ElasticMixin:
         now = time.perf_counter()
         out = {}
         for name in models:
-            open_s = sum(now - since for (m, _), since in self._hungry.items() if m == name)
+            retired = self._pools[name].scheduler.retired  # a dead replica is not starved
+            open_s = sum(now - since for (m, r), since in self._hungry.items() if m == name and r not in retired)
             out[name] = (now, self._recorder.starved_s(name) + open_s)
         return out
 
