@@ -252,27 +252,49 @@ def main() -> None:
         stats = engine.learn()
         stop.set()
     wall = time.perf_counter() - started
-    report(stats, args, params, util, wall, on_gpu)
+    report(stats, args, params, util, wall, on_gpu, busy_fractions(engine.spans()))
+
+
+def covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] inside at least one of ``intervals``."""
+    total, end = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def busy_fractions(spans: list[Any]) -> dict[str, float]:
+    """Per phase (episodes 1..): the median share of its time in which some model ran a step.
+    Every step here ends by synchronising the GPU, so that is the time the GPU had work."""
+    steps = [(s.start, s.end) for s in spans if s.group not in ("engine", "autoscale")]
+    out: dict[str, list[float]] = {}
+    for s in spans:
+        if s.group == "engine" and s.args.get("episode", 0) >= 1 and s.end > s.start:
+            out.setdefault(s.name, []).append(covered(steps, s.start, s.end) / (s.end - s.start))
+    return {phase: statistics.median(v) for phase, v in out.items()}
 
 
 def report(stats: flowrl.EngineStats, args: argparse.Namespace, params: int, util: list[float], wall: float,
-           on_gpu: bool) -> None:
+           on_gpu: bool, busy: dict[str, float]) -> None:
     eps = stats.episodes[1:] or stats.episodes  # the first episode warms up (CUDA kernels, allocator)
     med = lambda xs: statistics.median(xs) if xs else math.nan  # noqa: E731
     rollout, train, sync = (med([getattr(e, f"{k}_s") for e in eps]) for k in ("rollout", "train", "sync"))
     tokens = args.samples * args.tokens
-    rows = [("rollout (all four inference models)", rollout, args.samples / rollout, tokens / rollout),
-            ("train (both PPO trainers)", train, args.samples / train, tokens / train),
-            ("weight sync (both)", sync, math.nan, math.nan)]
-    busy = {s.model: s.busy_s for s in stats.rollout.stages.values()}
+    rows = [("rollout (all four inference models)", rollout, args.samples / rollout, tokens / rollout,
+             busy.get("rollout", math.nan)),
+            ("train (both PPO trainers)", train, args.samples / train, tokens / train, busy.get("train", math.nan)),
+            ("weight sync (both)", sync, math.nan, math.nan, busy.get("sync", math.nan))]
+    per_model = {s.model: s.busy_s for s in stats.rollout.stages.values()}
     print(f"\n{params / 1e6:.0f}M parameters per model, {args.samples} samples x {args.tokens} tokens, "
           f"{len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; medians of episodes 1..")
-    print("| phase | s | samples/s | tokens/s |\n| --- | --- | --- | --- |")
-    for name, s, sps, tps in rows:
-        print(f"| {name} | {s:.2f} | {sps:.1f} | {tps:.0f} |")
+    print("| phase | s | samples/s | tokens/s | GPU busy |\n| --- | --- | --- | --- | --- |")
+    for name, s, sps, tps, frac in rows:
+        print(f"| {name} | {s:.2f} | {sps:.1f} | {tps:.0f} | {frac:.0%} |")
     print("\n| model | busy s (all episodes) | busy / rollout time |\n| --- | --- | --- |")
     total_rollout = sum(e.rollout_s for e in stats.episodes)
-    for model, b in busy.items():
+    for model, b in per_model.items():
         print(f"| {model} | {b:.2f} | {b / total_rollout:.2f} |")
     for name, t in stats.trainers.items():
         print(f"| {name} (train) | {sum(r.busy_s for r in t.ranks):.2f} | |")
@@ -284,7 +306,7 @@ def report(stats: flowrl.EngineStats, args: argparse.Namespace, params: int, uti
         with open(args.out, "w") as f:
             json.dump({"params": params, "episodes": [{k: getattr(e, k) for k in ("episode", "rollout_s", "train_s",
                                                                               "sync_s")} for e in stats.episodes],
-                       "busy": busy, "util": util, "wall": wall}, f, indent=1)
+                       "busy": per_model, "phase_busy": busy, "util": util, "wall": wall}, f, indent=1)
 
 
 if __name__ == "__main__":
