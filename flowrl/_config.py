@@ -11,6 +11,7 @@ from ._errors import ConfigError
 
 SplitterName = Literal["guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
+WeightTransport = Literal["host", "cuda_ipc"]
 
 
 def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
@@ -82,6 +83,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
     behind another on its replica waits for it too); a later reply fails the run.
     ``autoscale``: grow and shrink the pool from its measured queue and starvation.
+    ``weight_transport`` (trainers): ``"host"`` sends weights as numpy arrays through Ray's
+    object store; ``"cuda_ipc"`` sends handles to a GPU snapshot, which replicas on the same
+    GPU copy on the GPU (colocated models; weights that are not CUDA tensors go by host).
     """
 
     num_replicas: int | None = None
@@ -95,9 +99,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     prefetch: int = 2
     call_timeout_s: float | None = None
     autoscale: Autoscale | None = None
+    weight_transport: WeightTransport = "host"
 
     def __post_init__(self) -> None:
         _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
+        _one_of("ModelConfig", "weight_transport", self.weight_transport, WeightTransport)
         _check_types(self)
         _positive(
             "ModelConfig",

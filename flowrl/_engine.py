@@ -128,6 +128,13 @@ class Engine(Training, Overlap, Elastic, Resumable):
                     f"sync pair ({trainer.name!r} -> {target.name!r}): the first must be a trainer and the "
                     "second a model of the rollout flow"
                 )
+        ipc = [t.name for t, _ in self.sync_pairs if t.config.weight_transport == "cuda_ipc"]
+        if ipc and cfg.checkpoint_every and cfg.sync_every > 1:
+            raise ConfigError(
+                f"trainer(s) {ipc} send weights by CUDA IPC, which a checkpoint between two syncs cannot save "
+                f"(RunConfig.sync_every={cfg.sync_every} with checkpoint_every={cfg.checkpoint_every}); set "
+                "sync_every=1 or weight_transport='host'"
+            )
         if cfg.eval_every and self.eval_graph is None:
             raise ConfigError(f"RunConfig.eval_every={cfg.eval_every} but the engine has no eval_flow")
         unknown = sorted({n for g in cfg.colocation for n in g} - models.keys())

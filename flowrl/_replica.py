@@ -18,6 +18,7 @@ import numpy as np
 from ._batch import Batch, approx_nbytes, column_length
 from ._config import CallMeta, ShardCall
 from ._checkpoint import decode_state, encode_state, rng_state, set_rng_state
+from ._cuda_share import CudaShare, is_cuda_tensor
 from ._errors import CheckpointError, FlowError, OutputError, StageError
 from ._model import Model, step_info, step_target
 
@@ -139,12 +140,17 @@ class ReplicaRuntime:
     def get_weights(self) -> dict[str, Any]:
         return weights_of(self.model, self.replica_id)
 
-    def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
+    def load_weights(self, version: int, weights: Mapping[str, Any] | CudaShare) -> None:
         """New weights from a trainer; runs between shards (the replica runs one call at a time)."""
+        where = f"{self.model.name}.set_weights"
         try:
-            self.model.set_weights(to_tensors(weights))
+            if isinstance(weights, CudaShare):
+                tensors = weights.open(self.model.device, f"replica {self.replica_id} of {self.model.name!r}")
+            else:
+                tensors = to_tensors(weights)
+            self.model.set_weights(tensors)
         except Exception as err:
-            raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.set_weights", self.replica_id, []) from err
+            raise StageError(f"{type(err).__name__}: {err}", where, self.replica_id, []) from err
         self.model.weight_version = version
 
 
@@ -217,8 +223,17 @@ class TrainerRuntime:
             )
         return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch), "_started": started}
 
-    def get_weights(self) -> dict[str, Any]:
-        return weights_of(self.model, self.model.rank)
+    def get_weights(self) -> dict[str, Any] | CudaShare:
+        m = self.model
+        if m.config.weight_transport == "cuda_ipc":
+            try:
+                weights = m.get_weights()
+            except Exception as err:
+                raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
+            if weights and all(is_cuda_tensor(v) for v in weights.values()):
+                self._shared = CudaShare(weights)  # kept alive until the next sync replaces it
+                return self._shared
+        return weights_of(m, m.rank)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
         """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""

@@ -286,3 +286,18 @@ def test_uneven_shards_give_the_same_weights_as_one_rank(ray_cluster, gbs, micro
     assert len(one) == len(three) == 2 * -(-12 // gbs)
     assert np.allclose(one, three, atol=1e-6), (one, three)
     assert abs(one[-1] - 2.0) < abs(one[0] - 2.0)  # it learns
+
+
+def test_cuda_ipc_weights_from_a_cpu_trainer_travel_by_host_and_checkpoints_between_syncs_are_refused(tmp_path):
+    from _resume_models import make_engine
+
+    ipc = {"learner": {"num_replicas": 1, "weight_transport": "cuda_ipc"}}
+    engine, _ = make_engine(pipeline={"backend": "inprocess"}, policy_replicas=1, ranks=1, models=ipc, sync_every=1,
+                            max_relay_episode=0, num_episode=3)
+    stats = engine.learn()  # its weights are CPU tensors: they go as numpy, as with "host"
+    assert [e.weight_versions for e in stats.episodes] == [{"policy": 1}, {"policy": 2}, {"policy": 3}]
+    assert all(e.staleness == {"policy": {0: 8}} for e in stats.episodes)
+    with pytest.raises(flowrl.ConfigError, match=r"\['learner'\] send weights by CUDA IPC, which a checkpoint between"):
+        make_engine(models=ipc, sync_every=2, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    with pytest.raises(flowrl.ConfigError, match="weight_transport must be one of"):
+        flowrl.ModelConfig(weight_transport="nccl")

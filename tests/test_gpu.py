@@ -1,5 +1,5 @@
 """On a real CUDA GPU (marked ``gpu``, skipped without one): models placed on cuda, tensors
-through the object store between actors on one GPU, weight sync trainer -> policy on the GPU,
+through the object store between actors on one GPU, weight sync trainer -> policy on the GPU (through host memory, and by CUDA IPC),
 and all six PPO models colocated on one GPU with fractional GPU resources.
 
     python -m pytest -q -m gpu tests/test_gpu.py        # benchmarks/gpu/run.sh runs it
@@ -108,9 +108,10 @@ class Trainer(flowrl.Model):
         return {"w_sum": float(self.module.weight.detach().sum()), "device": str(self.module.weight.device)}
 
 
-def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_cluster):
+@pytest.mark.parametrize("transport", ["host", "cuda_ipc"])
+def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_cluster, transport):
     policy = Policy("policy", gpu(0.25, num_replicas=2, batch_size=4))
-    trainer = Trainer("trainer", gpu(0.25))
+    trainer = Trainer("trainer", gpu(0.25, weight_transport=transport))
     engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
                            config={"sample_per_episode": 8, "num_episode": 3, "progress": "off"})
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])

@@ -220,6 +220,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--policy-replicas", type=int, default=2)
     parser.add_argument("--policy-batch", type=int, default=32, help="the policy's shard size (generation batch)")
+    parser.add_argument("--weight-transport", choices=["host", "cuda_ipc"], default="host",
+                        help="how the trainers' weights reach the policy and value replicas")
     parser.add_argument("--tiny", action="store_true", help="small models on the CPU, in one process (a check)")
     parser.add_argument("--out", help="write the figures here (JSON)")
     args = parser.parse_args()
@@ -231,7 +233,8 @@ def main() -> None:
     def cfg(name: str) -> dict[str, Any]:  # on a GPU, each model's replicas hold one GPU together
         n = replicas.get(name, 1)
         gpu = {"gpus_per_replica": 1 / n, "cpus_per_replica": 1} if on_gpu else {"cpus_per_replica": 0.5}
-        return {"num_replicas": n, "batch_size": args.policy_batch if name == "policy" else 64, **gpu}
+        sync = {"weight_transport": args.weight_transport} if name.startswith("ppo") else {}
+        return {"num_replicas": n, "batch_size": args.policy_batch if name == "policy" else 64, **gpu, **sync}
 
     models = [cls(n, cfg(n), size=size, tokens=args.tokens)
               for cls, n in zip((Policy, Reference, Reward, Value, PPO, PPOValue), names)]
@@ -289,7 +292,7 @@ def report(stats: flowrl.EngineStats, args: argparse.Namespace, params: int, uti
             ("weight sync (both)", sync, math.nan, math.nan, busy.get("sync", math.nan))]
     per_model = {s.model: s.busy_s for s in stats.rollout.stages.values()}
     print(f"\n{params / 1e6:.0f}M parameters per model, {args.samples} samples x {args.tokens} tokens, "
-          f"policy shards of {args.policy_batch}, "
+          f"policy shards of {args.policy_batch}, weights by {args.weight_transport}, "
           f"{len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; medians of episodes 1..")
     print("| phase | s | samples/s | tokens/s | GPU busy |\n| --- | --- | --- | --- | --- |")
     for name, s, sps, tps, frac in rows:
