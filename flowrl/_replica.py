@@ -231,8 +231,10 @@ class TrainerRuntime:
             except Exception as err:
                 raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
             if weights and all(is_cuda_tensor(v) for v in weights.values()):
-                self._shared = CudaShare(weights)  # kept alive until the next sync replaces it
-                return self._shared
+                # kept alive for two syncs: a replica joining while the next is read still
+                # receives the one before
+                self._shared = (getattr(self, "_shared", (None, None))[1], CudaShare(weights))
+                return self._shared[1]
         return weights_of(m, m.rank)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
