@@ -127,15 +127,14 @@ def test_replicas_added_and_removed_mid_run_keep_accounting_exact(ray_cluster, b
                 if len(got) == 40:
                     assert await pipe.add_replicas("m", 2) == [2, 3]
                 if len(got) == 200:
-                    before = counts(pipe)
                     removed = await pipe.remove_replicas("m", 3)
                     assert len(removed) == 3 and pipe.busy()["m"][1] == 1
                     after_removal = counts(pipe)
                     if backend == "ray":
                         assert len(flowrl_actor_names()) == 1  # their actors are gone
-            return got, before, after_removal, removed, pipe.stats(), list(pipe.scale_events)
+            return got, after_removal, removed, pipe.stats(), list(pipe.scale_events)
 
-    got, before, after_removal, removed, stats, events = anyio.run(main)
+    got, after_removal, removed, stats, events = anyio.run(main)
     assert [s.id for s in got] == list(range(n)) and [float(s["y"][0]) for s in got] == [float(i) for i in range(n)]
     stage = stats.stages[STAGE]
     assert stage.samples == n and stage.retried == 0  # each sample once, none sent again
@@ -146,7 +145,6 @@ def test_replicas_added_and_removed_mid_run_keep_accounting_exact(ray_cluster, b
     assert Counter(s["m_replica"] for s in got) == Counter(per)
     assert [(e.action, e.before, e.after) for e in events] == [("grow", 2, 4), ("shrink", 4, 1)]
     assert flowrl_actor_names() == []
-    del before
 
 
 class Slow(Scale):
