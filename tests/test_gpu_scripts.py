@@ -1,0 +1,60 @@
+"""The GPU benchmark scripts (benchmarks/gpu) still run, checked on the CPU with their tiny
+models before GPU time is spent on them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+@pytest.fixture
+def gpt(monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU))
+    import gpt
+
+    return gpt
+
+
+def test_a_shard_generates_until_its_longest_response_ends_and_pads_after_each_end(gpt):
+    policy = gpt.Policy("policy", {"batch_size": 4}, size=gpt.SIZES["tiny"], tokens=8)
+    policy.setup()
+    items = gpt.prompts(3, 8, "eos")
+    lengths = [2, 5, 3]
+    batch = gpt.flowrl.Batch([0, 1, 2], {"prompt": torch.stack([i["prompt"] for i in items]),
+                                         "length": torch.tensor(lengths)})
+    out = policy.forward_step(batch, 0)
+    seq = out["seq"]
+    assert seq.shape == (3, gpt.PROMPT + 8) and out["old_logprobs"].shape == (3, 8)
+    assert torch.equal(seq[:, : gpt.PROMPT], batch["prompt"])
+    for row, n in zip(seq, lengths):
+        assert torch.all(row[gpt.PROMPT + n:] == 0)  # padding after the response's end
+
+
+def test_eos_lengths_have_a_long_tail_capped_at_the_token_budget(gpt):
+    lengths = [p["length"] for p in gpt.prompts(512, 128, "eos")]
+    assert min(lengths) >= 1 and max(lengths) == 128
+    assert 20 <= sorted(lengths)[256] <= 48  # median near a quarter of the budget
+    assert all(p["length"] == 128 for p in gpt.prompts(8, 128, "full"))
+
+
+def test_scaled_run_reports_every_phase_and_model(gpt, tmp_path):
+    out = tmp_path / "scaled.json"
+    subprocess.run([sys.executable, str(GPU / "scaled.py"), "--tiny", "--episodes", "2", "--samples", "16",
+                    "--tokens", "8", "--lengths", "eos", "--out", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    figures = json.loads(out.read_text())
+    rows = set(figures["phases"])
+    assert {"rollout", "train", "sync"} <= rows
+    assert {f"rollout: {m}" for m in ("policy", "reference", "value", "reward")} <= rows
+    assert {"train: ppo_policy", "train: ppo_value"} <= rows
+    assert figures["tokens"] == sum(p["length"] for p in gpt.prompts(16, 8, "eos"))
+    assert [e["episode"] for e in figures["episodes"]] == [0, 1]
+
