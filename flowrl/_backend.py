@@ -10,6 +10,7 @@ from ._batch import Batch
 from ._config import CallMeta, PipelineConfig, ShardCall
 from ._errors import ClusterError
 from ._model import Model
+from ._weight_share import Group
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,14 @@ class Backend(Protocol):
         ...
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
+        ...
+
+    async def serve_weights(self, rank: ReplicaHandle, world: int, backend: str, timeout_s: float) -> Group:
+        """A new weight-broadcast group of ``world`` ranks, served by trainer ``rank`` (rank 0)."""
+        ...
+
+    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int) -> None:
+        """Trainer ``rank`` broadcasts its weight ``snapshot`` to ``group``."""
         ...
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:

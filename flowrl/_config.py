@@ -11,7 +11,7 @@ from ._errors import ConfigError
 
 SplitterName = Literal["guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
-WeightTransport = Literal["host", "cuda_ipc"]
+WeightTransport = Literal["host", "cuda_ipc", "nccl"]
 
 
 def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
@@ -85,7 +85,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``autoscale``: grow and shrink the pool from its measured queue and starvation.
     ``weight_transport`` (trainers): ``"host"`` sends weights as numpy arrays through Ray's
     object store; ``"cuda_ipc"`` sends handles to a GPU snapshot, which replicas on the same
-    GPU copy on the GPU (colocated models; weights that are not CUDA tensors go by host).
+    GPU copy on the GPU (colocated models; weights that are not CUDA tensors go by host);
+    ``"nccl"`` broadcasts a snapshot from rank 0 to the replicas in a process group of their own
+    (NCCL for CUDA weights, on other GPUs than the trainer's; gloo for CPU weights).
     """
 
     num_replicas: int | None = None

@@ -90,6 +90,7 @@ class Engine(Training, Overlap, Elastic, Resumable):
         self._begun = False  # resumed from a checkpoint, or wrote the first one
         self._restarts = 0
         self._sent: dict[str, Any] = {}  # inference model -> reference to the weights it holds
+        self._groups: dict[str, Any] = {}  # inference model -> its weight-broadcast group (nccl)
         self._initial: dict[str, Any] = {}  # its weights before the first sync
         self._folder: Path | None = None  # the last checkpoint written or resumed from
         self.timeline = Timeline(self.config.pipeline.trace_spans)  # episode phases, trainer steps
@@ -128,11 +129,11 @@ class Engine(Training, Overlap, Elastic, Resumable):
                     f"sync pair ({trainer.name!r} -> {target.name!r}): the first must be a trainer and the "
                     "second a model of the rollout flow"
                 )
-        ipc = [t.name for t, _ in self.sync_pairs if t.config.weight_transport == "cuda_ipc"]
-        if ipc and cfg.checkpoint_every and cfg.sync_every > 1:
+        direct = [t.name for t, _ in self.sync_pairs if t.config.weight_transport != "host"]
+        if direct and cfg.checkpoint_every and cfg.sync_every > 1:
             raise ConfigError(
-                f"trainer(s) {ipc} send weights by CUDA IPC, which a checkpoint between two syncs cannot save "
-                f"(RunConfig.sync_every={cfg.sync_every} with checkpoint_every={cfg.checkpoint_every}); set "
+                f"trainer(s) {direct} send weights by CUDA IPC or NCCL, which a checkpoint between two syncs cannot "
+                f"save (RunConfig.sync_every={cfg.sync_every} with checkpoint_every={cfg.checkpoint_every}); set "
                 "sync_every=1 or weight_transport='host'"
             )
         if cfg.eval_every and self.eval_graph is None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from ._backend import ReplicaHandle
 from ._batch import Batch, Sample
@@ -16,6 +17,7 @@ from ._model import Model
 from ._run_config import RunConfig
 from ._sampler import plan_steps
 from ._trace import Timeline
+from ._weight_share import Broadcast, Group
 
 
 class Training:
@@ -30,6 +32,7 @@ class Training:
     _initial: dict[str, Any]
     _folder: Path | None
     _snapshot: Callable[[Live, str], Awaitable[Any]]  # Resumable's
+    _groups: dict[str, tuple[list[Any], Group]]  # per synced model: its last broadcast group and members
 
     async def _train(self, live: Live, model: Model, batch: Batch, episode: int, out: list[Any]) -> None:
         cfg, ranks = self.config, live.trainers[model.name]
@@ -65,7 +68,11 @@ class Training:
         """Each trainer's weights now (stored: later steps do not change them), per target."""
         out = []
         for trainer, target in self.sync_pairs:
-            out.append((target.name, await live.backend.get_weights(live.trainers[trainer.name][0])))
+            weights = await live.backend.get_weights(live.trainers[trainer.name][0])
+            if trainer.config.weight_transport == "nccl":  # a Broadcast (its layout), except in one process
+                value = await live.backend.value(weights)
+                weights = value if isinstance(value, Broadcast) else weights
+            out.append((target.name, weights))
             # a rebuild back to a checkpoint before this first sync needs the weights it replaces
             if self._folder is not None and self._versions[target.name] == 0 and target.name not in self._initial:
                 self._initial[target.name] = await self._snapshot(live, target.name)
@@ -75,9 +82,8 @@ class Training:
         # Every replica loads between two of its shards (one worker thread per replica), and
         # the version counts only once all hold it: the staleness gate reads it.
         try:
-            async with live.members, anyio.create_task_group() as tg:  # no replica joins or leaves meanwhile
-                for handle in live.replicas_of(name):
-                    tg.start_soon(live.backend.load_weights, handle, version, weights)
+            async with live.members:  # no replica joins or leaves meanwhile
+                await self._deliver(live, name, version, weights, live.replicas_of(name), reuse=True)
         except BaseException:
             self._versions[name] = -1  # some replicas may hold it, some not: a restore sends again
             raise
@@ -87,7 +93,37 @@ class Training:
     async def _join(self, live: Live, handle: ReplicaHandle) -> None:
         """A replica added to a pool while the engine runs gets the weights the others hold."""
         if handle.model in self._sent:  # (called under live.members, like _send)
-            await live.backend.load_weights(handle, self._versions[handle.model], self._sent[handle.model])
+            await self._deliver(live, handle.model, self._versions[handle.model], self._sent[handle.model], [handle])
+
+    async def _deliver(self, live: Live, name: str, version: int, weights: Any, handles: list[ReplicaHandle],
+                       reuse: bool = False) -> None:
+        """``weights`` to each of ``handles``: a reference they read, or (``Broadcast``) a
+        broadcast from the trainer's rank 0 in a process group with them."""
+        async with anyio.create_task_group() as tg:
+            if isinstance(weights, Broadcast):
+                rank0 = live.trainers[next(t.name for t, target in self.sync_pairs if target.name == name)][0]
+                group = await self._group(live, rank0, name, handles, weights.backend, reuse)
+                tg.start_soon(live.backend.send_weights, rank0, group, weights.snapshot)
+                for i, handle in enumerate(handles):
+                    addressed = msgspec.structs.replace(weights, group=group, rank=i + 1)
+                    tg.start_soon(live.backend.load_weights, handle, version, addressed)
+            else:
+                for handle in handles:
+                    tg.start_soon(live.backend.load_weights, handle, version, weights)
+
+    async def _group(self, live: Live, rank0: ReplicaHandle, name: str, handles: list[ReplicaHandle], backend: str,
+                     reuse: bool) -> Group:
+        """The process group of a broadcast: the last one, when the same ranks make it (forming
+        one costs a rendezvous and, with NCCL, a communicator), else a new one."""
+        members = [backend, rank0.ref, *(h.ref for h in handles)]
+        last = self._groups.get(name)
+        if reuse and last is not None and len(last[0]) == len(members) and all(
+                a is b or a == b for a, b in zip(last[0], members)):
+            return last[1]
+        group = await live.backend.serve_weights(rank0, len(handles) + 1, backend, self.config.collective_timeout_s)
+        if reuse:  # a joining replica's own group does not replace the pool's
+            self._groups[name] = members, group
+        return group
 
 
 def batch_of(samples: Sequence[Sample]) -> Batch:

@@ -17,9 +17,10 @@ import anyio.to_thread
 
 from ._batch import Batch
 from ._config import CallMeta, ShardCall
-from ._errors import ConfigError
+from ._errors import ConfigError, FlowError
 from ._replica import ReplicaRuntime, TrainerRuntime
 from ._backend import DEBUG_ENV, ReplicaHandle, ReplicaSpec, debugging
+from ._weight_share import Broadcast, Group
 
 log = logging.getLogger("flowrl")
 
@@ -98,8 +99,11 @@ class InProcessBackend:
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
         runtime = getattr(rank.ref, "runtime", rank.ref)  # a replica's, or a trainer rank's
+        weights = runtime.get_weights()
+        if isinstance(weights, Broadcast):  # one process: the snapshot itself, no broadcast
+            weights = runtime.weight_values(weights.snapshot)
         # a copy: the arrays may be views of the live parameters, which training goes on changing
-        return LocalRef(copy.deepcopy(runtime.get_weights()))  # type: ignore[arg-type]
+        return LocalRef(copy.deepcopy(weights))  # type: ignore[arg-type]
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
         return rank.ref.save_state()
@@ -136,6 +140,13 @@ class InProcessBackend:
         local: _LocalReplica = replica.ref
         async with local.lock:
             local.runtime.load_weights(version, weights.value)
+
+    # one process: get_weights hands over a broadcast's snapshot itself, so none is served
+    async def serve_weights(self, rank: ReplicaHandle, world: int, backend: str, timeout_s: float) -> Group:
+        raise FlowError("internal: an in-process engine sends weights by value, not by broadcast")
+
+    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int) -> None:
+        raise FlowError("internal: an in-process engine sends weights by value, not by broadcast")
 
     async def close(self) -> None:
         self._replicas.clear()

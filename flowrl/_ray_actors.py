@@ -76,7 +76,7 @@ class ReplicaActor:
         return True
 
 
-@ray.remote(concurrency_groups={"control": 1})
+@ray.remote(concurrency_groups={"control": 1, "weights": 1})
 class TrainerActor:
     def __init__(self, model: Model, rank: int, world_size: int) -> None:
         self.runtime = TrainerRuntime(model, rank, world_size)
@@ -98,6 +98,16 @@ class TrainerActor:
         # Stored here, returned by reference: the driver learns of a failure at once, and
         # every receiver reads this one copy.
         return [ray.put(self.runtime.get_weights())]
+
+    # a broadcast waits for each replica's running shard: on a thread of its own, so the next
+    # train steps go on meanwhile (its snapshot is memory of its own)
+    @ray.method(concurrency_group="weights")
+    def serve_weights(self, world: int, backend: str, timeout_s: float) -> Any:
+        return self.runtime.serve_weights(ray.util.get_node_ip_address(), world, backend, timeout_s)
+
+    @ray.method(concurrency_group="weights")
+    def send_weights(self, group: Any, snapshot: int) -> None:
+        self.runtime.send_weights(group, snapshot)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
         return self.runtime.save_state()

@@ -30,6 +30,7 @@ from ._errors import ClusterError, FlowError, InputLostError, ReplicaDiedError, 
 from ._backend import Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 from ._model import Model
 from ._ray_actors import ReplicaActor, TrainerActor
+from ._weight_share import Group
 from ._ray_channel import ERR, ChannelLost, ChannelServer, DriverEnd
 from ._ray_wire import (INLINE_BYTES, Inline, Replies, Reply, by_value, call_args, frame, local, open_stored,
                         raise_remote, unframe)
@@ -254,6 +255,12 @@ class RayBackend:
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
         await _ask(replica, "load_weights", "set_weights", version, weights)
+
+    async def serve_weights(self, rank: ReplicaHandle, world: int, backend: str, timeout_s: float) -> Group:
+        return await _ask(rank, "serve_weights", "weight broadcast", world, backend, timeout_s)
+
+    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int) -> None:
+        await _ask(rank, "send_weights", "weight broadcast", group, snapshot)
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
         return await _ask(rank, "save_state", "checkpoint_state")

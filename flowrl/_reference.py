@@ -32,8 +32,10 @@ MEANING: dict[type, dict[str, str]] = {
                           "queued first); a call still running then fails the run with a `StageError` naming it and "
                           "every replica is stopped (Ray; an in-process call cannot be cut short)",
         "autoscale": "an `Autoscale`: grow and shrink this model's pool while runs go on (below)",
-        "weight_transport": "trainers: `host` (numpy through the object store) or `cuda_ipc` (handles to a GPU "
-                            "snapshot, copied on the GPU by replicas on the same GPU: colocated models)",
+        "weight_transport": "trainers: `host` (numpy through the object store), `cuda_ipc` (handles to a GPU "
+                            "snapshot, copied on the GPU by replicas on the same GPU: colocated models) or `nccl` "
+                            "(a broadcast from rank 0 in a process group with the replicas: replicas on other GPUs; "
+                            "gloo for CPU weights)",
     },
     PipelineConfig: {
         "backend": "`ray`: one Ray actor per replica; `inprocess`: every replica in this process (tests, "

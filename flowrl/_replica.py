@@ -18,9 +18,9 @@ import numpy as np
 from ._batch import Batch, approx_nbytes, column_length
 from ._config import CallMeta, ShardCall
 from ._checkpoint import decode_state, encode_state, rng_state, set_rng_state
-from ._cuda_share import CudaShare, is_cuda_tensor
 from ._errors import CheckpointError, FlowError, OutputError, StageError
 from ._model import Model, step_info, step_target
+from ._weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
 
 Fetch = Callable[[list[Any]], list[Batch]]
 
@@ -140,12 +140,16 @@ class ReplicaRuntime:
     def get_weights(self) -> dict[str, Any]:
         return weights_of(self.model, self.replica_id)
 
-    def load_weights(self, version: int, weights: Mapping[str, Any] | CudaShare) -> None:
+    def load_weights(self, version: int, weights: Mapping[str, Any] | CudaShare | Broadcast) -> None:
         """New weights from a trainer; runs between shards (the replica runs one call at a time)."""
         where = f"{self.model.name}.set_weights"
+        replica = f"replica {self.replica_id} of {self.model.name!r}"
         try:
             if isinstance(weights, CudaShare):
-                tensors = weights.open(self.model.device, f"replica {self.replica_id} of {self.model.name!r}")
+                tensors = weights.open(self.model.device, replica)
+            elif isinstance(weights, Broadcast):
+                self._groups = getattr(self, "_groups", None) or Groups()
+                tensors = weights.receive(self.model.device, self._groups, replica)
             else:
                 tensors = to_tensors(weights)
             self.model.set_weights(tensors)
@@ -223,19 +227,35 @@ class TrainerRuntime:
             )
         return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch), "_started": started}
 
-    def get_weights(self) -> dict[str, Any] | CudaShare:
+    def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast:
         m = self.model
-        if m.config.weight_transport == "cuda_ipc":
+        if m.config.weight_transport != "host":
             try:
                 weights = m.get_weights()
             except Exception as err:
                 raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
+            if m.config.weight_transport == "nccl":
+                self._sender = getattr(self, "_sender", None) or Sender()
+                return self._sender.snapshot(weights)
             if weights and all(is_cuda_tensor(v) for v in weights.values()):
                 # kept alive for two syncs: a replica joining while the next is read still
                 # receives the one before
                 self._shared = (getattr(self, "_shared", (None, None))[1], CudaShare(weights))
                 return self._shared[1]
         return weights_of(m, m.rank)
+
+    # ---- weight_transport="nccl": rank 0 broadcasts a snapshot to the replicas ----
+    def serve_weights(self, address: str, world: int, backend: str, timeout_s: float) -> Group:
+        return self._sender.groups.serve(address, world, backend, timeout_s)
+
+    def send_weights(self, group: Group, snapshot: int) -> None:
+        try:
+            self._sender.send(group, snapshot)
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.weight broadcast", 0, []) from err
+
+    def weight_values(self, snapshot: int) -> dict[str, Any]:
+        return self._sender.values(snapshot)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
         """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""

@@ -297,7 +297,9 @@ def test_cuda_ipc_weights_from_a_cpu_trainer_travel_by_host_and_checkpoints_betw
     stats = engine.learn()  # its weights are CPU tensors: they go as numpy, as with "host"
     assert [e.weight_versions for e in stats.episodes] == [{"policy": 1}, {"policy": 2}, {"policy": 3}]
     assert all(e.staleness == {"policy": {0: 8}} for e in stats.episodes)
-    with pytest.raises(flowrl.ConfigError, match=r"\['learner'\] send weights by CUDA IPC, which a checkpoint between"):
-        make_engine(models=ipc, sync_every=2, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    for transport in ("cuda_ipc", "nccl"):
+        with pytest.raises(flowrl.ConfigError, match=r"\['learner'\] send weights by CUDA IPC or NCCL, which a checkpoint"):
+            make_engine(models={"learner": {"weight_transport": transport}}, sync_every=2, checkpoint_every=1,
+                        checkpoint_dir=str(tmp_path))
     with pytest.raises(flowrl.ConfigError, match="weight_transport must be one of"):
-        flowrl.ModelConfig(weight_transport="nccl")
+        flowrl.ModelConfig(weight_transport="rdma")

@@ -108,23 +108,45 @@ class Trainer(flowrl.Model):
         return {"w_sum": float(self.module.weight.detach().sum()), "device": str(self.module.weight.device)}
 
 
-@pytest.mark.parametrize("transport", ["host", "cuda_ipc"])
-def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_cluster, transport):
-    policy = Policy("policy", gpu(0.25, num_replicas=2, batch_size=4))
-    trainer = Trainer("trainer", gpu(0.25, weight_transport=transport))
+def sync_and_probe(policy: Policy, trainer: Trainer, **config: Any) -> tuple[flowrl.Engine, list[Any]]:
+    """3 episodes, then one more rollout: what each replica computes with after the last sync."""
     engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off"})
+                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off", **config})
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
     with engine:
         engine.learn()
-        trained = [ep["trainer"][-1][0]["w_sum"] for ep in engine.train_results]
-        # one more rollout: every replica holds the weights the trainer had after episode 3
         after = engine._live.rollout  # the engine's own pool, for a direct check
         samples = engine._portal.call(after.run, [{"x": np.ones(4, dtype=np.float32)} for _ in range(8)])
+    return engine, samples
+
+
+def assert_synced(engine: flowrl.Engine, samples: list[Any]) -> None:
+    """Every replica holds the weights the trainer had after episode 3, on the GPU."""
+    trained = [ep["trainer"][-1][0]["w_sum"] for ep in engine.train_results]
     assert all(ep["trainer"][-1][0]["device"].startswith("cuda") for ep in engine.train_results)
     assert {s["w_device"] for s in samples} <= {"cuda:0"}
     assert {round(s["w_sum"], 5) for s in samples} == {round(trained[-1], 5)}
     assert samples[0]["policy_version"] == 3 and flowrl_actor_names() == []
+
+
+@pytest.mark.parametrize("transport", ["host", "cuda_ipc"])
+def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_cluster, transport):
+    policy = Policy("policy", gpu(0.25, num_replicas=2, batch_size=4))
+    assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(0.25, weight_transport=transport))))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_weight_sync_between_two_gpus(gpu_cluster):
+    policy = Policy("policy", gpu(1.0, num_replicas=1, batch_size=4))
+    assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(1.0, weight_transport="nccl"))))
+
+
+def test_nccl_weight_sync_on_one_gpu_is_refused_by_name(gpu_cluster):
+    policy = Policy("policy", gpu(0.25, num_replicas=1, batch_size=4))
+    trainer = Trainer("trainer", gpu(0.25, weight_transport="nccl"))
+    with pytest.raises(flowrl.FlowError, match="NCCL takes one rank per GPU"):
+        sync_and_probe(policy, trainer, colocation=[["policy", "trainer"]])
+    assert flowrl_actor_names() == []
 
 
 def test_six_ppo_models_colocated_on_one_gpu(gpu_cluster):

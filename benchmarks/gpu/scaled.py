@@ -41,8 +41,10 @@ def main() -> None:
                         help="every response --tokens long, or ending at lognormal lengths (gpt.py)")
     parser.add_argument("--policy-replicas", type=int, default=2)
     parser.add_argument("--policy-batch", type=int, default=32, help="the policy's shard size (generation batch)")
-    parser.add_argument("--weight-transport", choices=["host", "cuda_ipc"], default="host",
+    parser.add_argument("--weight-transport", choices=["host", "cuda_ipc", "nccl"], default="host",
                         help="how the trainers' weights reach the policy and value replicas")
+    parser.add_argument("--apart", action="store_true",
+                        help="the trainers on one GPU, the inference models on another (else all on one)")
     parser.add_argument("--tiny", action="store_true", help="small models on the CPU, in one process (a check)")
     parser.add_argument("--out", help="write the figures here (JSON)")
     args = parser.parse_args()
@@ -62,7 +64,7 @@ def main() -> None:
     params = sum(p.numel() for p in build(VOCAB, size, args.tokens).parameters())
     config = {"sample_per_episode": args.samples, "num_episode": args.episodes, "train_global_batch_size": 64,
               "train_micro_batch_size": 16, "progress": "log",
-              "colocation": [names] if on_gpu else [],
+              "colocation": ([names[4:], names[:4]] if args.apart else [names]) if on_gpu else [],
               "pipeline": {"backend": "ray" if on_gpu else "inprocess"}}
     engine = flowrl.RLHFEngine(*models, config)
     data = prompts(args.samples, args.tokens, args.lengths)  # every episode: the same prompts, a new order
@@ -106,7 +108,7 @@ def report(figures: dict[str, tuple[float, float]], stats: flowrl.EngineStats, a
            params: int, tokens: int, util: list[float], wall: float, on_gpu: bool) -> None:
     print(f"\n{params / 1e6:.0f}M parameters per model, {args.samples} samples, responses of {args.lengths} length "
           f"(at most {args.tokens} tokens, {tokens} in all), policy shards of {args.policy_batch}, weights by "
-          f"{args.weight_transport}, {len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; "
+          f"{args.weight_transport}{' (trainers and inference on two GPUs)' if args.apart else ''}, {len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; "
           "medians of episodes 1..")
     print("| phase | s | samples/s | tokens/s | GPU busy |\n| --- | --- | --- | --- | --- |")
     for name, (s, frac) in figures.items():

@@ -1,0 +1,158 @@
+"""Weights sent by broadcast (``ModelConfig.weight_transport="nccl"``; gloo where the weights
+are CPU tensors, as here): the pieces in threads of this process, then the engine on Ray, with a
+replica added mid-run. The GPU variants are in test_gpu.py."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl._weight_share import Groups, Sender, pack, unpack
+from flowrl.testing import flowrl_actor_names
+
+torch = pytest.importorskip("torch")
+
+CPU = {"cpus_per_replica": 0.1}
+
+
+def test_pack_and_unpack_keep_every_dtype_shape_and_value():
+    weights = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 2).to(torch.bfloat16),
+               "d": torch.randn(7), "e": torch.tensor(1.5)}
+    layout, flats = pack(weights)
+    assert set(flats) == {"float32", "int64", "bfloat16"}  # one flat per dtype
+    out = unpack(layout, flats)
+    for name, value in weights.items():
+        assert out[name].dtype == value.dtype and torch.equal(out[name], value), name
+
+
+def run_all(*jobs: tuple[Any, ...]) -> list[Any]:
+    """Run each (fn, *args) on a thread of its own (ranks of one group); their results, or raise."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def one(i: int, fn: Any, *args: Any) -> None:
+        try:
+            results[i] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(i, *job), daemon=True) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank of the broadcast hangs"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_a_snapshot_reaches_every_receiver_and_the_group_serves_the_next_one():
+    sender = Sender()
+    weights = {"w": torch.randn(4, 3), "half": torch.randn(3).to(torch.bfloat16)}
+    first = sender.snapshot(weights)
+    expected = {k: v.clone() for k, v in weights.items()}
+    with torch.no_grad():
+        weights["w"].add_(1.0)  # a later train step: the snapshot keeps the values it took
+    group = sender.groups.serve("127.0.0.1", 3, first.backend, 30.0)
+    receivers = [Groups(), Groups()]  # each replica's own, as in its process
+
+    def receive(share: Any, rank: int) -> dict[str, Any]:
+        addressed = msgspec.structs.replace(share, group=group, rank=rank)
+        return addressed.receive(torch.device("cpu"), receivers[rank - 1], f"replica {rank}")
+
+    got = run_all((sender.send, group, first.snapshot), (receive, first, 1), (receive, first, 2))
+    assert first.backend == "gloo"
+    for rank in (1, 2):
+        for name, value in expected.items():
+            assert torch.equal(got[rank][name], value), (rank, name)
+    second = sender.snapshot(weights)  # the next sync, over the same group (its ranks are joined)
+    got = run_all((sender.send, group, second.snapshot), (receive, second, 1), (receive, second, 2))
+    assert all(torch.equal(got[r]["w"], weights["w"]) for r in (1, 2))
+    sender.snapshot(weights)
+    with pytest.raises(flowrl.ConfigError, match="snapshot 1 is no longer kept"):
+        sender.values(first.snapshot)  # the last two are kept, for replicas joining mid-sync
+    assert torch.equal(sender.values(second.snapshot)["w"], weights["w"])
+
+
+def test_cuda_weights_by_nccl_to_a_replica_without_a_gpu_are_refused_by_name():
+    share = msgspec.structs.replace(Sender().snapshot({"w": torch.ones(2)}), backend="nccl")
+    group = flowrl._weight_share.Group(id="g", address="127.0.0.1", port=1, world=2, backend="nccl", timeout_s=1.0)
+    with pytest.raises(flowrl.ConfigError, match=r"replica 0 of 'policy'.*weight_transport='nccl'.*computes on cpu"):
+        msgspec.structs.replace(share, group=group, rank=1).receive(torch.device("cpu"), Groups(),
+                                                                    "replica 0 of 'policy'")
+
+
+def test_ranks_of_an_nccl_broadcast_sharing_a_gpu_all_fail_by_name_instead_of_hanging():
+    import torch.distributed as dist
+
+    from flowrl._weight_share import _one_rank_per_gpu
+
+    store = dist.HashStore()
+
+    def rank_of(rank: int, gpu: str) -> str:
+        with pytest.raises(flowrl.ConfigError, match=r"ranks \[0, 2\] of the weight broadcast .* one rank per GPU"):
+            _one_rank_per_gpu(store, rank, 3, gpu)
+        return gpu
+
+    assert run_all(*((rank_of, r, gpu) for r, gpu in enumerate(["GPU-a", "GPU-b", "GPU-a"]))) == ["GPU-a", "GPU-b", "GPU-a"]
+    _one_rank_per_gpu(dist.HashStore(), 0, 1, "GPU-a")  # one rank per GPU: fine
+
+
+class Policy(flowrl.Model):
+    """Reports the sum of the weights it computed with."""
+
+    def setup(self) -> None:
+        self.module = torch.nn.Linear(4, 1)
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"w_sum": [float(self.module.weight.detach().sum())] * len(batch),
+                "policy_replica": [self.replica_id] * len(batch)}
+
+
+class Trainer(flowrl.Model):
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        loss = (self.module(torch.as_tensor(np.asarray(batch["x"], dtype=np.float32))).squeeze(1) - 1).pow(2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return {"w_sum": float(self.module.weight.detach().sum())}
+
+
+@pytest.mark.parametrize("backend", ["ray", "inprocess"])
+def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, backend):
+    policy = Policy("policy", {"num_replicas": 2, "batch_size": 1, **CPU})
+    trainer = Trainer("trainer", {"weight_transport": "nccl", **CPU})
+    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
+                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off",
+                                   "pipeline": {"backend": backend}})
+    engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
+    probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(24)]
+    with engine:
+        stats = engine.learn()
+        trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
+        # one more rollout: every replica holds the weights the trainer had after episode 3
+        before = engine._portal.call(engine._live.rollout.run, probe)
+        assert engine.resize("policy", 3) == [2]  # joins with the weights the others hold
+        after = engine._portal.call(engine._live.rollout.run, probe)
+    assert [e.weight_versions["policy"] for e in stats.episodes] == [1, 2, 3]
+    assert ("policy" in engine._groups) == (backend == "ray")  # broadcast on Ray; one process hands values over
+    for e, episode in enumerate(engine.train_results[:-1]):  # episode e+1 generated with e+1's weights
+        assert stats.episodes[e + 1].staleness == {"policy": {0: 8}}
+        assert episode["trainer"][-1][0]["w_sum"] != trained
+    assert {s["policy_replica"] for s in before} == {0, 1}
+    assert {round(s["w_sum"], 5) for s in before} == {round(trained, 5)}
+    assert 2 in {s["policy_replica"] for s in after}  # the added replica worked, on the same weights
+    assert {round(s["w_sum"], 5) for s in after} == {round(trained, 5)}
+    assert {s["policy_version"] for s in after} == {3}
+    assert flowrl_actor_names() == []
