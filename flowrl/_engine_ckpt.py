@@ -26,6 +26,7 @@ from ._errors import CheckpointError, ReplicaDiedError, StageError
 from ._model import Model
 from ._run_config import RunConfig
 from ._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
+from ._weight_share import Broadcast
 
 log = logging.getLogger("flowrl")
 STATE, RELAY = "engine.json", "relay.msgpack"
@@ -192,6 +193,9 @@ class Resumable:
     async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
         raise NotImplementedError
 
+    async def _read(self, live: Live, trainer: str) -> Any:
+        raise NotImplementedError
+
     async def _begin(self, live: Live) -> None:
         """Once per engine: resume from a checkpoint, or write the first one (after 0 or the
         resumed episodes) so that a trainer rank dying early has one to be rebuilt from."""
@@ -244,12 +248,14 @@ class Resumable:
     async def _restore_weights(self, live: Live, folder: Path, state: EngineState, trainer: str, target: str) -> None:
         """Give ``target``'s replicas the weights they held at the checkpoint."""
         want = state.weight_versions.get(target, 0)
-        if want == self._versions[target]:
+        # a broadcast's snapshot was the old trainer's: a replica joining later needs one of the new
+        rebuilt = isinstance(self._sent.get(target), Broadcast)
+        if want == self._versions[target] and not rebuilt:
             return  # they hold them already (a fresh start, or no sync since the checkpoint)
         if target in state.synced:
             weights = live.backend.share(self._ckpt.synced_weights(folder, target))
         elif want:  # written right after a sync: the restored trainer's weights are the ones sent
-            weights = await live.backend.get_weights(live.trainers[trainer][0])
+            weights = await self._read(live, trainer)
         else:
             weights = self._initial.get(target)
             if weights is None or isinstance(weights, StageError):

@@ -68,15 +68,20 @@ class Training:
         """Each trainer's weights now (stored: later steps do not change them), per target."""
         out = []
         for trainer, target in self.sync_pairs:
-            weights = await live.backend.get_weights(live.trainers[trainer.name][0])
-            if trainer.config.weight_transport == "nccl":  # a Broadcast (its layout), except in one process
-                value = await live.backend.value(weights)
-                weights = value if isinstance(value, Broadcast) else weights
-            out.append((target.name, weights))
+            out.append((target.name, await self._read(live, trainer.name)))
             # a rebuild back to a checkpoint before this first sync needs the weights it replaces
             if self._folder is not None and self._versions[target.name] == 0 and target.name not in self._initial:
                 self._initial[target.name] = await self._snapshot(live, target.name)
         return out
+
+    async def _read(self, live: Live, trainer: str) -> Any:
+        """What ``trainer``'s rank 0 sends: a reference to its weights, or (``"nccl"``) the
+        ``Broadcast`` itself, which the driver addresses to each replica."""
+        weights = await live.backend.get_weights(live.trainers[trainer][0])
+        if next(t for t, _ in self.sync_pairs if t.name == trainer).config.weight_transport == "nccl":
+            value = await live.backend.value(weights)  # small: the layout (in one process: the values)
+            weights = value if isinstance(value, Broadcast) else weights
+        return weights
 
     async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
         # Every replica loads between two of its shards (one worker thread per replica), and

@@ -22,7 +22,7 @@ from flowrl._checkpoint import CheckpointDir, decode_state, encode_state
 from flowrl.testing import flowrl_actor_names
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _resume_models import make_engine, trained  # noqa: E402
+from _resume_models import CPU, make_engine, trained  # noqa: E402
 
 INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}
 
@@ -215,14 +215,18 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
     assert flowrl_actor_names() == []
 
 
-@pytest.mark.parametrize("die_at, peer_first", [((1, 1), False), ((3, 0), False), ((3, 0), True)],
-                         ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death"])
-def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tmp_path, die_at, peer_first):
+@pytest.mark.parametrize("die_at, peer_first, transport",
+                         [((1, 1), False, "host"), ((3, 0), False, "host"), ((3, 0), True, "host"),
+                          ((3, 0), False, "nccl")],
+                         ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death", "by-broadcast"])
+def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tmp_path, die_at, peer_first, transport):
     """A rank dies mid-step. With ``peer_first`` its peer raises a collective's error as soon as
     the death happens, racing the death's own report to the driver: whichever comes first, the
-    group is rebuilt (a peer's error alone once failed the run)."""
+    group is rebuilt (a peer's error alone once failed the run). With weights broadcast (gloo
+    here), the rebuilt trainer's groups replace the dead one's and the run is the same."""
     ref = reference(1)
-    engine, seen = make_engine(sync_every=1, checkpoint_every=2, checkpoint_dir=str(tmp_path),
+    learner = {"learner": {"num_replicas": 2, **CPU, "weight_transport": transport}}
+    engine, seen = make_engine(sync_every=1, checkpoint_every=2, checkpoint_dir=str(tmp_path), models=learner,
                                die_at=die_at, marker=str(tmp_path / "died"), peer_first=peer_first)
     stats = engine.learn()
     assert (tmp_path / "died").exists() and flowrl_actor_names() == []
