@@ -117,8 +117,9 @@ class Backend(Protocol):
         """A new weight-broadcast group of ``world`` ranks, served by trainer ``rank`` (rank 0)."""
         ...
 
-    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int) -> None:
-        """Trainer ``rank`` broadcasts its weight ``snapshot`` to ``group``."""
+    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int, keep: list[str]) -> None:
+        """Trainer ``rank`` broadcasts its weight ``snapshot`` to ``group``, keeping open only the
+        groups ``keep`` names besides it."""
         ...
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:

@@ -108,7 +108,8 @@ class Training:
             if isinstance(weights, Broadcast):
                 rank0 = live.trainers[next(t.name for t, target in self.sync_pairs if target.name == name)][0]
                 group = await self._group(live, rank0, name, handles, weights.backend, reuse)
-                tg.start_soon(live.backend.send_weights, rank0, group, weights.snapshot)
+                keep = [g.id for _, g in self._groups.values()]  # those a later sync may use again
+                tg.start_soon(live.backend.send_weights, rank0, group, weights.snapshot, keep)
                 for i, handle in enumerate(handles):
                     addressed = msgspec.structs.replace(weights, group=group, rank=i + 1)
                     tg.start_soon(live.backend.load_weights, handle, version, addressed)

@@ -145,7 +145,7 @@ class InProcessBackend:
     async def serve_weights(self, rank: ReplicaHandle, world: int, backend: str, timeout_s: float) -> Group:
         raise FlowError("internal: an in-process engine sends weights by value, not by broadcast")
 
-    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int) -> None:
+    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int, keep: list[str]) -> None:
         raise FlowError("internal: an in-process engine sends weights by value, not by broadcast")
 
     async def close(self) -> None:

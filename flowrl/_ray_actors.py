@@ -106,8 +106,8 @@ class TrainerActor:
         return self.runtime.serve_weights(ray.util.get_node_ip_address(), world, backend, timeout_s)
 
     @ray.method(concurrency_group="weights")
-    def send_weights(self, group: Any, snapshot: int) -> None:
-        self.runtime.send_weights(group, snapshot)
+    def send_weights(self, group: Any, snapshot: int, keep: list[str]) -> None:
+        self.runtime.send_weights(group, snapshot, keep)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
         return self.runtime.save_state()

@@ -259,8 +259,8 @@ class RayBackend:
     async def serve_weights(self, rank: ReplicaHandle, world: int, backend: str, timeout_s: float) -> Group:
         return await _ask(rank, "serve_weights", "weight broadcast", world, backend, timeout_s)
 
-    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int) -> None:
-        await _ask(rank, "send_weights", "weight broadcast", group, snapshot)
+    async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int, keep: list[str]) -> None:
+        await _ask(rank, "send_weights", "weight broadcast", group, snapshot, keep)
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
         return await _ask(rank, "save_state", "checkpoint_state")

@@ -248,9 +248,9 @@ class TrainerRuntime:
     def serve_weights(self, address: str, world: int, backend: str, timeout_s: float) -> Group:
         return self._sender.groups.serve(address, world, backend, timeout_s)
 
-    def send_weights(self, group: Group, snapshot: int) -> None:
+    def send_weights(self, group: Group, snapshot: int, keep: list[str]) -> None:
         try:
-            self._sender.send(group, snapshot)
+            self._sender.send(group, snapshot, keep)
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.weight broadcast", 0, []) from err
 

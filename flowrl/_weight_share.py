@@ -132,11 +132,17 @@ class Broadcast(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Groups:
-    """The weight-broadcast process groups of one process, by id; the newest two are kept (a
-    replica joining mid-run gets its own group; the next sync forms the whole one again)."""
+    """The weight-broadcast process groups of one process, by id. A replica keeps its newest
+    two (its own group when it joined mid-run, then the pool's); a trainer, whose groups serve
+    several targets and joins, keeps those the driver names (``retain``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = 2) -> None:
+        self.limit = limit
         self._open: dict[str, tuple[Any, Any]] = {}  # id -> (store, process group or None)
+
+    def retain(self, ids: set[str]) -> None:
+        for key in [k for k in self._open if k not in ids]:
+            del self._open[key]
 
     def serve(self, address: str, world: int, backend: str, timeout_s: float) -> Group:
         """A new group whose store this process (rank 0) serves on ``address``."""
@@ -160,7 +166,7 @@ class Groups:
         opts.rootRank = 0
         for tensor in tensors:  # as bytes: gloo lacks some dtypes (bf16) that NCCL has
             pg.broadcast([tensor.view(torch.uint8)], opts).wait()
-        if group.backend == "nccl":
+        if group.backend == "nccl" and tensors:
             torch.cuda.synchronize(tensors[0].device)
 
     def _process_group(self, group: Group, rank: int, device: Any) -> Any:
@@ -189,7 +195,7 @@ class Groups:
     def _keep(self, key: str, store: Any, pg: Any) -> None:
         self._open.pop(key, None)
         self._open[key] = (store, pg)
-        while len(self._open) > 2:
+        while self.limit is not None and len(self._open) > self.limit:
             del self._open[next(iter(self._open))]
 
 
@@ -215,7 +221,7 @@ class Sender:
     is read still receives the one before) and its groups."""
 
     def __init__(self) -> None:
-        self.groups = Groups()
+        self.groups = Groups(limit=None)
         self._snapshots: dict[int, tuple[Layout, dict[str, Any]]] = {}
         self._count = 0
 
@@ -239,9 +245,12 @@ class Sender:
         layout, flats = self._kept(snapshot)
         return unpack(layout, {d: f.clone() for d, f in flats.items()})
 
-    def send(self, group: Group, snapshot: int) -> None:
+    def send(self, group: Group, snapshot: int, keep: list[str]) -> None:
+        """Broadcast ``snapshot`` to ``group``; close the groups the driver will not use again
+        (not in ``keep``)."""
+        self.groups.retain({*keep, group.id})
         flats = list(self._kept(snapshot)[1].values())
-        self.groups.broadcast(group, 0, flats, flats[0].device)
+        self.groups.broadcast(group, 0, flats, flats[0].device if flats else None)
 
     def _kept(self, snapshot: int) -> tuple[Layout, dict[str, Any]]:
         try:

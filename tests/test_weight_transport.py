@@ -66,14 +66,18 @@ def test_a_snapshot_reaches_every_receiver_and_the_group_serves_the_next_one():
         addressed = msgspec.structs.replace(share, group=group, rank=rank)
         return addressed.receive(torch.device("cpu"), receivers[rank - 1], f"replica {rank}")
 
-    got = run_all((sender.send, group, first.snapshot), (receive, first, 1), (receive, first, 2))
+    got = run_all((sender.send, group, first.snapshot, []), (receive, first, 1), (receive, first, 2))
     assert first.backend == "gloo"
     for rank in (1, 2):
         for name, value in expected.items():
             assert torch.equal(got[rank][name], value), (rank, name)
+    # groups served since (replicas joining, other targets) do not close it while the driver
+    # names it; those it does not name are closed at the next send
+    others = [sender.groups.serve("127.0.0.1", 2, "gloo", 30.0) for _ in range(3)]
     second = sender.snapshot(weights)  # the next sync, over the same group (its ranks are joined)
-    got = run_all((sender.send, group, second.snapshot), (receive, second, 1), (receive, second, 2))
+    got = run_all((sender.send, group, second.snapshot, [others[0].id]), (receive, second, 1), (receive, second, 2))
     assert all(torch.equal(got[r]["w"], weights["w"]) for r in (1, 2))
+    assert set(sender.groups._open) == {group.id, others[0].id}
     sender.snapshot(weights)
     with pytest.raises(flowrl.ConfigError, match="snapshot 1 is no longer kept"):
         sender.values(first.snapshot)  # the last two are kept, for replicas joining mid-sync
