@@ -66,9 +66,11 @@ class Training:
 
     async def _snapshots(self, live: Live) -> list[tuple[str, Any]]:
         """Each trainer's weights now (stored: later steps do not change them), per target."""
-        out = []
+        out, read = [], {}
         for trainer, target in self.sync_pairs:
-            out.append((target.name, await self._read(live, trainer.name)))
+            if trainer.name not in read:  # one snapshot per trainer, whatever the models it feeds
+                read[trainer.name] = await self._read(live, trainer.name)
+            out.append((target.name, read[trainer.name]))
             # a rebuild back to a checkpoint before this first sync needs the weights it replaces
             if self._folder is not None and self._versions[target.name] == 0 and target.name not in self._initial:
                 self._initial[target.name] = await self._snapshot(live, target.name)
@@ -104,18 +106,25 @@ class Training:
                        reuse: bool = False) -> None:
         """``weights`` to each of ``handles``: a reference they read, or (``Broadcast``) a
         broadcast from the trainer's rank 0 in a process group with them."""
-        async with anyio.create_task_group() as tg:
-            if isinstance(weights, Broadcast):
-                rank0 = live.trainers[next(t.name for t, target in self.sync_pairs if target.name == name)][0]
-                group = await self._group(live, rank0, name, handles, weights.backend, reuse)
-                keep = [g.id for _, g in self._groups.values()]  # those a later sync may use again
+        if not isinstance(weights, Broadcast):
+            async with anyio.create_task_group() as tg:
+                for handle in handles:
+                    tg.start_soon(live.backend.load_weights, handle, version, weights)
+            return
+        rank0 = live.trainers[weights.trainer][0]
+        group = await self._group(live, rank0, name, handles, weights.backend, reuse)
+        keep = [g.id for _, g in self._groups.values()]  # those a later sync may use again
+        try:
+            async with anyio.create_task_group() as tg:
                 tg.start_soon(live.backend.send_weights, rank0, group, weights.snapshot, keep)
                 for i, handle in enumerate(handles):
                     addressed = msgspec.structs.replace(weights, group=group, rank=i + 1)
                     tg.start_soon(live.backend.load_weights, handle, version, addressed)
-            else:
-                for handle in handles:
-                    tg.start_soon(live.backend.load_weights, handle, version, weights)
+        except BaseException:
+            # some ranks may not have joined this broadcast: the next one forms a new group
+            if reuse and self._groups.get(name, (None, None))[1] is group:
+                del self._groups[name]
+            raise
 
     async def _group(self, live: Live, rank0: ReplicaHandle, name: str, handles: list[ReplicaHandle], backend: str,
                      reuse: bool) -> Group:

@@ -235,8 +235,7 @@ class TrainerRuntime:
             except Exception as err:
                 raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
             if m.config.weight_transport == "nccl":
-                self._sender = getattr(self, "_sender", None) or Sender()
-                return self._sender.snapshot(weights)
+                return self._broadcasts().snapshot(weights, m.name)
             if weights and all(is_cuda_tensor(v) for v in weights.values()):
                 # kept alive for two syncs: a replica joining while the next is read still
                 # receives the one before
@@ -245,17 +244,21 @@ class TrainerRuntime:
         return weights_of(m, m.rank)
 
     # ---- weight_transport="nccl": rank 0 broadcasts a snapshot to the replicas ----
+    def _broadcasts(self) -> Sender:
+        self._sender: Sender = getattr(self, "_sender", None) or Sender()
+        return self._sender
+
     def serve_weights(self, address: str, world: int, backend: str, timeout_s: float) -> Group:
-        return self._sender.groups.serve(address, world, backend, timeout_s)
+        return self._broadcasts().groups.serve(address, world, backend, timeout_s)
 
     def send_weights(self, group: Group, snapshot: int, keep: list[str]) -> None:
         try:
-            self._sender.send(group, snapshot, keep)
+            self._broadcasts().send(group, snapshot, keep)
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.weight broadcast", 0, []) from err
 
     def weight_values(self, snapshot: int) -> dict[str, Any]:
-        return self._sender.values(snapshot)
+        return self._broadcasts().values(snapshot)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
         """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""

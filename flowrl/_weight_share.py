@@ -8,11 +8,13 @@ imported lazily). A trainer picks the transport with ``ModelConfig.weight_transp
   the fast path for colocated models.
 - ``"nccl"``: ``Broadcast``. Only the snapshot's layout travels by Ray; the values follow by a
   broadcast in a process group of the trainer's rank 0 and the receiving replicas (NCCL when
-  the weights are CUDA tensors, gloo otherwise): 0.016 s against 0.29 s between two H200s.
+  the weights are CUDA tensors, gloo otherwise): for 98M parameters between two H200s, 0.016 s
+  against 0.29 s by the object store, and an engine's sync 0.03 s against 0.54 s by host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Mapping
 from typing import Any
@@ -110,6 +112,7 @@ class Broadcast(msgspec.Struct, frozen=True, kw_only=True):
     layout: Layout
     sizes: dict[str, int]  # dtype -> elements of its flat, in the order they are broadcast
     backend: str
+    trainer: str  # whose rank 0 broadcasts it
     snapshot: int
     group: Group | None = None
     rank: int = 0
@@ -164,10 +167,15 @@ class Groups:
         pg = self._process_group(group, rank, device)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        for tensor in tensors:  # as bytes: gloo lacks some dtypes (bf16) that NCCL has
-            pg.broadcast([tensor.view(torch.uint8)], opts).wait()
-        if group.backend == "nccl" and tensors:
-            torch.cuda.synchronize(tensors[0].device)
+        # NCCL: on a stream of its own, so that a trainer's steps (default stream, other thread)
+        # do not queue behind a broadcast that waits for the replicas' running shards
+        nccl = group.backend == "nccl" and bool(tensors)
+        stream = torch.cuda.Stream(tensors[0].device) if nccl else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for tensor in tensors:  # as bytes: gloo lacks some dtypes (bf16) that NCCL has
+                pg.broadcast([tensor.view(torch.uint8)], opts).wait()
+        if stream is not None:
+            stream.synchronize()
 
     def _process_group(self, group: Group, rank: int, device: Any) -> Any:
         import torch
@@ -225,7 +233,7 @@ class Sender:
         self._snapshots: dict[int, tuple[Layout, dict[str, Any]]] = {}
         self._count = 0
 
-    def snapshot(self, weights: Mapping[str, Any]) -> Broadcast:
+    def snapshot(self, weights: Mapping[str, Any], trainer: str) -> Broadcast:
         import torch
 
         cuda = bool(weights) and all(is_cuda_tensor(v) for v in weights.values())
@@ -238,7 +246,7 @@ class Sender:
         self._snapshots[self._count] = layout, flats
         self._snapshots.pop(self._count - 2, None)
         return Broadcast(layout=layout, sizes={d: f.numel() for d, f in flats.items()},
-                         backend="nccl" if cuda else "gloo", snapshot=self._count)
+                         backend="nccl" if cuda else "gloo", trainer=trainer, snapshot=self._count)
 
     def values(self, snapshot: int) -> dict[str, Any]:
         """A snapshot's weights as tensors of their own (no broadcast: one process)."""

@@ -55,7 +55,7 @@ def run_all(*jobs: tuple[Any, ...]) -> list[Any]:
 def test_a_snapshot_reaches_every_receiver_and_the_group_serves_the_next_one():
     sender = Sender()
     weights = {"w": torch.randn(4, 3), "half": torch.randn(3).to(torch.bfloat16)}
-    first = sender.snapshot(weights)
+    first = sender.snapshot(weights, "trainer")
     expected = {k: v.clone() for k, v in weights.items()}
     with torch.no_grad():
         weights["w"].add_(1.0)  # a later train step: the snapshot keeps the values it took
@@ -74,18 +74,18 @@ def test_a_snapshot_reaches_every_receiver_and_the_group_serves_the_next_one():
     # groups served since (replicas joining, other targets) do not close it while the driver
     # names it; those it does not name are closed at the next send
     others = [sender.groups.serve("127.0.0.1", 2, "gloo", 30.0) for _ in range(3)]
-    second = sender.snapshot(weights)  # the next sync, over the same group (its ranks are joined)
+    second = sender.snapshot(weights, "trainer")  # the next sync, over the same group (its ranks are joined)
     got = run_all((sender.send, group, second.snapshot, [others[0].id]), (receive, second, 1), (receive, second, 2))
     assert all(torch.equal(got[r]["w"], weights["w"]) for r in (1, 2))
     assert set(sender.groups._open) == {group.id, others[0].id}
-    sender.snapshot(weights)
+    sender.snapshot(weights, "trainer")
     with pytest.raises(flowrl.ConfigError, match="snapshot 1 is no longer kept"):
         sender.values(first.snapshot)  # the last two are kept, for replicas joining mid-sync
     assert torch.equal(sender.values(second.snapshot)["w"], weights["w"])
 
 
 def test_cuda_weights_by_nccl_to_a_replica_without_a_gpu_are_refused_by_name():
-    share = msgspec.structs.replace(Sender().snapshot({"w": torch.ones(2)}), backend="nccl")
+    share = msgspec.structs.replace(Sender().snapshot({"w": torch.ones(2)}, "trainer"), backend="nccl")
     group = flowrl._weight_share.Group(id="g", address="127.0.0.1", port=1, world=2, backend="nccl", timeout_s=1.0)
     with pytest.raises(flowrl.ConfigError, match=r"replica 0 of 'policy'.*weight_transport='nccl'.*computes on cpu"):
         msgspec.structs.replace(share, group=group, rank=1).receive(torch.device("cpu"), Groups(),
@@ -115,8 +115,8 @@ class Policy(flowrl.Model):
         self.module = torch.nn.Linear(4, 1)
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        return {"w_sum": [float(self.module.weight.detach().sum())] * len(batch),
-                "policy_replica": [self.replica_id] * len(batch)}
+        return {f"{self.name}_w": [float(self.module.weight.detach().sum())] * len(batch),
+                f"{self.name}_replica": [self.replica_id] * len(batch)}
 
 
 class Trainer(flowrl.Model):
@@ -155,8 +155,28 @@ def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, b
         assert stats.episodes[e + 1].staleness == {"policy": {0: 8}}
         assert episode["trainer"][-1][0]["w_sum"] != trained
     assert {s["policy_replica"] for s in before} == {0, 1}
-    assert {round(s["w_sum"], 5) for s in before} == {round(trained, 5)}
+    assert {round(s["policy_w"], 5) for s in before} == {round(trained, 5)}
     assert 2 in {s["policy_replica"] for s in after}  # the added replica worked, on the same weights
-    assert {round(s["w_sum"], 5) for s in after} == {round(trained, 5)}
+    assert {round(s["policy_w"], 5) for s in after} == {round(trained, 5)}
     assert {s["policy_version"] for s in after} == {3}
+    assert flowrl_actor_names() == []
+
+
+def test_one_trainer_feeding_two_models_broadcasts_one_snapshot_that_a_later_join_still_gets(ray_cluster):
+    policy = Policy("policy", {"num_replicas": 1, "batch_size": 1, **CPU})
+    critic = Policy("critic", {"num_replicas": 1, "batch_size": 1, **CPU})
+    trainer = Trainer("trainer", {"weight_transport": "nccl", **CPU})
+    engine = flowrl.Engine(rollout=lambda x: critic.forward_step(policy.forward_step(x)), train=[trainer],
+                           sync=[(trainer, policy), (trainer, critic)],
+                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off"})
+    engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
+    probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(24)]
+    with engine:
+        engine.learn()
+        trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
+        assert engine.resize("critic", 2) == [1] and engine.resize("policy", 2) == [1]
+        after = engine._portal.call(engine._live.rollout.run, probe)
+    for model in ("policy", "critic"):
+        assert {s[f"{model}_replica"] for s in after} == {0, 1}, model  # the joined replicas worked
+        assert {round(s[f"{model}_w"], 5) for s in after} == {round(trained, 5)}, model
     assert flowrl_actor_names() == []
