@@ -14,7 +14,6 @@ imported lazily). A trainer picks the transport with ``ModelConfig.weight_transp
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections.abc import Mapping
 from typing import Any
@@ -167,15 +166,10 @@ class Groups:
         pg = self._process_group(group, rank, device)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        # NCCL: on a stream of its own, so that a trainer's steps (default stream, other thread)
-        # do not queue behind a broadcast that waits for the replicas' running shards
-        nccl = group.backend == "nccl" and bool(tensors)
-        stream = torch.cuda.Stream(tensors[0].device) if nccl else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for tensor in tensors:  # as bytes: gloo lacks some dtypes (bf16) that NCCL has
-                pg.broadcast([tensor.view(torch.uint8)], opts).wait()
-        if stream is not None:
-            stream.synchronize()
+        for tensor in tensors:  # as bytes: gloo lacks some dtypes (bf16) that NCCL has
+            pg.broadcast([tensor.view(torch.uint8)], opts).wait()
+        if group.backend == "nccl" and tensors:
+            torch.cuda.synchronize(tensors[0].device)
 
     def _process_group(self, group: Group, rank: int, device: Any) -> Any:
         import torch
