@@ -116,7 +116,6 @@ def nccl_ready(trainer: Any, policy: Any, port: int) -> str | None:
         return f"{type(err).__name__}: {' | '.join(lines[-3:]) or str(err)[-300:]}"
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
