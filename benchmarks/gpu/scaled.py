@@ -4,7 +4,8 @@ throughput, the GPU's busy fraction and the weight-sync cost (issue 8; docs/gpu.
 Six models of the GPT family in ``gpt.py`` (random init, built in code): a policy sampling up to
 ``--tokens`` new tokens with a KV cache, a reference, a reward, a value model, and PPO trainers
 for the policy and the value with bf16 autocast. All share one GPU through fractional GPU
-resources (``colocation``).
+resources (``colocation``); with ``--apart`` the trainers share one GPU and the inference models
+another (for ``--weight-transport nccl``, with one policy replica: NCCL takes one rank per GPU).
 
     python3 benchmarks/gpu/scaled.py --episodes 5 --samples 256 --tokens 128    # on the GPU
     python benchmarks/gpu/scaled.py --tiny --episodes 2 --samples 16 --tokens 8  # a CPU check
