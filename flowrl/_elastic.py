@@ -102,11 +102,18 @@ class ElasticMixin:
         first, before = pool.scheduler.replicas, len(self.serving(model))  # ids are never reused
         handles = await self._backend.start([self.grow_spec(self.graph.models[model], r)
                                              for r in range(first, first + count)])
-        async with self.members_lock:
-            for handle in sorted(handles, key=lambda h: h.replica_id):
-                if self.join_hook is not None:
-                    await self.join_hook(handle)
-                self._serve(handle)
+        served: list[ReplicaHandle] = []
+        try:
+            async with self.members_lock:
+                for handle in sorted(handles, key=lambda h: h.replica_id):
+                    if self.join_hook is not None:
+                        await self.join_hook(handle)
+                    self._serve(handle)
+                    served.append(handle)
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # those that could not join stop now, not at close
+                await self._backend.stop([h for h in handles if all(h is not s for s in served)])
+            raise
         self._changed(model, "grow", before, reason, reading)
         return [h.replica_id for h in handles]
 

@@ -189,6 +189,29 @@ def test_resize_errors_name_the_model_and_the_limit(ray_cluster):
     anyio.run(main)
 
 
+def test_a_replica_that_cannot_join_is_stopped_at_once_and_the_pool_grows_later(ray_cluster):
+    m = Scale("m", {"num_replicas": 1, **CPU}, srcs=["x"], dst="y")
+
+    async def refuse(handle):
+        raise flowrl.StageError("no weights for it", "m.set_weights", handle.replica_id, [])
+
+    async def main():
+        async with flowrl.open_pipeline(lambda x: m.forward_step(x), {"progress": "off"}) as pipe:
+            pipe.join_hook = refuse  # what an engine's weight hand-over does when it fails
+            with pytest.raises(flowrl.StageError, match="no weights for it"):
+                await pipe.add_replicas("m", 2)
+            names = flowrl_actor_names()
+            pipe.join_hook = None
+            assert await pipe.add_replicas("m", 1) == [1]  # the ids the failed joins had are free
+            samples = await pipe.run([{"x": np.ones(1)} for _ in range(16)])
+            return names, samples, pipe.stats()
+
+    names, samples, stats = anyio.run(main)
+    assert sum(1 for n in names if "-m-" in n) == 1  # the two that could not join are gone already
+    assert len(samples) == 16 and {r.replica for r in stats.stages["m.forward_step"].replicas if r.samples} <= {0, 1}
+    assert flowrl_actor_names() == []
+
+
 def test_the_autoscaler_grows_a_queued_pool_and_shrinks_a_starved_one_within_limits(ray_cluster):
     slow = Scale("slow", {"num_replicas": 1, "batch_size": 1, **CPU,
                           "autoscale": {"max_replicas": 3, "every_s": 0.1, "patience": 2}},
