@@ -102,17 +102,17 @@ class ElasticMixin:
         first, before = pool.scheduler.replicas, len(self.serving(model))  # ids are never reused
         handles = await self._backend.start([self.grow_spec(self.graph.models[model], r)
                                              for r in range(first, first + count)])
-        served: list[ReplicaHandle] = []
+        joining, served = sorted(handles, key=lambda h: h.replica_id), 0
         try:
             async with self.members_lock:
-                for handle in sorted(handles, key=lambda h: h.replica_id):
+                for handle in joining:
                     if self.join_hook is not None:
                         await self.join_hook(handle)
                     self._serve(handle)
-                    served.append(handle)
+                    served += 1
         except BaseException:
             with anyio.CancelScope(shield=True):  # those that could not join stop now, not at close
-                await self._backend.stop([h for h in handles if all(h is not s for s in served)])
+                await self._backend.stop(joining[served:])
             raise
         self._changed(model, "grow", before, reason, reading)
         return [h.replica_id for h in handles]

@@ -132,8 +132,7 @@ class Training:
         one costs a rendezvous and, with NCCL, a communicator), else a new one."""
         members = [backend, rank0.ref, *(h.ref for h in handles)]
         last = self._groups.get(name)
-        if reuse and last is not None and len(last[0]) == len(members) and all(
-                a is b or a == b for a, b in zip(last[0], members)):
+        if reuse and last is not None and last[0] == members:  # (list equality tries identity first)
             return last[1]
         group = await live.backend.serve_weights(rank0, len(handles) + 1, backend, self.config.collective_timeout_s)
         if reuse:  # a joining replica's own group does not replace the pool's

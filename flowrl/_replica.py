@@ -85,6 +85,7 @@ class ReplicaRuntime:
         self.model = model
         self.replica_id = replica_id
         self._steps: dict[str, tuple[Callable[..., Any], Any]] = {}  # method -> (callable, writes)
+        self._groups = Groups()  # weight-broadcast groups it joined (weight_transport="nccl")
 
     def _step(self, method: str) -> tuple[Callable[..., Any], Any]:
         found = self._steps.get(method)
@@ -148,7 +149,6 @@ class ReplicaRuntime:
             if isinstance(weights, CudaShare):
                 tensors = weights.open(self.model.device, replica)
             elif isinstance(weights, Broadcast):
-                self._groups = getattr(self, "_groups", None) or Groups()
                 tensors = weights.receive(self.model.device, self._groups, replica)
             else:
                 tensors = to_tensors(weights)
@@ -190,6 +190,8 @@ class TrainerRuntime:
     def __init__(self, model: Model, rank: int, world_size: int) -> None:
         self.model = model
         model.rank, model.world_size, model.replica_id = rank, world_size, rank
+        self._shared: tuple[CudaShare | None, CudaShare | None] = (None, None)  # weight_transport="cuda_ipc"
+        self._sender = Sender()  # weight_transport="nccl"
 
     def setup(self, init_method: str | None, gpu_ids: list[int], node_id: str, timeout_s: float) -> str:
         m = self.model
@@ -235,30 +237,26 @@ class TrainerRuntime:
             except Exception as err:
                 raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
             if m.config.weight_transport == "nccl":
-                return self._broadcasts().snapshot(weights, m.name)
+                return self._sender.snapshot(weights, m.name)
             if weights and all(is_cuda_tensor(v) for v in weights.values()):
                 # kept alive for two syncs: a replica joining while the next is read still
                 # receives the one before
-                self._shared = (getattr(self, "_shared", (None, None))[1], CudaShare(weights))
+                self._shared = (self._shared[1], CudaShare(weights))
                 return self._shared[1]
         return weights_of(m, m.rank)
 
     # ---- weight_transport="nccl": rank 0 broadcasts a snapshot to the replicas ----
-    def _broadcasts(self) -> Sender:
-        self._sender: Sender = getattr(self, "_sender", None) or Sender()
-        return self._sender
-
     def serve_weights(self, address: str, world: int, backend: str, timeout_s: float) -> Group:
-        return self._broadcasts().groups.serve(address, world, backend, timeout_s)
+        return self._sender.groups.serve(address, world, backend, timeout_s)
 
     def send_weights(self, group: Group, snapshot: int, keep: list[str]) -> None:
         try:
-            self._broadcasts().send(group, snapshot, keep)
+            self._sender.send(group, snapshot, keep)
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.weight broadcast", 0, []) from err
 
     def weight_values(self, snapshot: int) -> dict[str, Any]:
-        return self._broadcasts().values(snapshot)
+        return self._sender.values(snapshot)
 
     def save_state(self) -> tuple[bytes | None, bytes]:
         """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""
