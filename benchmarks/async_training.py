@@ -1,6 +1,6 @@
 """Synchronous against one-step-off-policy training: time per episode of the RL engine.
 
-Each load-test scenario (``flowrl/_loadtest.py``) is an episode's rollout: the same sleeping
+Each load-test scenario (``flowrl/_tools/loadtest.py``) is an episode's rollout: the same sleeping
 stages, its policy stage fed weights by a trainer whose one step per episode sleeps
 ``train_s`` (standing in for GPU training). Synchronous training (``max_staleness=0``) runs
 rollout, then training and sync, so an episode takes their sum; with ``max_staleness`` k > 0
@@ -37,8 +37,8 @@ import numpy as np
 import ray
 
 import flowrl
-from flowrl._loadtest import Sleeper, _table, scenarios
-from flowrl._simulate import INPUT, Workload, tails
+from flowrl._core.simulate import INPUT, Workload, tails
+from flowrl._tools.loadtest import Sleeper, _table, scenarios
 
 MODES = {"sync": 0, "k=1": 1, "k=2": 2}
 CPU = 0.05  # logical CPUs per replica: sleeping actors must not wait for Ray's CPU slots
@@ -90,9 +90,21 @@ class Trainer(flowrl.Model):
 def make_engine(w: Workload, k: int, episodes: int) -> flowrl.Engine:
     """The scenario's stages as the rollout (as ``workload_flow``, the policy a ``Policy``)."""
     tail = tails(w)
-    models = {st.name: (Policy if st.name == "policy" else Stage)(
-        st.name, {"num_replicas": st.replicas, "batch_size": st.batch_size, "splitter": st.splitter,
-                  "prefetch": st.prefetch, "cpus_per_replica": CPU}, st.cost, tail[st.name]) for st in w.stages}
+    models = {
+        st.name: (Policy if st.name == "policy" else Stage)(
+            st.name,
+            {
+                "num_replicas": st.replicas,
+                "batch_size": st.batch_size,
+                "splitter": st.splitter,
+                "prefetch": st.prefetch,
+                "cpus_per_replica": CPU,
+            },
+            st.cost,
+            tail[st.name],
+        )
+        for st in w.stages
+    }
     trainer = Trainer("trainer", {"num_replicas": 1, "cpus_per_replica": CPU})
 
     def flow(x: Any) -> Any:
@@ -110,8 +122,11 @@ def learn(engine: flowrl.Engine, w: Workload, train_s: float) -> dict[str, Any]:
     engine.set_dataset([{"k": i, "step_s": train_s} for i in range(w.samples)])  # each episode: all, in order
     done = len(engine.stats().episodes)
     episodes = engine.learn().episodes[done:]
-    ends = sorted(s.end for s in engine.spans() if s.group == "engine" and s.name == "train"
-                  and s.args["episode"] >= episodes[0].episode)
+    ends = sorted(
+        s.end
+        for s in engine.spans()
+        if s.group == "engine" and s.name == "train" and s.args["episode"] >= episodes[0].episode
+    )
     staleness: Counter[int] = Counter()
     for e in episodes:
         staleness.update(e.staleness.get("policy", {}))
@@ -137,8 +152,12 @@ def scenario_rows(name: str, w: Workload, ratios: list[float], episodes: int, re
                 for mode, engine in engines.items():
                     runs[mode].append(learn(engine, w, train_s))
                     print(name, train_s, mode, json.dumps(runs[mode][-1]), flush=True)
-            row: dict[str, Any] = {"scenario": name, "train_s": train_s, "calibrated_rollout_s": rollout_s,
-                                   "runs": runs}
+            row: dict[str, Any] = {
+                "scenario": name,
+                "train_s": train_s,
+                "calibrated_rollout_s": rollout_s,
+                "runs": runs,
+            }
             for mode in MODES:
                 for key in ("episode_s", "rollout_s", "wait_s", "sync_s"):
                     row[f"{mode} {key}"] = statistics.median(r[key] for r in runs[mode])
@@ -155,11 +174,33 @@ def table(rows: list[dict[str, Any]]) -> str:
         return " / ".join(f"{r[f'{m} {key}']:.2f}" for m in MODES)
 
     return _table(
-        ["scenario", "rollout s", "train s", "s/episode: sync / k=1 / k=2", "sync/k=1", "sync/k=2",
-         "wait s: sync / k=1 / k=2", "weight sync s (mean): sync / k=1 / k=2", "staleness k=1", "staleness k=2"],
-        [[r["scenario"], f"{r['sync rollout_s']:.2f}", f"{r['train_s']:.2f}", each(r, "episode_s"),
-          f"{r['sync episode_s'] / r['k=1 episode_s']:.2f}", f"{r['sync episode_s'] / r['k=2 episode_s']:.2f}",
-          each(r, "wait_s"), each(r, "sync_s"), str(r["k=1 staleness"]), str(r["k=2 staleness"])] for r in rows],
+        [
+            "scenario",
+            "rollout s",
+            "train s",
+            "s/episode: sync / k=1 / k=2",
+            "sync/k=1",
+            "sync/k=2",
+            "wait s: sync / k=1 / k=2",
+            "weight sync s (mean): sync / k=1 / k=2",
+            "staleness k=1",
+            "staleness k=2",
+        ],
+        [
+            [
+                r["scenario"],
+                f"{r['sync rollout_s']:.2f}",
+                f"{r['train_s']:.2f}",
+                each(r, "episode_s"),
+                f"{r['sync episode_s'] / r['k=1 episode_s']:.2f}",
+                f"{r['sync episode_s'] / r['k=2 episode_s']:.2f}",
+                each(r, "wait_s"),
+                each(r, "sync_s"),
+                str(r["k=1 staleness"]),
+                str(r["k=2 staleness"]),
+            ]
+            for r in rows
+        ],
     )
 
 

@@ -49,8 +49,10 @@ def bound(gen_n: int, score_n: int, n: int) -> float:
 
 def items(n: int) -> list[dict[str, Any]]:
     half = n // 2
-    return [{"x": np.zeros(1), "cost_gen": HEAVY if i < half else LIGHT, "cost_score": LIGHT if i < half else HEAVY}
-            for i in range(n)]
+    return [
+        {"x": np.zeros(1), "cost_gen": HEAVY if i < half else LIGHT, "cost_score": LIGHT if i < half else HEAVY}
+        for i in range(n)
+    ]
 
 
 async def one_run(gen_n: int, score_n: int, total: int, n: int, autoscale: bool) -> tuple[float, list[Any]]:
@@ -59,8 +61,9 @@ async def one_run(gen_n: int, score_n: int, total: int, n: int, autoscale: bool)
         return {"num_replicas": r, "batch_size": 4, "cpus_per_replica": 1, **(scale if autoscale else {})}
 
     gen, score = Stage("gen", cfg(gen_n), "x"), Stage("score", cfg(score_n), "gen_out")
-    async with flowrl.open_pipeline(lambda x: score.forward_step(gen.forward_step(x)),
-                                    {"progress": "off", "max_inflight": 64}) as pipe:
+    async with flowrl.open_pipeline(
+        lambda x: score.forward_step(gen.forward_step(x)), {"progress": "off", "max_inflight": 64}
+    ) as pipe:
         start = time.perf_counter()
         out = await pipe.run(items(n), fields=["score_out"])
         took = time.perf_counter() - start
@@ -97,15 +100,19 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items() if v}
     skipped = [k for k, v in times.items() if not v]
     best = min((k for k in med if k.startswith("fixed")), key=med.get)  # type: ignore[arg-type]
-    print(f"{n} samples, {total} replicas in all, gen:score cost {HEAVY / LIGHT:g}:1 then 1:{HEAVY / LIGHT:g}; "
-          f"medians of {args.repeats}")
+    print(
+        f"{n} samples, {total} replicas in all, gen:score cost {HEAVY / LIGHT:g}:1 then 1:{HEAVY / LIGHT:g}; "
+        f"medians of {args.repeats}"
+    )
     print("| allocation | s | vs autoscaled |\n| --- | --- | --- |")
     for k, v in med.items():
         print(f"| {k}{' (best fixed)' if k == best else ''} | {v:.2f} | {v / med['autoscaled']:.2f}x |")
     if skipped:
         print(f"\nnot run (their lower bound is above the best split's time): {', '.join(skipped)}")
-    print(f"\nbest fixed / autoscaled = {med[best] / med['autoscaled']:.2f}x; the last autoscaled run's decisions: "
-          + ", ".join(events))
+    print(
+        f"\nbest fixed / autoscaled = {med[best] / med['autoscaled']:.2f}x; the last autoscaled run's decisions: "
+        + ", ".join(events)
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"times": times, "events": events, "samples": n, "replicas": total}, f, indent=1)

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import ray
 
-import flowrl._loadtest as lt
+import flowrl._tools.loadtest as lt
 from flowrl import Batch, open_pipeline
-from flowrl._ray_backend import RayBackend
+from flowrl._backends.ray_backend import RayBackend
 
 
 class Stamped(lt.Sleeper):
@@ -40,9 +40,11 @@ def _report(name: str, makespan: float, rows: list[tuple[str, int, float, float,
                 late += nxt[2] >= prev[5]
         ms = np.array(gaps) * 1e3
         step = np.mean([r[5] - r[4] for r in rows if r[0] == stage]) * 1e3
-        print(f"{name} {stage}: makespan {makespan:.3f} s, step {step:.3f} ms, gap between steps median "
-              f"{np.median(ms):.3f} ms (p90 {np.percentile(ms, 90):.3f}), next shard sent before the running "
-              f"one ended {queued}/{queued + late}")
+        print(
+            f"{name} {stage}: makespan {makespan:.3f} s, step {step:.3f} ms, gap between steps median "
+            f"{np.median(ms):.3f} ms (p90 {np.percentile(ms, 90):.3f}), next shard sent before the running "
+            f"one ended {queued}/{queued + late}"
+        )
 
 
 async def main(name: str) -> None:
@@ -69,8 +71,10 @@ async def main(name: str) -> None:
             await pipe.run(items, fields=[f"{w.stages[-1].name}_done"])
             makespan = time.perf_counter() - start
             outputs = await backend[0].fetch([r for *_, r in log])
-            rows = [(stage, rid, sent, got, *out[f"{stage.split('.')[0]}_stamp"][0])
-                    for (stage, rid, sent, got, _), out in zip(log, outputs)]
+            rows = [
+                (stage, rid, sent, got, *out[f"{stage.split('.')[0]}_stamp"][0])
+                for (stage, rid, sent, got, _), out in zip(log, outputs)
+            ]
             _report(name, makespan, rows)
 
 

@@ -18,10 +18,10 @@ import ray.cloudpickle
 from ray.util import ActorPool
 
 from flowrl import open_pipeline
-from flowrl._baselines import Noop
-from flowrl._batch import Batch
-from flowrl._config import Piece, ShardCall, encode_message
-from flowrl._ray_wire import frame as _frame
+from flowrl._backends.ray_wire import frame as _frame
+from flowrl._core.batch import Batch
+from flowrl._core.config import Piece, ShardCall, encode_message
+from flowrl._tools.baselines import Noop
 
 CALLS = 400
 TICK = os.sysconf("SC_CLK_TCK")
@@ -46,8 +46,13 @@ def _cpu(replica: bytes = b"ray::ReplicaActor") -> dict[str, float]:
 
 
 def _noop_blob() -> bytes:
-    call = ShardCall(stage="noop.forward_step", method="forward_step", iteration=0, ids=[0],
-                     pieces=[Piece(producer="input", ref=-1, rows=[0])])
+    call = ShardCall(
+        stage="noop.forward_step",
+        method="forward_step",
+        iteration=0,
+        ids=[0],
+        pieces=[Piece(producer="input", ref=-1, rows=[0])],
+    )
     return _frame(encode_message(call), ray.cloudpickle.dumps([Batch.from_samples([0], [{"k": 0}])]))
 
 

@@ -2,7 +2,7 @@
 costs when it travels over a Unix socket that the replica actor reads in a thread, beside
 ``ray.util.ActorPool`` pinging the same actors (calls/s, CPU ms per call of the driver and of
 the replica processes). The measurement that led to ``PipelineConfig.local_channels``
-(``flowrl/_ray_channel.py``); this is the bare mechanism, without flowrl around it.
+(``flowrl/_backends/local_channel.py``); this is the bare mechanism, without flowrl around it.
 
     python benchmarks/channel.py          # Linux (reads /proc)
 """
@@ -18,10 +18,9 @@ import threading
 import time
 from typing import Any
 
+import call_shape  # beside this file
 import ray
 from ray.util import ActorPool
-
-import call_shape  # beside this file
 
 CALLS = 4000
 

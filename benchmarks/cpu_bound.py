@@ -15,7 +15,7 @@ import time
 
 import ray
 
-import flowrl._loadtest as lt
+import flowrl._tools.loadtest as lt
 from flowrl import open_pipeline
 
 
@@ -38,9 +38,12 @@ async def measure(name: str, repeats: int = 5) -> None:
             busy, start = busy_seconds(), time.perf_counter()
             await pipe.run(items, fields=[f"{w.stages[-1].name}_done"])
             makespan, busy = time.perf_counter() - start, busy_seconds() - busy
-            print(f"{name}: makespan {makespan:.3f} s; the machine's CPU work {busy:.3f} s over {cores} cores "
-                  f"= {busy / cores:.3f} s ({busy / cores / makespan:.0%} of the makespan); "
-                  f"{busy / calls * 1e6:.0f} us of CPU per call (>= {calls} calls)", flush=True)
+            print(
+                f"{name}: makespan {makespan:.3f} s; the machine's CPU work {busy:.3f} s over {cores} cores "
+                f"= {busy / cores:.3f} s ({busy / cores / makespan:.0%} of the makespan); "
+                f"{busy / calls * 1e6:.0f} us of CPU per call (>= {calls} calls)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

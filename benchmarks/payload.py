@@ -131,9 +131,11 @@ def section(sizes: tuple[float, ...] = (0.25, 4.0)) -> str:
     for mib in sizes:
         flow = asyncio.run(run_flowrl(mib))
         plain = run_plain(mib)
-        lines.append(f"| {mib:g} | {flow['mib_per_s']:.0f} | {plain['mib_per_s']:.0f} | "
-                     f"{flow['mib_per_s'] / plain['mib_per_s']:.2f} | {flow['rss_growth_mib']:.0f} | "
-                     f"{plain['rss_growth_mib']:.0f} |")
+        lines.append(
+            f"| {mib:g} | {flow['mib_per_s']:.0f} | {plain['mib_per_s']:.0f} | "
+            f"{flow['mib_per_s'] / plain['mib_per_s']:.2f} | {flow['rss_growth_mib']:.0f} | "
+            f"{plain['rss_growth_mib']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import payload  # noqa: E402
 import sim_scaling  # noqa: E402
 
-from flowrl._loadtest import loadtest_main  # noqa: E402
+from flowrl._tools.loadtest import loadtest_main  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"

@@ -9,20 +9,27 @@ from __future__ import annotations
 import time
 
 from flowrl import simulate
-from flowrl._simulate import SimStage, StageCost, Workload
+from flowrl._core.simulate import SimStage, StageCost, Workload
 
 PER_REPLICA = 96  # samples per policy replica
 
 
 def workload(replicas: int, seed: int = 0, tail: bool = True) -> Workload:
-    policy = (StageCost(call_s=0.020, tail_median_s=0.030, tail_sigma=1.0) if tail
-              else StageCost(call_s=0.020, per_sample_s=0.030))
+    policy = (
+        StageCost(call_s=0.020, tail_median_s=0.030, tail_sigma=1.0)
+        if tail
+        else StageCost(call_s=0.020, per_sample_s=0.030)
+    )
     scorer = StageCost(call_s=0.010, per_sample_s=0.002)
-    return Workload(samples=PER_REPLICA * replicas, seed=seed, stages=[
-        SimStage(name="policy", replicas=replicas, batch_size=16, cost=policy),
-        SimStage(name="reference", inputs=["policy"], replicas=replicas, batch_size=8, cost=scorer),
-        SimStage(name="reward", inputs=["policy", "reference"], replicas=replicas, batch_size=8, cost=scorer),
-    ])
+    return Workload(
+        samples=PER_REPLICA * replicas,
+        seed=seed,
+        stages=[
+            SimStage(name="policy", replicas=replicas, batch_size=16, cost=policy),
+            SimStage(name="reference", inputs=["policy"], replicas=replicas, batch_size=8, cost=scorer),
+            SimStage(name="reward", inputs=["policy", "reference"], replicas=replicas, batch_size=8, cost=scorer),
+        ],
+    )
 
 
 def rows(sizes: tuple[int, ...] = (8, 32, 128, 512, 1024)) -> list[dict[str, float]]:
@@ -34,8 +41,18 @@ def rows(sizes: tuple[int, ...] = (8, 32, 128, 512, 1024)) -> list[dict[str, flo
         wall = time.perf_counter() - start
         calls = sum(result.calls.values())
         flat = simulate(workload(replicas, tail=False))
-        out.append({"replicas": replicas, "samples": w.samples, "ratio": result.ratio, "bound_s": result.lower_bound_s,
-                    "flat_ratio": flat.ratio, "calls": calls, "wall_s": wall, "us_per_shard": wall / calls * 1e6})
+        out.append(
+            {
+                "replicas": replicas,
+                "samples": w.samples,
+                "ratio": result.ratio,
+                "bound_s": result.lower_bound_s,
+                "flat_ratio": flat.ratio,
+                "calls": calls,
+                "wall_s": wall,
+                "us_per_shard": wall / calls * 1e6,
+            }
+        )
     return out
 
 
@@ -53,8 +70,10 @@ def section() -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows():
-        lines.append(f"| {r['replicas']} | {r['samples']} | {r['ratio']:.3f} | {r['bound_s']:.2f} | {r['flat_ratio']:.3f} | "
-                     f"{r['calls']} | {r['wall_s']:.2f} | {r['us_per_shard']:.1f} |")
+        lines.append(
+            f"| {r['replicas']} | {r['samples']} | {r['ratio']:.3f} | {r['bound_s']:.2f} | {r['flat_ratio']:.3f} | "
+            f"{r['calls']} | {r['wall_s']:.2f} | {r['us_per_shard']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -14,13 +14,15 @@ from pathlib import Path
 import ray
 
 from flowrl import open_pipeline
-from flowrl._loadtest import scenarios, workload_flow
-from flowrl._timeline_view import format_summary, render_png, summary
-from flowrl._trace import chrome_trace, write_json
+from flowrl._core.trace import chrome_trace, write_json
+from flowrl._tools.loadtest import scenarios, workload_flow
+from flowrl._tools.timeline_view import format_summary, render_png, summary
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "images"
-SHOWN = {"chatlearn-209": "ChatLearn #209: policy 2x4 feeding three 8x2 stages",
-         "heavy-tail-256": "heavy tail: 256 samples, a few very long ones"}
+SHOWN = {
+    "chatlearn-209": "ChatLearn #209: policy 2x4 feeding three 8x2 stages",
+    "heavy-tail-256": "heavy tail: 256 samples, a few very long ones",
+}
 
 
 async def picture(name: str) -> None:

@@ -38,7 +38,10 @@ class Scorer(flowrl.Model):
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         time.sleep(0.01)
-        return {f"{self.name}_out": batch["policy_out"] * self.factor, f"{self.name}_replica": [self.replica_id] * len(batch)}
+        return {
+            f"{self.name}_out": batch["policy_out"] * self.factor,
+            f"{self.name}_replica": [self.replica_id] * len(batch),
+        }
 
 
 class Reward(flowrl.Model):
@@ -71,7 +74,11 @@ def report(stats: flowrl.PipelineStats) -> None:
         per = " ".join(f"{r.samples:>2}" for r in st.replicas)
         print(f"{name:<24}{st.samples:>8}{st.calls:>7}{st.max_shard:>10}   {per}")
     print(f"\nactive {stats.active_s:.2f}s; replica busy fraction: ", end="")
-    print(", ".join(f"{n.split('.')[0]} {st.busy_s / (stats.active_s * len(st.replicas)):.0%}" for n, st in stats.stages.items()))
+    print(
+        ", ".join(
+            f"{n.split('.')[0]} {st.busy_s / (stats.active_s * len(st.replicas)):.0%}" for n, st in stats.stages.items()
+        )
+    )
 
 
 def check(samples: list[flowrl.Sample], stats: flowrl.PipelineStats) -> list[str]:
@@ -86,7 +93,7 @@ def check(samples: list[flowrl.Sample], stats: flowrl.PipelineStats) -> list[str
         if st.samples != SAMPLES_PER_ROUND * ROUNDS or st.max_shard > 2:
             problems.append(f"{stage}: {st.samples} samples, max shard {st.max_shard}")
         for r in range(ROUNDS):
-            used = {s[f"{stage}_replica"] for s in samples[r * SAMPLES_PER_ROUND:(r + 1) * SAMPLES_PER_ROUND]}
+            used = {s[f"{stage}_replica"] for s in samples[r * SAMPLES_PER_ROUND : (r + 1) * SAMPLES_PER_ROUND]}
             if len(used) != 8:
                 problems.append(f"{stage}, round {r}: only replicas {sorted(used)} worked")
     return problems
@@ -108,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print("PROBLEM:", p)
     if not problems:
-        print("\nOK: all 8 replicas of reference, value and reward worked in both rounds; "
-              "every stage processed each of the 32 samples exactly once; rewards joined by sample id.")
+        print(
+            "\nOK: all 8 replicas of reference, value and reward worked in both rounds; "
+            "every stage processed each of the 32 samples exactly once; rewards joined by sample id."
+        )
     return 1 if problems else 0
 
 

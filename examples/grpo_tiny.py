@@ -13,11 +13,11 @@ import argparse
 import sys
 from typing import Any
 
+import ppo_tiny
 import torch
+from ppo_tiny import CLIP, KL_COEF, VOCAB, Policy, Reference, Reward, Trainer, logprobs, mean_score
 
 import flowrl
-import ppo_tiny
-from ppo_tiny import CLIP, KL_COEF, VOCAB, Policy, Reference, Reward, Trainer, logprobs, mean_score
 
 
 class GRPOPolicy(Trainer):
@@ -61,8 +61,13 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4) -> flowrl.E
         return reward.forward_step(out, reference.forward_step(out))
 
     config = flowrl.RunConfig(
-        sample_per_episode=64, num_episode=episodes, num_samples_per_prompt=group,
-        train_global_batch_size=32, train_micro_batch_size=16, num_training_epoch=4, shuffle=True,
+        sample_per_episode=64,
+        num_episode=episodes,
+        num_samples_per_prompt=group,
+        train_global_batch_size=32,
+        train_micro_batch_size=16,
+        num_training_epoch=4,
+        shuffle=True,
         pipeline=flowrl.PipelineConfig(backend=backend),
     )
     engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)

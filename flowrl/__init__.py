@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from ._batch import Batch, Sample
-from ._autoscale import ScaleEvent
-from ._config import Autoscale, ModelConfig, PipelineConfig
-from ._engine import Engine
-from ._engine_parts import EngineStats, EpisodeStats, RankStats, TrainerStats
-from ._rlhf import RLHFEngine
-from ._run_config import RunConfig
-from ._sampler import EpisodeBuffer
-from ._errors import (
+from ._core.autoscale import ScaleEvent
+from ._core.batch import Batch, Sample
+from ._core.config import Autoscale, ModelConfig, PipelineConfig
+from ._core.errors import (
     CheckpointError,
     ClusterError,
     ConfigError,
@@ -22,13 +17,18 @@ from ._errors import (
     ReplicaDiedError,
     StageError,
 )
-from ._graph import FlowGraph
-from ._model import Model, step
-from ._pipeline import Pipeline, build_flow, open_pipeline, run_flow
-from ._runtime import AsyncPipeline
-from ._simulate import SimResult, SimStage, StageCost, Workload, simulate
-from ._splitter import POLICIES as SPLITTERS
-from ._stats import PipelineStats, ReplicaStats, StageStats
+from ._core.graph import FlowGraph
+from ._core.model import Model, step
+from ._core.run_config import RunConfig
+from ._core.sampler import EpisodeBuffer
+from ._core.simulate import SimResult, SimStage, StageCost, Workload, simulate
+from ._core.splitter import POLICIES as SPLITTERS
+from ._core.stats import PipelineStats, ReplicaStats, StageStats
+from ._engine.engine import Engine
+from ._engine.parts import EngineStats, EpisodeStats, RankStats, TrainerStats
+from ._engine.rlhf import RLHFEngine
+from ._pipeline.opening import Pipeline, build_flow, open_pipeline, run_flow
+from ._pipeline.pipeline import AsyncPipeline
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from ._cli import main
+from ._tools.cli import main
 
 sys.exit(main())

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._batch import Batch
-from ._config import ModelConfig
-from ._model import Model
+from ._core.model import Model
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ._core.batch import Batch
+    from ._core.config import ModelConfig
 
 
 class Scale(Model):
@@ -105,7 +108,9 @@ class Fail(Model):
 class Emit(Model):
     """Returns zeros for each field with ``len(batch) + offset`` rows: for malformed-output tests."""
 
-    def __init__(self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, fields: dict[str, int]) -> None:
+    def __init__(
+        self, name: str, config: ModelConfig | dict[str, Any] | None = None, *, fields: dict[str, int]
+    ) -> None:
         super().__init__(name, config)
         self.fields = fields  # field -> row offset (0: well formed)
 
@@ -156,6 +161,6 @@ class CountingTrainer(Model):
 
 def flowrl_actor_names() -> list[str]:
     """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""
-    from ._ray_backend import live_actor_names
+    from ._backends.ray_backend import live_actor_names
 
     return live_actor_names()

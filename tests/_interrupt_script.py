@@ -12,7 +12,7 @@ import numpy as np
 import ray
 
 import flowrl
-from flowrl._checkpoint import CheckpointDir, decode_state
+from flowrl._core.state_format import CheckpointDir, decode_state
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 
@@ -30,12 +30,22 @@ def last_checkpoint(folder: str) -> dict:
 
 def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, "cpus_per_replica": 0.25}, srcs=["x"], dst="y",
-                   sleep_s=0.02)
+    policy = Scale(
+        "policy", {"num_replicas": 2, "batch_size": 2, "cpus_per_replica": 0.25}, srcs=["x"], dst="y", sleep_s=0.02
+    )
     trainer = CountingTrainer("trainer", {"num_replicas": 2, "cpus_per_replica": 0.25})
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 1000, "train_global_batch_size": 8,
-                                   "checkpoint_every": 1, "checkpoint_dir": sys.argv[1]})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={
+            "sample_per_episode": 8,
+            "num_episode": 1000,
+            "train_global_batch_size": 8,
+            "checkpoint_every": 1,
+            "checkpoint_dir": sys.argv[1],
+        },
+    )
 
     def relay(episodes):
         if episodes[-1].episode_id == 2:
@@ -49,8 +59,10 @@ def main() -> None:
         outcome = "finished"
     except KeyboardInterrupt:
         outcome = "interrupted"
-    print(json.dumps({"outcome": outcome, "left": flowrl_actor_names(), "checkpoint": last_checkpoint(sys.argv[1])}),
-          flush=True)
+    print(
+        json.dumps({"outcome": outcome, "left": flowrl_actor_names(), "checkpoint": last_checkpoint(sys.argv[1])}),
+        flush=True,
+    )
     ray.shutdown()
 
 

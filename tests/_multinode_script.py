@@ -18,8 +18,14 @@ def main() -> None:
     cluster.wait_for_nodes()
     try:
         # 4 replicas of 1 GPU each cannot fit on one 2-GPU node: Ray must use both nodes
-        gen = Scale("gen", {"num_replicas": 4, "gpus_per_replica": 1, "cpus_per_replica": 0.5, "batch_size": 2},
-                    srcs=["x"], dst="y", factor=3, sleep_s=0.01)
+        gen = Scale(
+            "gen",
+            {"num_replicas": 4, "gpus_per_replica": 1, "cpus_per_replica": 0.5, "batch_size": 2},
+            srcs=["x"],
+            dst="y",
+            factor=3,
+            sleep_s=0.01,
+        )
         config = flowrl.PipelineConfig(ray_address=cluster.address)
         with flowrl.Pipeline(lambda x: gen.forward_step(x), config) as pipe:
             out = pipe.run([{"x": np.full(2, float(i))} for i in range(20)])
@@ -40,15 +46,19 @@ def main() -> None:
         ray.init(address=cluster.address)
         left_after = flowrl_actor_names()
         ray.shutdown()
-        print(json.dumps({
-            "placement": placement,
-            "nodes": nodes,
-            "ok": all(np.allclose(s["y"], 3 * s.id) for s in out) and [s.id for s in out] == list(range(20)),
-            "samples": stats["gen.forward_step"].samples,
-            "live_during": len(live_during),
-            "left_after": left_after,
-            "node_fit": node_fit,
-        }))
+        print(
+            json.dumps(
+                {
+                    "placement": placement,
+                    "nodes": nodes,
+                    "ok": all(np.allclose(s["y"], 3 * s.id) for s in out) and [s.id for s in out] == list(range(20)),
+                    "samples": stats["gen.forward_step"].samples,
+                    "live_during": len(live_during),
+                    "left_after": left_after,
+                    "node_fit": node_fit,
+                }
+            )
+        )
     finally:
         cluster.shutdown()
 

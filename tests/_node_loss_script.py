@@ -35,11 +35,23 @@ class SlowOnHead(Scale):
 
 async def run(cluster: Cluster, worker, head: str, *, width: int, two_stages: bool, head_delay: float) -> dict:
     # the worker node has 1 CPU: two gen replicas fill it, so the scorer sits on the head node
-    gen = SlowOnHead("gen", {"num_replicas": 4, "gpus_per_replica": 1, "cpus_per_replica": 0.5, "batch_size": 2},
-                     srcs=["x"], dst="y", factor=3, sleep_s=0.01 if width == BIG else 0.05)
+    gen = SlowOnHead(
+        "gen",
+        {"num_replicas": 4, "gpus_per_replica": 1, "cpus_per_replica": 0.5, "batch_size": 2},
+        srcs=["x"],
+        dst="y",
+        factor=3,
+        sleep_s=0.01 if width == BIG else 0.05,
+    )
     gen.head, gen.head_delay = head, head_delay
-    score = Scale("score", {"num_replicas": 1, "cpus_per_replica": 1, "batch_size": 2}, srcs=["y"], dst="z",
-                  factor=2, sleep_s=0.05)
+    score = Scale(
+        "score",
+        {"num_replicas": 1, "cpus_per_replica": 1, "batch_size": 2},
+        srcs=["y"],
+        dst="z",
+        factor=2,
+        sleep_s=0.05,
+    )
 
     def flow(x):
         y = gen.forward_step(x)

@@ -42,8 +42,16 @@ class Policy(flowrl.Model):
 class Learner(flowrl.Model):
     """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked."""
 
-    def __init__(self, name: str, config: Any = None, *, die_at: tuple[int, int] | None = None,
-                 marker: str = "", peer_first: bool = False, sleep_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: Any = None,
+        *,
+        die_at: tuple[int, int] | None = None,
+        marker: str = "",
+        peer_first: bool = False,
+        sleep_s: float = 0.0,
+    ) -> None:
         super().__init__(name, config)
         self.sleep_s = sleep_s  # per step: a trainer that takes time
         self.die_at = die_at
@@ -80,33 +88,67 @@ class Learner(flowrl.Model):
         self.all_reduce_grads(self.module)
         self.optimizer.step()
         seen = {k: np.asarray(batch[k]).tolist() for k in ("idx", "policy_version", "policy_staleness") if k in batch}
-        return {"ids": batch.ids.tolist(), "loss": float(loss.detach()), "w": self.module.weight.detach().numpy().ravel().tolist(),
-                **seen}
+        return {
+            "ids": batch.ids.tolist(),
+            "loss": float(loss.detach()),
+            "w": self.module.weight.detach().numpy().ravel().tolist(),
+            **seen,
+        }
 
 
 def dataset() -> list[dict[str, Any]]:
     return [{"idx": i, "prompt": np.arange(4, dtype=np.float32) * (i % 7) / 7 + i / 20} for i in range(20)]
 
 
-def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, int] | None = None,
-                marker: str = "", peer_first: bool = False, rollout_s: float = 0.0, train_s: float = 0.0,
-                **config: Any) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
+def make_engine(
+    *,
+    policy_replicas: int = 2,
+    ranks: int = 2,
+    die_at: tuple[int, int] | None = None,
+    marker: str = "",
+    peer_first: bool = False,
+    rollout_s: float = 0.0,
+    train_s: float = 0.0,
+    **config: Any,
+) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
     """The engine and the list its relay function appends each episode's samples to
     (``rollout_s`` / ``train_s``: seconds each policy shard / train step sleeps)."""
     policy = Policy("policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU}, sleep_s=rollout_s)
-    learner = Learner("learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first,
-                      sleep_s=train_s)
-    cfg = {"sample_per_episode": 8, "num_episode": 6, "train_global_batch_size": 4, "train_micro_batch_size": 2,
-           "num_training_epoch": 2, "shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2, **config}
+    learner = Learner(
+        "learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first, sleep_s=train_s
+    )
+    cfg = {
+        "sample_per_episode": 8,
+        "num_episode": 6,
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "num_training_epoch": 2,
+        "shuffle": True,
+        "seed": 3,
+        "sync_every": 2,
+        "max_relay_episode": 2,
+        **config,
+    }
     evaluate = cfg.get("eval_every", 0)
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[learner], sync=[(learner, policy)],
-                           config=cfg, eval_flow=(lambda x: policy.forward_step(x)) if evaluate else None)
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[learner],
+        sync=[(learner, policy)],
+        config=cfg,
+        eval_flow=(lambda x: policy.forward_step(x)) if evaluate else None,
+    )
     seen: list[dict[str, Any]] = []
 
     def relay(episodes: list[flowrl.EpisodeBuffer]) -> list[flowrl.Sample]:
         last = episodes[-1]
-        seen.append({"episode": last.episode_id, "ids": [s.id for s in last.buffer],
-                     "idx": [int(s["idx"]) for s in last.buffer], "action": [float(s["action"]) for s in last.buffer]})
+        seen.append(
+            {
+                "episode": last.episode_id,
+                "ids": [s.id for s in last.buffer],
+                "idx": [int(s["idx"]) for s in last.buffer],
+                "action": [float(s["action"]) for s in last.buffer],
+            }
+        )
         # the last episode whole, and the even ids of the one before: training reads the relay buffer
         return [s for e in episodes for s in e.buffer if e is last or s.id % 2 == 0]
 
@@ -119,5 +161,7 @@ def make_engine(*, policy_replicas: int = 2, ranks: int = 2, die_at: tuple[int, 
 
 def trained(engine: flowrl.Engine) -> list[list[list[dict[str, Any]]]]:
     """Per episode of this engine object: per step, per rank, (ids, loss, weights after)."""
-    return [[[{k: r[k] for k in ("ids", "loss", "w")} for r in step] for step in ep["learner"]]
-            for ep in engine.train_results]
+    return [
+        [[{k: r[k] for k in ("ids", "loss", "w")} for r in step] for step in ep["learner"]]
+        for ep in engine.train_results
+    ]

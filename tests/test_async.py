@@ -7,13 +7,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from _resume_models import make_engine, trained
 
 import flowrl
-from flowrl._sampler import EpisodeSampler
-from flowrl._staleness import histogram, lags, rollout_needs, too_stale, train_version
+from flowrl._core.sampler import EpisodeSampler
+from flowrl._core.staleness import histogram, lags, rollout_needs, too_stale, train_version
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
-
-from _resume_models import make_engine, trained
 
 INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}
 EPISODES, PER_EPISODE = 6, 8
@@ -33,8 +32,10 @@ def test_the_gate_keeps_every_episode_within_the_bound_and_waits_no_longer(k, sy
         assert needed <= e  # never waits for its own training
 
 
-@pytest.mark.parametrize("e, k, s, needed", [(5, 0, 1, 5), (5, 1, 1, 4), (1, 0, 2, 0), (2, 0, 2, 2), (5, 1, 2, 2),
-                                             (7, 2, 1, 5), (0, 0, 1, 0)])
+@pytest.mark.parametrize(
+    "e, k, s, needed",
+    [(5, 0, 1, 5), (5, 1, 1, 4), (1, 0, 2, 0), (2, 0, 2, 2), (5, 1, 2, 2), (7, 2, 1, 5), (0, 0, 1, 0)],
+)
 def test_rollout_needs_examples(e, k, s, needed):
     assert rollout_needs(e, max_staleness=k, sync_every=s) == needed
 
@@ -48,10 +49,13 @@ def test_lags_histogram_and_too_stale():
     assert too_stale(samples, versions, 2) == []
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"max_staleness": -1}, "max_staleness must be >= 0"),
-    ({"on_stale": "skip"}, "on_stale must be one of"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+        ({"on_stale": "skip"}, "on_stale must be one of"),
+    ],
+)
 def test_bad_async_settings_are_named(bad, message):
     with pytest.raises(flowrl.ConfigError, match=message):
         flowrl.RunConfig(sample_per_episode=8, **bad)
@@ -62,8 +66,12 @@ def seen_staleness(engine: flowrl.Engine) -> list[list[tuple[int, int, int]]]:
     """Per episode: (sample id, version it was generated with, staleness the trainer saw)."""
     out = []
     for episode in engine.train_results:
-        rows = [(i, v, s) for step in episode["learner"] for r in step
-                for i, v, s in zip(r["ids"], r["policy_version"], r.get("policy_staleness", [0] * len(r["ids"])))]
+        rows = [
+            (i, v, s)
+            for step in episode["learner"]
+            for r in step
+            for i, v, s in zip(r["ids"], r["policy_version"], r.get("policy_staleness", [0] * len(r["ids"])))
+        ]
         out.append(rows)
     return out
 
@@ -98,8 +106,15 @@ def test_max_staleness_zero_is_the_synchronous_loop(ray_cluster):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cluster, k):
-    engine, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=EPISODES, max_staleness=k,
-                            rollout_s=0.01, train_s=0.15, shuffle=False)
+    engine, _ = make_engine(
+        sync_every=1,
+        max_relay_episode=0,
+        num_episode=EPISODES,
+        max_staleness=k,
+        rollout_s=0.01,
+        train_s=0.15,
+        shuffle=False,
+    )
     stats = engine.learn()
     assert flowrl_actor_names() == []
     rows = seen_staleness(engine)
@@ -108,12 +123,13 @@ def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cl
             assert seen == train_version(e, 1) - version <= k  # checked on every trained sample
     assert max(s for episode in rows for _, _, s in episode) >= 1  # rollouts did run ahead of training
     ids = [sid for episode in rows for sid, _, _ in episode]
-    assert Counter(ids) == Counter({i: 2 for i in range(EPISODES * PER_EPISODE)})  # two epochs: once in each
+    assert Counter(ids) == Counter(dict.fromkeys(range(EPISODES * PER_EPISODE), 2))  # two epochs: once in each
     assert stats.rollout["policy.forward_step"].samples == EPISODES * PER_EPISODE
     assert [e.samples for e in stats.episodes] == [PER_EPISODE] * EPISODES
     for e, episode_stats in enumerate(stats.episodes):
-        assert episode_stats.staleness == histogram([{"policy_version": v} for _, v, _ in rows[e][:PER_EPISODE]],
-                                                    {"policy": train_version(e, 1)})
+        assert episode_stats.staleness == histogram(
+            [{"policy_version": v} for _, v, _ in rows[e][:PER_EPISODE]], {"policy": train_version(e, 1)}
+        )
     assert first_epoch_prompts(engine) == drawn()  # the sampler's prompts, episode by episode
     rollouts, trains = phases(engine, "rollout"), phases(engine, "train")
     assert any(r0 < t1 and t0 < r1 for _, r0, r1 in rollouts for _, t0, t1 in trains)  # they overlapped in time
@@ -123,8 +139,15 @@ def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cl
 
 @pytest.mark.parametrize("policy", ["drop", "regenerate"])
 def test_stale_samples_are_dropped_or_generated_again_and_counted(ray_cluster, policy):
-    engine, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=EPISODES, on_stale=policy,
-                            rollout_s=0.05, train_s=0.02, shuffle=False)
+    engine, _ = make_engine(
+        sync_every=1,
+        max_relay_episode=0,
+        num_episode=EPISODES,
+        on_stale=policy,
+        rollout_s=0.05,
+        train_s=0.02,
+        shuffle=False,
+    )
     stats = engine.learn()
     rows = seen_staleness(engine)
     assert all(seen == 0 for episode in rows for _, _, seen in episode)  # max_staleness=0 holds on every sample
@@ -145,21 +168,37 @@ def test_stale_samples_are_dropped_or_generated_again_and_counted(ray_cluster, p
 
 
 def test_a_checkpoint_taken_while_a_rollout_ran_ahead_resumes_that_episode(tmp_path):
-    first, seen_first = make_engine(max_relay_episode=0, num_episode=4, max_staleness=1, checkpoint_every=2,
-                                    checkpoint_dir=str(tmp_path), **INPROCESS)
+    first, seen_first = make_engine(
+        max_relay_episode=0,
+        num_episode=4,
+        max_staleness=1,
+        checkpoint_every=2,
+        checkpoint_dir=str(tmp_path),
+        **INPROCESS,
+    )
     first.learn()
-    resumed, seen = make_engine(max_relay_episode=0, num_episode=4, max_staleness=1,
-                                resume=str(tmp_path / "episode-000002"), **INPROCESS)
+    resumed, seen = make_engine(
+        max_relay_episode=0, num_episode=4, max_staleness=1, resume=str(tmp_path / "episode-000002"), **INPROCESS
+    )
     resumed.learn()  # episodes 2 and 3: the rollouts the first run had drawn ahead are drawn again
     assert [(s["episode"], s["ids"], s["idx"]) for s in seen] == [
-        (s["episode"], s["ids"], s["idx"]) for s in seen_first[2:]]
+        (s["episode"], s["ids"], s["idx"]) for s in seen_first[2:]
+    ]
 
 
 def test_a_trainer_rebuilt_under_overlap_trains_each_episode_once(ray_cluster, tmp_path):
     ref, _ = make_engine(sync_every=1, max_relay_episode=0, max_staleness=1, train_s=0.05)
     ref.learn()
-    engine, seen = make_engine(sync_every=1, max_relay_episode=0, max_staleness=1, train_s=0.05, checkpoint_every=2,
-                               checkpoint_dir=str(tmp_path), die_at=(3, 0), marker=str(tmp_path / "died"))
+    engine, seen = make_engine(
+        sync_every=1,
+        max_relay_episode=0,
+        max_staleness=1,
+        train_s=0.05,
+        checkpoint_every=2,
+        checkpoint_dir=str(tmp_path),
+        die_at=(3, 0),
+        marker=str(tmp_path / "died"),
+    )
     stats = engine.learn()
     assert (tmp_path / "died").exists() and flowrl_actor_names() == []
     assert [e.episode for e in stats.episodes] == list(range(EPISODES))
@@ -180,9 +219,12 @@ def test_a_field_named_like_the_staleness_column_is_refused():
 
     policy = Clash("policy", {"batch_size": 4})
     learner = Learner("learner")
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[learner], sync=[(learner, policy)],
-                           config={"sample_per_episode": 4, "max_staleness": 1, "progress": "off",
-                                   "pipeline": {"backend": "inprocess"}})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[learner],
+        sync=[(learner, policy)],
+        config={"sample_per_episode": 4, "max_staleness": 1, "progress": "off", "pipeline": {"backend": "inprocess"}},
+    )
     engine.set_dataset([{"idx": i, "prompt": np.zeros(4, dtype=np.float32)} for i in range(8)])
     with pytest.raises(flowrl.FlowDefinitionError, match="has a field 'policy_staleness': that name is reserved"):
         engine.learn()
@@ -197,8 +239,9 @@ class SeenTrainer(CountingTrainer):
         time.sleep(0.1)  # a trainer that takes time, so rollouts run ahead
         out = super().train_step(batch, iteration)
         for model in ("policy", "value"):
-            out[model] = list(zip(np.asarray(batch[f"{model}_version"]).tolist(),
-                                  np.asarray(batch[f"{model}_staleness"]).tolist()))
+            out[model] = list(
+                zip(np.asarray(batch[f"{model}_version"]).tolist(), np.asarray(batch[f"{model}_staleness"]).tolist())
+            )
         return out
 
 
@@ -212,8 +255,9 @@ def test_every_synced_model_carries_its_own_version_and_each_is_bounded(ray_clus
         SeenTrainer("ppo_policy", {"num_replicas": 1, **cpu}),
         SeenTrainer("ppo_value", {"num_replicas": 1, **cpu}),
     )
-    engine = flowrl.RLHFEngine(*models, {"sample_per_episode": 8, "num_episode": 5, "max_staleness": 1,
-                                         "progress": "off"})
+    engine = flowrl.RLHFEngine(
+        *models, {"sample_per_episode": 8, "num_episode": 5, "max_staleness": 1, "progress": "off"}
+    )
     engine.set_dataset([{"query": np.full(2, float(i))} for i in range(40)])
     stats = engine.learn()
     for e, episode in enumerate(engine.train_results):

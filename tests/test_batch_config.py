@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl._config import ShardCall, to_config
-from flowrl._replica import new_fields
+from flowrl._backends.replica import new_fields
+from flowrl._core.config import ShardCall, to_config
 
 # ---- Batch ----
 
@@ -238,7 +238,10 @@ def test_num_replicas_disagreeing_with_num_gpu(num_replicas):
 @pytest.mark.parametrize("bad", [0, -1])
 @pytest.mark.parametrize(
     "cls,key",
-    [(flowrl.ModelConfig, k) for k in ("num_replicas", "num_gpu", "tensor_parallel_size", "pipeline_parallel_size", "batch_size", "prefetch")]
+    [
+        (flowrl.ModelConfig, k)
+        for k in ("num_replicas", "num_gpu", "tensor_parallel_size", "pipeline_parallel_size", "batch_size", "prefetch")
+    ]
     + [(flowrl.PipelineConfig, k) for k in ("max_inflight", "input_chunk", "setup_timeout_s", "ray_init_cpus")],
 )
 def test_non_positive_sizes_name_the_key(cls, key, bad):

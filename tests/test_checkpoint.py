@@ -18,7 +18,7 @@ import torch
 
 import flowrl
 import flowrl.testing
-from flowrl._checkpoint import CheckpointDir, decode_state, encode_state
+from flowrl._core.state_format import CheckpointDir, decode_state, encode_state
 from flowrl.testing import flowrl_actor_names
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,18 +28,21 @@ INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks"
 
 
 # ---- the state format ----
-@pytest.mark.parametrize("value", [
-    {"a": 1, "b": [1.5, "x", None, True], 3: {"nested": b"raw"}},
-    np.arange(12, dtype=np.int16).reshape(3, 4),
-    np.zeros((0, 3), dtype=np.float32),
-    np.float32(2.5),
-    np.int64(-7),
-    torch.randn(3, 4).to(torch.bfloat16),
-    torch.tensor(3.0),
-    torch.empty(0, 2),
-    torch.tensor([True, False]),
-    torch.arange(6).reshape(2, 3).t(),  # not contiguous
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": 1, "b": [1.5, "x", None, True], 3: {"nested": b"raw"}},
+        np.arange(12, dtype=np.int16).reshape(3, 4),
+        np.zeros((0, 3), dtype=np.float32),
+        np.float32(2.5),
+        np.int64(-7),
+        torch.randn(3, 4).to(torch.bfloat16),
+        torch.tensor(3.0),
+        torch.empty(0, 2),
+        torch.tensor([True, False]),
+        torch.arange(6).reshape(2, 3).t(),  # not contiguous
+    ],
+)
 def test_state_round_trips_with_types_and_dtypes(value):
     back = decode_state(encode_state({"v": value}))["v"]
     if isinstance(value, torch.Tensor):
@@ -61,11 +64,14 @@ def test_optimizer_and_rng_state_round_trip_and_load():
     assert torch.equal(again.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
-@pytest.mark.parametrize("value, message", [
-    (object(), "cannot save a builtins.object"),
-    (np.array([1, "x"], dtype=object), "cannot save a numpy array of dtype object safely"),
-    (np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]), "objects or records"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (object(), "cannot save a builtins.object"),
+        (np.array([1, "x"], dtype=object), "cannot save a numpy array of dtype object safely"),
+        (np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]), "objects or records"),
+    ],
+)
 def test_unsafe_values_are_refused_when_saving(value, message):
     with pytest.raises(flowrl.CheckpointError, match=message):
         encode_state({"v": value})
@@ -145,9 +151,17 @@ class NanTrainer(flowrl.Model):
 def test_a_nan_metric_in_the_episode_stats_does_not_break_resume(tmp_path):
     def engine(episodes: int) -> flowrl.Engine:
         policy = flowrl.testing.Scale("policy", {"num_replicas": 1, "batch_size": 2}, srcs=["x"], dst="y")
-        e = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[NanTrainer("t")],
-                          config={"sample_per_episode": 2, "num_episode": episodes, "checkpoint_every": 1,
-                                  "checkpoint_dir": str(tmp_path), "pipeline": {"backend": "inprocess"}})
+        e = flowrl.Engine(
+            rollout=lambda x: policy.forward_step(x),
+            train=[NanTrainer("t")],
+            config={
+                "sample_per_episode": 2,
+                "num_episode": episodes,
+                "checkpoint_every": 1,
+                "checkpoint_dir": str(tmp_path),
+                "pipeline": {"backend": "inprocess"},
+            },
+        )
         e.set_dataset([{"x": np.zeros(1)} for _ in range(4)])
         return e
 
@@ -161,7 +175,9 @@ def test_resume_refuses_another_dataset_or_sampling(tmp_path):
     first.learn()
     other, _ = make_engine(checkpoint_dir=str(tmp_path), **INPROCESS)
     other.set_dataset(other._dataset[:10])
-    with pytest.raises(flowrl.CheckpointError, match=r"dataset_size=20, this run has dataset_size=10 \(the dataset's length\)"):
+    with pytest.raises(
+        flowrl.CheckpointError, match=r"dataset_size=20, this run has dataset_size=10 \(the dataset's length\)"
+    ):
         other.learn()
     seeded, _ = make_engine(checkpoint_dir=str(tmp_path), seed=4, **INPROCESS)
     with pytest.raises(flowrl.CheckpointError, match=r"seed=3, this run has seed=4 \(RunConfig.seed\)"):
@@ -173,7 +189,9 @@ def test_resume_settings_are_checked_when_the_engine_is_made(tmp_path):
         flowrl.RunConfig(sample_per_episode=4, checkpoint_every=2)
     first, _ = make_engine(num_episode=1, checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
     first.learn()
-    with pytest.raises(flowrl.CheckpointError, match=r'resume="never" but .* already holds checkpoints \(after episodes \[0, 1\]\)'):
+    with pytest.raises(
+        flowrl.CheckpointError, match=r'resume="never" but .* already holds checkpoints \(after episodes \[0, 1\]\)'
+    ):
         make_engine(checkpoint_dir=str(tmp_path), resume="never", **INPROCESS)
     with pytest.raises(flowrl.CheckpointError, match="not a checkpoint folder"):
         make_engine(resume=str(tmp_path / "nowhere"), **INPROCESS)
@@ -188,16 +206,25 @@ def reference(sync_every: int) -> dict[str, Any]:
     """The uninterrupted run on Ray: what every interrupted one must reproduce."""
     engine, seen = make_engine(sync_every=sync_every)
     stats = engine.learn()
-    return {"seen": seen, "trained": trained(engine), "steps": stats.trainers["learner"].steps,
-            "versions": stats.episodes[-1].weight_versions}
+    return {
+        "seen": seen,
+        "trained": trained(engine),
+        "steps": stats.trainers["learner"].steps,
+        "versions": stats.episodes[-1].weight_versions,
+    }
 
 
 def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_path):
     ref = reference(2)
     script = Path(__file__).with_name("_killed_run_script.py")
     address = ray_cluster.get_runtime_context().gcs_address
-    proc = subprocess.run([sys.executable, str(script), address, str(tmp_path), "4"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(script.parent)})
+    proc = subprocess.run(
+        [sys.executable, str(script), address, str(tmp_path), "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(script.parent)},
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]  # killed mid-episode 4
     before = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [b["seen"]["episode"] for b in before] == [0, 1, 2, 3]
@@ -215,10 +242,11 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
     assert flowrl_actor_names() == []
 
 
-@pytest.mark.parametrize("die_at, peer_first, transport",
-                         [((1, 1), False, "host"), ((3, 0), False, "host"), ((3, 0), True, "host"),
-                          ((3, 0), False, "nccl")],
-                         ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death", "by-broadcast"])
+@pytest.mark.parametrize(
+    "die_at, peer_first, transport",
+    [((1, 1), False, "host"), ((3, 0), False, "host"), ((3, 0), True, "host"), ((3, 0), False, "nccl")],
+    ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death", "by-broadcast"],
+)
 def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tmp_path, die_at, peer_first, transport):
     """A rank dies mid-step. With ``peer_first`` its peer raises a collective's error as soon as
     the death happens, racing the death's own report to the driver: whichever comes first, the
@@ -226,8 +254,15 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
     here), the rebuilt trainer's groups replace the dead one's and the run is the same."""
     ref = reference(1)
     learner = {"learner": {"num_replicas": 2, **CPU, "weight_transport": transport}}
-    engine, seen = make_engine(sync_every=1, checkpoint_every=2, checkpoint_dir=str(tmp_path), models=learner,
-                               die_at=die_at, marker=str(tmp_path / "died"), peer_first=peer_first)
+    engine, seen = make_engine(
+        sync_every=1,
+        checkpoint_every=2,
+        checkpoint_dir=str(tmp_path),
+        models=learner,
+        die_at=die_at,
+        marker=str(tmp_path / "died"),
+        peer_first=peer_first,
+    )
     stats = engine.learn()
     assert (tmp_path / "died").exists() and flowrl_actor_names() == []
     assert trained(engine) == ref["trained"]  # every step once, from the checkpoint's exact state
@@ -241,14 +276,21 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
 
 def test_a_dead_trainer_rank_without_checkpoints_fails_with_a_named_error(ray_cluster, tmp_path):
     engine, _ = make_engine(die_at=(1, 0), marker=str(tmp_path / "died"))
-    with pytest.raises(flowrl.ReplicaDiedError, match=r"(?s)'learner.train_step', replica 0.*set RunConfig.checkpoint_dir"):
+    with pytest.raises(
+        flowrl.ReplicaDiedError, match=r"(?s)'learner.train_step', replica 0.*set RunConfig.checkpoint_dir"
+    ):
         engine.learn()
     assert flowrl_actor_names() == []
 
 
 def test_trainer_rebuilds_are_bounded(ray_cluster, tmp_path):
-    engine, _ = make_engine(die_at=(1, 1), marker=str(tmp_path / "died"), checkpoint_every=1,
-                            checkpoint_dir=str(tmp_path), max_trainer_restarts=0)
+    engine, _ = make_engine(
+        die_at=(1, 1),
+        marker=str(tmp_path / "died"),
+        checkpoint_every=1,
+        checkpoint_dir=str(tmp_path),
+        max_trainer_restarts=0,
+    )
     with pytest.raises(flowrl.ReplicaDiedError, match=r"rebuilt 0 times already \(RunConfig.max_trainer_restarts=0\)"):
         engine.learn()
     assert flowrl_actor_names() == []

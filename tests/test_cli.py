@@ -10,34 +10,47 @@ import numpy as np
 import pytest
 
 import flowrl
-from flowrl._cli import main
+from flowrl._tools.cli import main
 from flowrl.testing import CountingTrainer, Scale
 
 FAST = ["--set", "run.pipeline.backend=inprocess", "--set", "models.ppo_policy.num_replicas=1"]
 
 
 def test_flowrl_run_trains_the_ppo_example_from_its_yaml(tmp_path, capsys):
-    code = main(["run", "examples/ppo_tiny.yaml", "--set", "run.num_episode=2", "--set", f"run.run_dir={tmp_path}", *FAST])
+    code = main(
+        ["run", "examples/ppo_tiny.yaml", "--set", "run.num_episode=2", "--set", f"run.run_dir={tmp_path}", *FAST]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     # 64 samples an episode, global batch 32 over 4 epochs: 8 steps an episode per trainer
-    assert "done: 2 episodes in all (resumed ones included); ppo_policy: 16 steps, 512 samples, ppo_value: 16 steps, " \
-           "512 samples" in out
+    assert (
+        "done: 2 episodes in all (resumed ones included); ppo_policy: 16 steps, 512 samples, ppo_value: 16 steps, "
+        "512 samples" in out
+    )
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["episode"] for line in lines] == [0, 1] and all(line["samples"] == 64 for line in lines)
     assert (tmp_path / "trace.json").is_file() and f"flowrl trace {tmp_path}" in out
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--set", "modles.policy.num_replicas=1"], "examples/ppo_tiny.yaml: Object contains unknown field `modles`"),
-    (["--set", "models.policy.class=examples.ppo_tiny:Polcy"], "models.policy.class: module 'examples.ppo_tiny' has no 'Polcy'"),
-    (["--set", "models.policy.batchsize=4"], "models.policy: Object contains unknown field `batchsize`"),
-    (["--set", "models.policy.class=numpy:ndarray"], "models.policy.class: 'numpy:ndarray' is not a flowrl.Model subclass"),
-    (["--set", "run.num_episode=0"], "RunConfig.num_episode must be > 0, got 0"),
-    (["--set", "run.progres=log"], "run: Object contains unknown field `progres`"),
-    (["--set", "flow=examples.nowhere:rollout"], "flow: cannot import module 'examples.nowhere'"),
-    (["--set", "num_episode"], "override 'num_episode': expected key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--set", "modles.policy.num_replicas=1"], "examples/ppo_tiny.yaml: Object contains unknown field `modles`"),
+        (
+            ["--set", "models.policy.class=examples.ppo_tiny:Polcy"],
+            "models.policy.class: module 'examples.ppo_tiny' has no 'Polcy'",
+        ),
+        (["--set", "models.policy.batchsize=4"], "models.policy: Object contains unknown field `batchsize`"),
+        (
+            ["--set", "models.policy.class=numpy:ndarray"],
+            "models.policy.class: 'numpy:ndarray' is not a flowrl.Model subclass",
+        ),
+        (["--set", "run.num_episode=0"], "RunConfig.num_episode must be > 0, got 0"),
+        (["--set", "run.progres=log"], "run: Object contains unknown field `progres`"),
+        (["--set", "flow=examples.nowhere:rollout"], "flow: cannot import module 'examples.nowhere'"),
+        (["--set", "num_episode"], "override 'num_episode': expected key=value"),
+    ],
+)
 def test_flowrl_run_names_the_bad_key(capsys, overrides, message):
     assert main(["run", "examples/ppo_tiny.yaml", *overrides, *FAST]) == 2
     assert message in capsys.readouterr().err
@@ -73,9 +86,11 @@ def test_the_custom_flow_of_the_cli_page_runs_from_its_toml(tmp_path, capsys, mo
 
 def _engine(progress: str) -> flowrl.Engine:
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y")
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[CountingTrainer("t")],
-                           config={"sample_per_episode": 4, "num_episode": 2, "progress": progress,
-                                   "pipeline": {"backend": "inprocess"}})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[CountingTrainer("t")],
+        config={"sample_per_episode": 4, "num_episode": 2, "progress": progress, "pipeline": {"backend": "inprocess"}},
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(8)])
     return engine
 
@@ -115,7 +130,7 @@ def test_the_live_table_shows_each_stage_its_samples_busy_replicas_and_queue():
     import anyio
     from rich.console import Console
 
-    from flowrl._progress import stage_table
+    from flowrl._pipeline.progress import stage_table
 
     a = Scale("a", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="a")
     b = Scale("b", {"num_replicas": 3, "batch_size": 2}, srcs=["a"], dst="b")

@@ -24,16 +24,16 @@ def test_docs_code_block_runs(code):
 
 
 def test_the_configuration_reference_is_generated_from_the_structs():
-    from flowrl._reference import config_reference
+    from flowrl._tools.reference import config_reference
 
     page = Path(__file__).parent.parent / "docs" / "config.md"
-    assert page.read_text() == config_reference(), "regenerate: python -m flowrl._reference > docs/config.md"
+    assert page.read_text() == config_reference(), "regenerate: python -m flowrl._tools.reference > docs/config.md"
 
 
 def test_every_config_key_has_a_description_and_no_description_is_stale():
     import msgspec
 
-    from flowrl._reference import MEANING, section
+    from flowrl._tools.reference import MEANING, section
 
     for cls, meanings in MEANING.items():
         assert [f.name for f in msgspec.structs.fields(cls)] == list(meanings), cls.__name__
@@ -47,8 +47,12 @@ def flowrl_commands(page: Path) -> list[list[str]]:
     """The ``flowrl ...`` lines of a page's bash blocks, in order, without trailing comments."""
     import shlex
 
-    return [shlex.split(line, comments=True) for block in BASH.findall(page.read_text())
-            for line in block.splitlines() if line.startswith("flowrl ")]
+    return [
+        shlex.split(line, comments=True)
+        for block in BASH.findall(page.read_text())
+        for line in block.splitlines()
+        if line.startswith("flowrl ")
+    ]
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if flowrl_commands(p)], ids=lambda p: str(p.relative_to(ROOT)))
@@ -56,10 +60,9 @@ def test_docs_flowrl_commands_run(page, tmp_path):
     """Each page's commands run in order in a fresh folder: in one process (FLOWRL_DEBUG=1) and
     for 2 episodes, to keep the test short; the rest of each command as written."""
     import os
+    import shutil
     import subprocess
     import sys
-
-    import shutil
 
     shutil.copytree(ROOT / "examples", tmp_path / "examples")  # the commands run from a checkout's root
     env = {**os.environ, "FLOWRL_DEBUG": "1", "PYTHONPATH": str(ROOT)}
@@ -67,15 +70,18 @@ def test_docs_flowrl_commands_run(page, tmp_path):
         args = command[1:]
         if args[0] == "run":
             args += ["--set", "run.num_episode=2", "--set", "run.progress=off"]
-        proc = subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-3000:])
 
 
 YAML = re.compile(r"^```yaml\n(.*?)^```", re.S | re.M)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if YAML.search(p.read_text())], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if YAML.search(p.read_text())], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_docs_run_files_are_valid(page, tmp_path):
     """Every YAML block is a valid RunConfig file, or a valid run file (with a dataset): its keys,
     RunConfig and each ModelConfig check out (the model classes of an illustrative package are
@@ -83,8 +89,8 @@ def test_docs_run_files_are_valid(page, tmp_path):
     import yaml
 
     from flowrl import ModelConfig, RunConfig
-    from flowrl._config import to_config
-    from flowrl._runfile import load_run_file, resolve
+    from flowrl._core.config import to_config
+    from flowrl._tools.run_file import load_run_file, resolve
 
     for i, block in enumerate(YAML.findall(page.read_text())):
         path = tmp_path / f"block{i}.yaml"

@@ -10,14 +10,13 @@ from collections import Counter
 import anyio
 import numpy as np
 import pytest
+from _resume_models import make_engine
 
 import flowrl
-from flowrl._autoscale import AutoscalePolicy, Reading
-from flowrl._engine_elastic import DONE, FAILED, request_scale
-from flowrl._scheduler import PoolScheduler
+from flowrl._core.autoscale import AutoscalePolicy, Reading
+from flowrl._core.scheduler import PoolScheduler
+from flowrl._engine.elastic import DONE, FAILED, request_scale
 from flowrl.testing import Scale, flowrl_actor_names
-
-from _resume_models import make_engine
 
 STAGE = "m.forward_step"
 CPU = {"cpus_per_replica": 0.1}
@@ -64,8 +63,10 @@ def test_a_long_queue_grows_the_pool_after_patience_within_max_and_room(queued, 
     assert "grow_queue" in event.reason and event.reading.queued == queued
 
 
-@pytest.mark.parametrize("serving, starved, minimum, after", [(6, 0.9, 1, 1), (6, 0.5, 1, 3), (6, 0.9, 2, 2),
-                                                              (2, 0.9, 2, None), (4, 0.3, 1, None), (3, 0.6, 1, 2)])
+@pytest.mark.parametrize(
+    "serving, starved, minimum, after",
+    [(6, 0.9, 1, 1), (6, 0.5, 1, 3), (6, 0.9, 2, 2), (2, 0.9, 2, None), (4, 0.3, 1, None), (3, 0.6, 1, 2)],
+)
 def test_a_starved_pool_shrinks_to_the_work_it_did_but_not_below_min(serving, starved, minimum, after):
     p = policy(min_replicas=minimum)
     for _ in range(3):
@@ -88,16 +89,20 @@ def test_readings_must_come_in_a_row():
 
 def test_what_a_shrink_frees_is_there_for_a_grow_in_the_same_tick():
     p = AutoscalePolicy({m: flowrl.Autoscale(max_replicas=5, patience=1) for m in ("a", "b")})
-    events = p.decide([reading(model="a", serving=3, queued=40), reading(model="b", serving=3, starved=0.7)],
-                      {"CPU": 0.0})
+    events = p.decide(
+        [reading(model="a", serving=3, queued=40), reading(model="b", serving=3, starved=0.7)], {"CPU": 0.0}
+    )
     assert [(e.model, e.action, e.before, e.after) for e in events] == [("b", "shrink", 3, 1), ("a", "grow", 3, 5)]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"max_replicas": 2, "min_replicas": 3}, "below min_replicas"),
-    ({"max_replicas": 2, "shrink_starved": 1.5}, "shrink_starved"),
-    ({"max_replicas": 0}, "max_replicas must be > 0"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"max_replicas": 2, "min_replicas": 3}, "below min_replicas"),
+        ({"max_replicas": 2, "shrink_starved": 1.5}, "shrink_starved"),
+        ({"max_replicas": 0}, "max_replicas must be > 0"),
+    ],
+)
 def test_bad_autoscale_settings_are_named(bad, message):
     with pytest.raises(flowrl.ConfigError, match=message):
         flowrl.Autoscale(**bad)
@@ -119,8 +124,9 @@ def test_replicas_added_and_removed_mid_run_keep_accounting_exact(ray_cluster, b
     n = 400
 
     async def main():
-        async with flowrl.open_pipeline(lambda x: m.forward_step(x), {"backend": backend, "progress": "off",
-                                                                      "max_inflight": 64}) as pipe:
+        async with flowrl.open_pipeline(
+            lambda x: m.forward_step(x), {"backend": backend, "progress": "off", "max_inflight": 64}
+        ) as pipe:
             got = []
             async for s in pipe.stream([{"x": np.full(1, float(i))} for i in range(n)]):
                 got.append(s)
@@ -178,7 +184,9 @@ def test_resize_errors_name_the_model_and_the_limit(ray_cluster):
     m = Scale("m", {"num_replicas": 2, **CPU}, srcs=["x"], dst="y")
 
     async def main():
-        async with flowrl.open_pipeline(lambda x: m.forward_step(x), {"backend": "inprocess", "progress": "off"}) as pipe:
+        async with flowrl.open_pipeline(
+            lambda x: m.forward_step(x), {"backend": "inprocess", "progress": "off"}
+        ) as pipe:
             with pytest.raises(flowrl.ConfigError, match=r"no model 'q' in this pipeline; its models are \['m'\]"):
                 await pipe.resize("q", 2)
             with pytest.raises(flowrl.ConfigError, match="at least 1 replica"):
@@ -213,12 +221,24 @@ def test_a_replica_that_cannot_join_is_stopped_at_once_and_the_pool_grows_later(
 
 
 def test_the_autoscaler_grows_a_queued_pool_and_shrinks_a_starved_one_within_limits(ray_cluster):
-    slow = Scale("slow", {"num_replicas": 1, "batch_size": 1, **CPU,
-                          "autoscale": {"max_replicas": 3, "every_s": 0.1, "patience": 2}},
-                 srcs=["x"], dst="y", sleep_s=0.05)
-    fast = Scale("fast", {"num_replicas": 3, "batch_size": 1, **CPU,
-                          "autoscale": {"min_replicas": 2, "max_replicas": 3, "every_s": 0.1, "patience": 2}},
-                 srcs=["y"], dst="z")
+    slow = Scale(
+        "slow",
+        {"num_replicas": 1, "batch_size": 1, **CPU, "autoscale": {"max_replicas": 3, "every_s": 0.1, "patience": 2}},
+        srcs=["x"],
+        dst="y",
+        sleep_s=0.05,
+    )
+    fast = Scale(
+        "fast",
+        {
+            "num_replicas": 3,
+            "batch_size": 1,
+            **CPU,
+            "autoscale": {"min_replicas": 2, "max_replicas": 3, "every_s": 0.1, "patience": 2},
+        },
+        srcs=["y"],
+        dst="z",
+    )
 
     async def main():
         async with flowrl.open_pipeline(lambda x: fast.forward_step(slow.forward_step(x)), {"progress": "off"}) as pipe:
@@ -283,9 +303,14 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
         async with engine:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(engine._watch_requests, tmp_path)
-                out = await anyio.to_thread.run_sync(lambda: subprocess.run(
-                    [sys.executable, "-m", "flowrl", "scale", str(tmp_path), "policy=3"],
-                    capture_output=True, text=True, timeout=60))
+                out = await anyio.to_thread.run_sync(
+                    lambda: subprocess.run(
+                        [sys.executable, "-m", "flowrl", "scale", str(tmp_path), "policy=3"],
+                        capture_output=True,
+                        text=True,
+                        timeout=60,
+                    )
+                )
                 assert out.returncode == 0, out.stderr
                 with anyio.fail_after(20):
                     while not (tmp_path / DONE).exists():
@@ -309,7 +334,9 @@ def test_resize_mistakes_on_an_engine_are_named(tmp_path):
     with pytest.raises(flowrl.PipelineClosedError, match="resize\\(\\) needs an engine open with `with engine:`"):
         engine.resize("policy", 2)
     with engine:
-        with pytest.raises(flowrl.ConfigError, match="'learner' is a trainer: a data-parallel group keeps its world size"):
+        with pytest.raises(
+            flowrl.ConfigError, match="'learner' is a trainer: a data-parallel group keeps its world size"
+        ):
             engine.resize("learner", 2)
         assert engine.resize("policy", 2) == [1]  # between learn() calls too
         stats = engine.learn()
@@ -318,15 +345,21 @@ def test_resize_mistakes_on_an_engine_are_named(tmp_path):
 
 def test_autoscale_on_a_colocated_model_is_refused_when_the_engine_is_built():
     with pytest.raises(flowrl.ConfigError, match="model 'policy' has ModelConfig.autoscale, but colocated replicas"):
-        make_engine(colocation=[["policy", "learner"]],
-                    models={"policy": {"num_replicas": 2, "autoscale": {"max_replicas": 4}}})
+        make_engine(
+            colocation=[["policy", "learner"]], models={"policy": {"num_replicas": 2, "autoscale": {"max_replicas": 4}}}
+        )
 
 
-@pytest.mark.parametrize("args, message", [(["policy=0"], "expected MODEL=N with N >= 1"),
-                                           (["policy"], "expected MODEL=N"),
-                                           (["missing-dir", "policy=2"], "not a folder")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["policy=0"], "expected MODEL=N with N >= 1"),
+        (["policy"], "expected MODEL=N"),
+        (["missing-dir", "policy=2"], "not a folder"),
+    ],
+)
 def test_flowrl_scale_mistakes_exit_2_with_a_message(tmp_path, capsys, args, message):
-    from flowrl._cli import main
+    from flowrl._tools.cli import main
 
     where = [str(tmp_path)] if args[0] != "missing-dir" else [str(tmp_path / "missing")]
     assert main(["scale", *where, *args[-1:]]) == 2

@@ -22,7 +22,9 @@ def seed_models(gpu: float | None = None):
     g = {} if gpu is None else {"gpus_per_replica": gpu}
     wide = {"num_replicas": 8, "batch_size": 2, **CPU, **g}
     return (
-        Where("policy", {"num_replicas": 2, "batch_size": 4, **CPU, **g}, srcs=["query"], dst="policy_out", sleep_s=0.01),
+        Where(
+            "policy", {"num_replicas": 2, "batch_size": 4, **CPU, **g}, srcs=["query"], dst="policy_out", sleep_s=0.01
+        ),
         Where("reference", wide, srcs=["policy_out"], dst="ref_out", factor=2, sleep_s=0.005),
         Where("reward", wide, srcs=["ref_out", "policy_out", "value_out"], dst="reward_out", sleep_s=0.005),
         Where("value", wide, srcs=["policy_out"], dst="value_out", factor=3, sleep_s=0.005),
@@ -34,8 +36,14 @@ def seed_models(gpu: float | None = None):
 def test_seed_scenario_through_rlhf_engine_with_all_six_models_colocated(ray_cluster):
     models = seed_models(gpu=1.0)
     names = [m.name for m in models]
-    config = {"sample_per_episode": 16, "num_episode": 2, "train_global_batch_size": 8, "train_micro_batch_size": 4,
-              "max_relay_episode": 1, "colocation": [names]}
+    config = {
+        "sample_per_episode": 16,
+        "num_episode": 2,
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 4,
+        "max_relay_episode": 1,
+        "colocation": [names],
+    }
     engine = flowrl.RLHFEngine(*models, config)
     relayed, used = [], []
 
@@ -61,7 +69,9 @@ def test_seed_scenario_through_rlhf_engine_with_all_six_models_colocated(ray_clu
     samples = engine.relay_episodes[-1].buffer  # max_relay_episode=1: the last episode
     # all six models share the same 8 logical GPUs: replica r of each scorer sits on bundle r,
     # so the three scorers' replicas r hold one GPU together, and a model's 8 replicas hold 8
-    gpus = {st: {s[f"{st}_replica"]: s[f"{st}_gpus"] for s in samples} for st in ("policy", "reference", "value", "reward")}
+    gpus = {
+        st: {s[f"{st}_replica"]: s[f"{st}_gpus"] for s in samples} for st in ("policy", "reference", "value", "reward")
+    }
     for r in range(8):
         assert len(gpus["reference"][r]) == 1 and gpus["reference"][r] == gpus["value"][r] == gpus["reward"][r]
     assert len(set(gpus["reference"].values())) == 8
@@ -115,8 +125,13 @@ def test_512_prompts_each_trained_once_over_two_ranks(ray_cluster):
 
 
 def train_batches(policy_replicas: int, batch_size: int) -> list:
-    policy = Scale("policy", {"num_replicas": policy_replicas, "batch_size": batch_size, **CPU}, srcs=["x"], dst="y",
-                   jitter_seed=policy_replicas)
+    policy = Scale(
+        "policy",
+        {"num_replicas": policy_replicas, "batch_size": batch_size, **CPU},
+        srcs=["x"],
+        dst="y",
+        jitter_seed=policy_replicas,
+    )
     trainer = CountingTrainer("trainer", {"num_replicas": 1, **CPU})
     cfg = {"sample_per_episode": 16, "num_episode": 2, "train_global_batch_size": 6, "train_micro_batch_size": 4}
     engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=cfg)
@@ -140,12 +155,19 @@ def test_generation_batch_sizes_and_replica_counts_do_not_change_training_batche
 def test_relay_accumulates_dataset_wraps_and_groups_stay_together(ray_cluster):
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 4, **CPU}, srcs=["x"], dst="y")
     trainer = CountingTrainer("trainer", {"num_replicas": 2, **CPU})
-    cfg = {"sample_per_episode": 6, "num_episode": 3, "num_samples_per_prompt": 3, "max_relay_episode": 2,
-           "train_global_batch_size": 6}
+    cfg = {
+        "sample_per_episode": 6,
+        "num_episode": 3,
+        "num_samples_per_prompt": 3,
+        "max_relay_episode": 2,
+        "train_global_batch_size": 6,
+    }
     engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=cfg)
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(3)])  # 2 prompts per episode, 3 in the dataset
     windows = []
-    engine.set_relay_sample_fn(lambda eps: windows.append([e.episode_id for e in eps]) or [s for e in eps for s in e.buffer])
+    engine.set_relay_sample_fn(
+        lambda eps: windows.append([e.episode_id for e in eps]) or [s for e in eps for s in e.buffer]
+    )
     engine.learn()
     assert windows == [[0], [0, 1], [1, 2]]
     prompts = [s["prompt_index"] for ep in engine.relay_episodes for s in ep.buffer]
@@ -162,10 +184,16 @@ def test_weight_versions_increase_and_reach_every_policy_replica(ray_cluster):
     policy = Scale("policy", {"num_replicas": 3, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
     trainer = CountingTrainer("trainer", {"num_replicas": 1, **CPU})
     cfg = {"sample_per_episode": 12, "num_episode": 3, "train_global_batch_size": 4}
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)], config=cfg)
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)], config=cfg
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(100)])
     versions = []
-    engine.set_relay_sample_fn(lambda eps: versions.append({(s["policy_replica"], s["policy_version"]) for s in eps[-1].buffer}) or eps[-1].buffer)
+    engine.set_relay_sample_fn(
+        lambda eps: (
+            versions.append({(s["policy_replica"], s["policy_version"]) for s in eps[-1].buffer}) or eps[-1].buffer
+        )
+    )
     stats = engine.learn()
     for e, seen in enumerate(versions):  # episode e ran on weights of version e, on every replica
         assert {v for _, v in seen} == {e} and {r for r, _ in seen} == {0, 1, 2}
@@ -176,8 +204,12 @@ def test_eval_flow_processes_every_eval_prompt_once(ray_cluster):
     policy = Scale("policy", {"num_replicas": 3, "batch_size": 2, **CPU}, srcs=["x"], dst="y", factor=2)
     trainer = CountingTrainer("trainer", {"num_replicas": 1, **CPU})
     cfg = {"sample_per_episode": 4, "num_episode": 2, "eval_every": 1}
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=cfg,
-                           eval_flow=lambda x: policy.forward_step(x))
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        config=cfg,
+        eval_flow=lambda x: policy.forward_step(x),
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(4)])
     engine.set_eval_dataset([{"x": np.full(1, 100.0 + i)} for i in range(7)])
     stats = engine.learn()
@@ -187,13 +219,16 @@ def test_eval_flow_processes_every_eval_prompt_once(ray_cluster):
     assert stats.evaluation["policy.forward_step"].samples == 14
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"train_global_batch_size": 6, "num_samples_per_prompt": 4, "sample_per_episode": 8}, "use e.g. 4 or 8"),
-    ({"sample_per_episode": 10, "num_samples_per_prompt": 4, "train_global_batch_size": 4}, "e.g. 8 or 12"),
-    ({"sample_per_episode": 8, "eval_every": 2}, "no eval_flow"),
-    ({"sample_per_episode": 8, "models": {"nobody": {}}}, "unknown model"),
-    ({"sample_per_episode": 8, "colocation": [["policy"], ["policy"]]}, "in groups 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"train_global_batch_size": 6, "num_samples_per_prompt": 4, "sample_per_episode": 8}, "use e.g. 4 or 8"),
+        ({"sample_per_episode": 10, "num_samples_per_prompt": 4, "train_global_batch_size": 4}, "e.g. 8 or 12"),
+        ({"sample_per_episode": 8, "eval_every": 2}, "no eval_flow"),
+        ({"sample_per_episode": 8, "models": {"nobody": {}}}, "unknown model"),
+        ({"sample_per_episode": 8, "colocation": [["policy"], ["policy"]]}, "in groups 0 and 1"),
+    ],
+)
 def test_bad_run_settings_are_rejected_when_the_engine_is_built(bad, message):
     policy = Scale("policy", {"num_replicas": 1}, srcs=["x"])
     trainer = CountingTrainer("trainer")
@@ -205,7 +240,9 @@ def test_learn_twice_inside_with_continues_and_outside_it_runs_once(ray_cluster)
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
     trainer = CountingTrainer("trainer", {"num_replicas": 1, **CPU})
     cfg = {"sample_per_episode": 4, "num_episode": 2, "max_relay_episode": -1}
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)], config=cfg)
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)], config=cfg
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(6)])
     with engine:
         engine.learn()
@@ -223,8 +260,11 @@ def test_learn_twice_inside_with_continues_and_outside_it_runs_once(ray_cluster)
 def test_a_failing_trainer_rank_fails_the_run_instead_of_hanging_in_a_collective(ray_cluster):
     policy = Scale("policy", {"num_replicas": 1, "batch_size": 4, **CPU}, srcs=["x"], dst="y")
     trainer = CountingTrainer("trainer", {"num_replicas": 2, **CPU}, fail_rank=1)
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer],
-                           config={"sample_per_episode": 8, "train_global_batch_size": 8})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        config={"sample_per_episode": 8, "train_global_batch_size": 8},
+    )
     engine.set_dataset([{"x": np.zeros(1)} for _ in range(8)])
     with pytest.raises(flowrl.StageError, match=r"'trainer\.train_step', replica 1.*rank 1 failed") as info:
         engine.learn()
@@ -236,9 +276,16 @@ def test_run_config_loads_yaml_and_toml_with_overrides(tmp_path):
     (tmp_path / "run.yaml").write_text(
         "sample_per_episode: 16\nnum_episode: 2\nmodels:\n  policy: {num_replicas: 2, batch_size: 4}\n"
     )
-    (tmp_path / "run.toml").write_text('sample_per_episode = 16\n[models.policy]\nnum_gpu = 8\ntensor_parallel_size = 4\n')
+    (tmp_path / "run.toml").write_text(
+        "sample_per_episode = 16\n[models.policy]\nnum_gpu = 8\ntensor_parallel_size = 4\n"
+    )
     cfg = flowrl.RunConfig.load(tmp_path / "run.yaml", ["num_episode=5", "models.policy.batch_size=8", "shuffle=true"])
-    assert (cfg.num_episode, cfg.shuffle, cfg.models["policy"].batch_size, cfg.models["policy"].replicas) == (5, True, 8, 2)
+    assert (cfg.num_episode, cfg.shuffle, cfg.models["policy"].batch_size, cfg.models["policy"].replicas) == (
+        5,
+        True,
+        8,
+        2,
+    )
     assert flowrl.RunConfig.load(tmp_path / "run.toml").models["policy"].replicas == 2
     with pytest.raises(flowrl.ConfigError, match="sample_per_eposide|unknown field"):
         flowrl.RunConfig.load(tmp_path / "run.yaml", ["sample_per_eposide=3"])
@@ -276,7 +323,12 @@ def test_uneven_shards_give_the_same_weights_as_one_rank(ray_cluster, gbs, micro
     def weights(ranks: int) -> list[float]:
         policy = Scale("policy", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["x"], dst="y")
         trainer = LinearTrainer("trainer", {"num_replicas": ranks, **CPU})
-        cfg = {"sample_per_episode": 12, "num_episode": 2, "train_global_batch_size": gbs, "train_micro_batch_size": micro}
+        cfg = {
+            "sample_per_episode": 12,
+            "num_episode": 2,
+            "train_global_batch_size": gbs,
+            "train_micro_batch_size": micro,
+        }
         engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], config=cfg)
         engine.set_dataset([{"x": np.array([0.1 * (i + 1)])} for i in range(12)])
         engine.learn()
@@ -292,14 +344,27 @@ def test_cuda_ipc_weights_from_a_cpu_trainer_travel_by_host_and_checkpoints_betw
     from _resume_models import make_engine
 
     ipc = {"learner": {"num_replicas": 1, "weight_transport": "cuda_ipc"}}
-    engine, _ = make_engine(pipeline={"backend": "inprocess"}, policy_replicas=1, ranks=1, models=ipc, sync_every=1,
-                            max_relay_episode=0, num_episode=3)
+    engine, _ = make_engine(
+        pipeline={"backend": "inprocess"},
+        policy_replicas=1,
+        ranks=1,
+        models=ipc,
+        sync_every=1,
+        max_relay_episode=0,
+        num_episode=3,
+    )
     stats = engine.learn()  # its weights are CPU tensors: they go as numpy, as with "host"
     assert [e.weight_versions for e in stats.episodes] == [{"policy": 1}, {"policy": 2}, {"policy": 3}]
     assert all(e.staleness == {"policy": {0: 8}} for e in stats.episodes)
     for transport in ("cuda_ipc", "nccl"):
-        with pytest.raises(flowrl.ConfigError, match=r"\['learner'\] send weights by CUDA IPC or NCCL, which a checkpoint"):
-            make_engine(models={"learner": {"weight_transport": transport}}, sync_every=2, checkpoint_every=1,
-                        checkpoint_dir=str(tmp_path))
+        with pytest.raises(
+            flowrl.ConfigError, match=r"\['learner'\] send weights by CUDA IPC or NCCL, which a checkpoint"
+        ):
+            make_engine(
+                models={"learner": {"weight_transport": transport}},
+                sync_every=2,
+                checkpoint_every=1,
+                checkpoint_dir=str(tmp_path),
+            )
     with pytest.raises(flowrl.ConfigError, match="weight_transport must be one of"):
         flowrl.ModelConfig(weight_transport="rdma")

@@ -45,7 +45,9 @@ def test_dataset_items_must_be_mappings_and_the_dataset_not_empty():
     engine = _engine()
     with pytest.raises(flowrl.ConfigError, match=r"dataset item 1 is a list; items must be mappings"):
         engine.set_dataset([{"x": [0.0]}, [1.0]])
-    with pytest.raises(flowrl.ConfigError, match=r"the dataset is empty; engine.set_dataset\(items\) needs at least one item"):
+    with pytest.raises(
+        flowrl.ConfigError, match=r"the dataset is empty; engine.set_dataset\(items\) needs at least one item"
+    ):
         engine.set_dataset([])
 
 
@@ -56,7 +58,9 @@ def test_learn_before_set_dataset_says_what_to_call():
 
 def test_a_flow_calling_a_step_its_model_lacks_names_the_model_and_the_step():
     policy = Scale("policy", {}, srcs=["x"], dst="y")
-    with pytest.raises(flowrl.FlowDefinitionError, match=r"calls policy.eval_step, but Scale does not define eval_step"):
+    with pytest.raises(
+        flowrl.FlowDefinitionError, match=r"calls policy.eval_step, but Scale does not define eval_step"
+    ):
         flowrl.run_flow(lambda x: policy.eval_step(x), [{"x": [1.0]}], LOCAL)
     assert not hasattr(policy, "eval_step") and not hasattr(policy, "buffer")  # hasattr still answers
 
@@ -91,8 +95,12 @@ def test_shards_of_one_stage_returning_different_fields_are_an_output_error():
 def test_a_step_may_not_write_the_weight_version_field_of_its_model():
     policy = Versioned("policy", {"batch_size": 2})
     trainer = CountingTrainer("trainer")
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 4, "train_global_batch_size": 4, "pipeline": LOCAL})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 4, "train_global_batch_size": 4, "pipeline": LOCAL},
+    )
     engine.set_dataset([{"x": float(i)} for i in range(4)])
     with pytest.raises(flowrl.OutputError, match=r"field 'policy_version' is reserved for the weight version"):
         engine.learn()
@@ -105,15 +113,29 @@ class BadTrainer(CountingTrainer):
 
 def test_train_step_returning_a_number_is_an_output_error():
     policy = Scale("policy", {"batch_size": 2}, srcs=["x"], dst="y")
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[BadTrainer("trainer")],
-                           config={"sample_per_episode": 4, "train_global_batch_size": 4, "pipeline": LOCAL})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[BadTrainer("trainer")],
+        config={"sample_per_episode": 4, "train_global_batch_size": 4, "pipeline": LOCAL},
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(4)])
     with pytest.raises(flowrl.OutputError, match=r"train_step must return a mapping of metrics or None, got float"):
         engine.learn()
 
 
-@pytest.mark.parametrize("key", ["sample_per_episode", "num_episode", "train_global_batch_size", "train_micro_batch_size",
-                                 "num_training_epoch", "sync_every", "num_samples_per_prompt", "collective_timeout_s"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sample_per_episode",
+        "num_episode",
+        "train_global_batch_size",
+        "train_micro_batch_size",
+        "num_training_epoch",
+        "sync_every",
+        "num_samples_per_prompt",
+        "collective_timeout_s",
+    ],
+)
 def test_run_config_sizes_must_be_positive(key):
     cfg = {"sample_per_episode": 4, key: 0}
     with pytest.raises(flowrl.ConfigError, match=rf"RunConfig.{key} must be > 0, got 0"):
@@ -125,7 +147,9 @@ def test_input_items_must_be_mappings_with_the_same_fields():
     with pytest.raises(flowrl.FlowDefinitionError, match=r"input item 1 is a list; items must be mappings"):
         flowrl.run_flow(lambda x: model.forward_step(x), [{"x": [1.0]}, [2.0]], LOCAL)
     items = [{"x": [float(i)]} for i in range(4)] + [{"x": [4.0], "y": 1}]
-    with pytest.raises(flowrl.FlowDefinitionError, match=r"input items have fields \['x', 'y'\], earlier items had \['x'\]"):
+    with pytest.raises(
+        flowrl.FlowDefinitionError, match=r"input items have fields \['x', 'y'\], earlier items had \['x'\]"
+    ):
         flowrl.run_flow(lambda x: model.forward_step(x), items, {**LOCAL, "input_chunk": 4})
 
 
@@ -174,7 +198,7 @@ def test_dataset_items_may_not_carry_the_group_fields_the_engine_adds():
 
 
 def _spec(gpus: float, cpus: float = 0.5, bundle: tuple[float, float] | None = None):
-    from flowrl._backend import Bundle, ReplicaSpec
+    from flowrl._backends.specs import Bundle, ReplicaSpec
 
     placed = None if bundle is None else Bundle(group="g", index=0, size=1, cpus=bundle[0], gpus=bundle[1])
     return ReplicaSpec(Scale("m", {}, srcs=["x"]), 0, cpus, gpus, placed)
@@ -187,14 +211,17 @@ TWO_NODES = [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
     ("specs", "message"),
     [
         ([_spec(1), _spec(1)], None),  # fits
-        ([_spec(2), _spec(2), _spec(1)], r"the pools need 5 GPU \(m: 5\) but the cluster has 4; lower ModelConfig.gpus_per_replica"),
+        (
+            [_spec(2), _spec(2), _spec(1)],
+            r"the pools need 5 GPU \(m: 5\) but the cluster has 4; lower ModelConfig.gpus_per_replica",
+        ),
         ([_spec(3)], r"model 'm' needs 0.5 CPU and 3 GPU on one node, but the largest node has 2 CPU and 2 GPU"),
         ([_spec(1, bundle=(1.0, 3.0))], r"needs a placement bundle of 1 CPU and 3 GPU on one node"),
     ],
     ids=["fits", "total", "one-node", "bundle"],
 )
 def test_replicas_that_cannot_fit_the_cluster_or_one_node_are_refused_before_any_starts(specs, message):
-    from flowrl._backend import check_capacity
+    from flowrl._backends.specs import check_capacity
 
     total = {"CPU": 4.0, "GPU": 4.0}
     if message is None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-
-import numpy as np
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import flowrl
@@ -42,8 +41,9 @@ async def test_a_replica_killed_mid_shard_loses_no_sample_and_counts_none_twice(
     dying = DieOn("a", {"num_replicas": 3, "batch_size": 2, **CPU}, die_on=17, marks=str(tmp_path))
     after = Scale("b", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["a_out"], dst="y", factor=2.0)
     items = [{"x": [i]} for i in range(40)]
-    async with flowrl.open_pipeline(lambda x: after.forward_step(dying.forward_step(x)),
-                                    {"local_channels": channels}) as pipe:
+    async with flowrl.open_pipeline(
+        lambda x: after.forward_step(dying.forward_step(x)), {"local_channels": channels}
+    ) as pipe:
         out = await pipe.run(items)
         stats = pipe.stats()
     assert _deaths(tmp_path) == 1
@@ -102,7 +102,9 @@ async def test_a_step_that_hangs_past_its_deadline_fails_the_run_and_leaves_no_a
     model = HangOn("h", {"num_replicas": 2, "batch_size": 2, "call_timeout_s": 1.0, **CPU}, hang_on=6)
     start = time.monotonic()
     with pytest.raises(flowrl.StageError, match=r"stage 'h\.forward_step'.*call_timeout_s=1s") as info:
-        async with flowrl.open_pipeline(lambda x: model.forward_step(x), {"local_channels": backend == "channel"}) as pipe:
+        async with flowrl.open_pipeline(
+            lambda x: model.forward_step(x), {"local_channels": backend == "channel"}
+        ) as pipe:
             await pipe.run([{"x": [i]} for i in range(20)])
     assert 6 in info.value.sample_ids and time.monotonic() - start < 60
     assert flowrl_actor_names() == []  # the hung replica was killed too
@@ -120,8 +122,12 @@ async def test_cancelling_alearn_mid_run_stops_every_actor(ray_cluster):
 
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y", sleep_s=0.02)
     trainer = CountingTrainer("trainer", {"num_replicas": 2, **CPU})
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 100, "train_global_batch_size": 8})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 8, "num_episode": 100, "train_global_batch_size": 8},
+    )
     relayed = anyio.Event()
 
     def relay(episodes):
@@ -131,6 +137,7 @@ async def test_cancelling_alearn_mid_run_stops_every_actor(ray_cluster):
     engine.set_relay_sample_fn(relay)
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(64)])
     async with anyio.create_task_group() as tg:
+
         async def cancel_once_relayed() -> None:
             await relayed.wait()
             tg.cancel_scope.cancel()
@@ -148,7 +155,9 @@ def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_wh
 
     script = Path(__file__).with_name("_interrupt_script.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until the third episode's rollout is done

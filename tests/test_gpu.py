@@ -19,8 +19,7 @@ torch = pytest.importorskip("torch")
 import flowrl  # noqa: E402
 from flowrl.testing import flowrl_actor_names  # noqa: E402
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +51,11 @@ class Where(flowrl.Model):
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         x = torch.as_tensor(np.asarray(batch[self.src], dtype=np.float32), device=self.device)
         y = x @ self.w
-        return {f"{self.name}_y": y if self.cuda_out else y.cpu().numpy(), f"{self.name}_device": [str(y.device)] * len(batch),
-                f"{self.name}_gpus": [tuple(self.gpu_ids)] * len(batch)}
+        return {
+            f"{self.name}_y": y if self.cuda_out else y.cpu().numpy(),
+            f"{self.name}_device": [str(y.device)] * len(batch),
+            f"{self.name}_gpus": [tuple(self.gpu_ids)] * len(batch),
+        }
 
 
 class Reader(flowrl.Model):
@@ -89,8 +91,11 @@ class Policy(flowrl.Model):
             x = torch.as_tensor(np.asarray(batch["x"], dtype=np.float32), device=self.device)
             y = self.module(x).squeeze(1)
         weight = self.module.weight.detach()
-        return {"y": y.cpu().numpy(), "w_sum": [float(weight.sum())] * len(batch),
-                "w_device": [str(weight.device)] * len(batch)}
+        return {
+            "y": y.cpu().numpy(),
+            "w_sum": [float(weight.sum())] * len(batch),
+            "w_device": [str(weight.device)] * len(batch),
+        }
 
 
 class Trainer(flowrl.Model):
@@ -110,8 +115,12 @@ class Trainer(flowrl.Model):
 
 def sync_and_probe(policy: Policy, trainer: Trainer, **config: Any) -> tuple[flowrl.Engine, list[Any]]:
     """3 episodes, then one more rollout: what each replica computes with after the last sync."""
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off", **config})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 8, "num_episode": 3, "progress": "off", **config},
+    )
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
     with engine:
         engine.learn()
@@ -151,8 +160,7 @@ def test_nccl_weight_sync_on_one_gpu_is_refused_by_name(gpu_cluster):
 
 def test_six_ppo_models_colocated_on_one_gpu(gpu_cluster):
     names = ["policy", "reference", "reward", "value"]
-    models = [Where(n, gpu(1.0, num_replicas=1, batch_size=8), src="x" if n == "policy" else "policy_y")
-              for n in names]
+    models = [Where(n, gpu(1.0, num_replicas=1, batch_size=8), src="x" if n == "policy" else "policy_y") for n in names]
     policy, reference, reward, value = models
 
     def rollout(x: Any) -> Any:
@@ -167,9 +175,16 @@ def test_six_ppo_models_colocated_on_one_gpu(gpu_cluster):
             return {}
 
     trainers = [Count(n, gpu(1.0)) for n in ("ppo_policy", "ppo_value")]
-    engine = flowrl.Engine(rollout=rollout, train=trainers,
-                           config={"sample_per_episode": 16, "num_episode": 1, "progress": "off",
-                                   "colocation": [names + ["ppo_policy", "ppo_value"]]})
+    engine = flowrl.Engine(
+        rollout=rollout,
+        train=trainers,
+        config={
+            "sample_per_episode": 16,
+            "num_episode": 1,
+            "progress": "off",
+            "colocation": [names + ["ppo_policy", "ppo_value"]],
+        },
+    )
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32)} for _ in range(16)])
     stats = engine.learn()
     samples = engine.relay_episodes[-1].buffer

@@ -28,14 +28,15 @@ def test_a_shard_generates_until_its_longest_response_ends_and_pads_after_each_e
     policy.setup()
     items = gpt.prompts(3, 8, "eos")
     lengths = [2, 5, 3]
-    batch = gpt.flowrl.Batch([0, 1, 2], {"prompt": torch.stack([i["prompt"] for i in items]),
-                                         "length": torch.tensor(lengths)})
+    batch = gpt.flowrl.Batch(
+        [0, 1, 2], {"prompt": torch.stack([i["prompt"] for i in items]), "length": torch.tensor(lengths)}
+    )
     out = policy.forward_step(batch, 0)
     seq = out["seq"]
     assert seq.shape == (3, gpt.PROMPT + 8) and out["old_logprobs"].shape == (3, 8)
     assert torch.equal(seq[:, : gpt.PROMPT], batch["prompt"])
     for row, n in zip(seq, lengths):
-        assert torch.all(row[gpt.PROMPT + n:] == 0)  # padding after the response's end
+        assert torch.all(row[gpt.PROMPT + n :] == 0)  # padding after the response's end
 
 
 def test_eos_lengths_have_a_long_tail_capped_at_the_token_budget(gpt):
@@ -47,9 +48,26 @@ def test_eos_lengths_have_a_long_tail_capped_at_the_token_budget(gpt):
 
 def test_scaled_run_reports_every_phase_and_model(gpt, tmp_path):
     out = tmp_path / "scaled.json"
-    subprocess.run([sys.executable, str(GPU / "scaled.py"), "--tiny", "--episodes", "2", "--samples", "16",
-                    "--tokens", "8", "--lengths", "eos", "--out", str(out)], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(GPU / "scaled.py"),
+            "--tiny",
+            "--episodes",
+            "2",
+            "--samples",
+            "16",
+            "--tokens",
+            "8",
+            "--lengths",
+            "eos",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     figures = json.loads(out.read_text())
     rows = set(figures["phases"])
     assert {"rollout", "train", "sync"} <= rows
@@ -57,4 +75,3 @@ def test_scaled_run_reports_every_phase_and_model(gpt, tmp_path):
     assert {"train: ppo_policy", "train: ppo_value"} <= rows
     assert figures["tokens"] == sum(p["length"] for p in gpt.prompts(16, 8, "eos"))
     assert [e["episode"] for e in figures["episodes"]] == [0, 1]
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import flowrl
-from flowrl._graph import SOURCE, trace
+from flowrl._core.graph import SOURCE, trace
 
 
 class Policy(flowrl.Model):
@@ -182,7 +182,7 @@ def test_same_instance_twice_is_not_a_name_clash():
     [
         lambda node: node["query"],
         lambda node: bool(node),
-        lambda node: (1 if node else 0),
+        lambda node: 1 if node else 0,
         lambda node: len(node),
         lambda node: list(node),
         lambda node: node.response,
@@ -223,7 +223,9 @@ def test_step_with_real_data_runs_user_code():
 # ---- declared reads and writes ----
 
 
-def declared_issue_flow(ref_writes=("ref_logprobs",), value_writes=("values",), reward_reads=None, policy_writes=("response",)):
+def declared_issue_flow(
+    ref_writes=("ref_logprobs",), value_writes=("values",), reward_reads=None, policy_writes=("response",)
+):
     policy = declared(reads=["query"], writes=policy_writes)("policy")
     reference = declared(reads=["response"], writes=ref_writes)("reference")
     value = declared(reads=["response"], writes=value_writes)("value")

@@ -27,9 +27,11 @@ def chain():
 async def test_fields_limit_what_comes_back_and_unknown_fields_are_named():
     async with flowrl.open_pipeline(chain(), INPROC) as pipe:
         out = await pipe.run(items(5), fields=["b_out"])
-        assert [dict(s) .keys() for s in out] == [{"b_out"}] * 5
+        assert [dict(s).keys() for s in out] == [{"b_out"}] * 5
         assert all(np.allclose(s["b_out"], 10 * s.id) for s in out)
-        with pytest.raises(flowrl.FlowDefinitionError, match=r"\['c_out'\] are not in the flow's output; it has .*'b_out'"):
+        with pytest.raises(
+            flowrl.FlowDefinitionError, match=r"\['c_out'\] are not in the flow's output; it has .*'b_out'"
+        ):
             await pipe.run(items(2), fields=["b_out", "c_out"])
 
 
@@ -79,7 +81,9 @@ async def test_window_bounds_inflight_samples_and_generators_work():
 
     w = Scale("w", {"num_replicas": 2, "batch_size": 4}, srcs=["x"])
     ids, gaps = [], []
-    async with flowrl.open_pipeline(lambda x: w.forward_step(x), {**INPROC, "max_inflight": 5, "input_chunk": 3}) as pipe:
+    async with flowrl.open_pipeline(
+        lambda x: w.forward_step(x), {**INPROC, "max_inflight": 5, "input_chunk": 3}
+    ) as pipe:
         async for s in pipe.stream(gen()):
             ids.append(s.id)
             gaps.append(drawn - len(ids))  # drawn from the input, not yet handed back
@@ -98,7 +102,9 @@ async def test_setup_failure_in_process_is_a_stage_error_with_the_cause_chained(
 async def test_a_stage_reading_the_input_and_an_upstream_output_waits_for_both():
     a = Scale("a", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="a_out", factor=3, sleep_s=0.002)
     c = Scale("c", {"num_replicas": 2, "batch_size": 3}, srcs=["x", "a_out"], dst="c_out")
-    async with flowrl.open_pipeline(lambda x: c.forward_step(x, a.forward_step(x)), {**INPROC, "inprocess_threads": True}) as pipe:
+    async with flowrl.open_pipeline(
+        lambda x: c.forward_step(x, a.forward_step(x)), {**INPROC, "inprocess_threads": True}
+    ) as pipe:
         out = await pipe.run(items(11))
         stats = pipe.stats()
     assert all(np.allclose(s["c_out"], 4 * s.id) for s in out)
@@ -109,7 +115,9 @@ def test_sync_run_after_a_failed_one_raises_instead_of_hanging():
     slow = Scale("slow", {"num_replicas": 2, "batch_size": 1}, srcs=["x"], sleep_s=0.01)
     bad = Fail("bad", {"num_replicas": 1, "batch_size": 1}, bad_id=5)
     with pytest.raises(flowrl.FlowError):
-        with flowrl.Pipeline(lambda x: bad.forward_step(slow.forward_step(x)), {**INPROC, "inprocess_threads": True}) as pipe:
+        with flowrl.Pipeline(
+            lambda x: bad.forward_step(slow.forward_step(x)), {**INPROC, "inprocess_threads": True}
+        ) as pipe:
             with pytest.raises(flowrl.FlowDefinitionError):
                 pipe.run(items(8), fields=["nope"])  # fails at the first sample; others still run
             pipe.run(items(8))  # waits for the previous run, which meets sample 5 and fails

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from flowrl._cli import main as cli
-from flowrl._baselines import run_push
-from flowrl._loadtest import run_flowrl, scenarios
+from flowrl._tools.baselines import run_push
+from flowrl._tools.cli import main as cli
+from flowrl._tools.loadtest import run_flowrl, scenarios
 from flowrl.testing import flowrl_actor_names
 
 
@@ -32,7 +32,7 @@ def test_cli_lists_the_scenarios(capsys):
 @pytest.mark.slow
 def test_ray_data_runs_the_same_workload_and_stamps_every_stage(ray_cluster):
     pytest.importorskip("pandas", reason="Ray Data needs pandas: pip install -e .[bench]")
-    from flowrl._baselines import run_ray_data
+    from flowrl._tools.baselines import run_ray_data
 
     w = scenarios()["prime-97"]
     data = run_ray_data(w)

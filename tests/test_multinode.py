@@ -27,7 +27,10 @@ def test_replicas_spread_over_two_nodes_of_an_existing_cluster():
     assert len(result["nodes"]) == 2
     assert sorted(set(result["placement"])) == result["nodes"]  # both nodes host replicas
     assert result["live_during"] == 4 and result["left_after"] == []
-    assert "model 'wide' needs 0.5 CPU and 3 GPU on one node, but the largest node has 2 CPU and 2 GPU" in result["node_fit"]
+    assert (
+        "model 'wide' needs 0.5 CPU and 3 GPU on one node, but the largest node has 2 CPU and 2 GPU"
+        in result["node_fit"]
+    )
 
 
 def test_a_node_removed_mid_run_loses_no_sample_and_the_run_completes_on_the_other():

@@ -24,7 +24,7 @@ def _echo(seq: int, body: bytes) -> bytes:
 @contextlib.asynccontextmanager
 async def _pair(answer=_echo, prepare=None):
     """A channel server, one replica end served by a one-thread worker, and the driver's end."""
-    from flowrl._ray_channel import ChannelServer, ReplicaWorker
+    from flowrl._backends.local_channel import ChannelServer, ReplicaWorker
 
     server = ChannelServer()
     await server.start()
@@ -79,7 +79,7 @@ async def test_shards_are_prepared_on_the_channel_thread_and_answered_in_order_o
 
 
 async def test_a_closed_replica_end_fails_every_waiting_call_and_retires_the_channel() -> None:
-    from flowrl._ray_channel import ChannelLost
+    from flowrl._backends.local_channel import ChannelLost
 
     release = threading.Event()
     async with _pair(_stuck(release)) as (replica, driver):
@@ -103,7 +103,7 @@ async def test_closing_the_driver_end_fails_calls_in_flight_with_pipeline_closed
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_a_worker_thread_that_dies_closes_its_channel_and_fails_later_jobs() -> None:
-    from flowrl._ray_channel import ChannelLost
+    from flowrl._backends.local_channel import ChannelLost
 
     def broken(seq: int, body: bytes) -> bytes:
         raise AssertionError("a bug in the replica's answer")
@@ -119,7 +119,7 @@ async def test_a_worker_thread_that_dies_closes_its_channel_and_fails_later_jobs
 
 
 async def test_a_connection_with_an_unknown_token_is_refused() -> None:
-    from flowrl._ray_channel import ChannelServer
+    from flowrl._backends.local_channel import ChannelServer
 
     server = ChannelServer()
     await server.start()
@@ -173,7 +173,7 @@ class Reused(flowrl.Model):
 
 
 def _count_channel_calls(monkeypatch) -> list[int]:
-    from flowrl._ray_backend import RayBackend
+    from flowrl._backends.ray_backend import RayBackend
 
     count = [0]
     real = RayBackend._call_over
@@ -198,7 +198,7 @@ async def test_setup_state_of_the_replica_thread_holds_in_every_step(ray_cluster
 
 
 async def test_outputs_too_big_for_the_socket_are_taken_into_shared_memory(ray_cluster, monkeypatch):
-    from flowrl._ray_wire import SMALL_BYTES
+    from flowrl._backends.ray_wire import SMALL_BYTES
 
     count = _count_channel_calls(monkeypatch)
     width = SMALL_BYTES // 8 + 1  # one sample's field is already too big to ride back
@@ -216,7 +216,7 @@ async def test_outputs_too_big_for_the_socket_are_taken_into_shared_memory(ray_c
 @pytest.mark.parametrize("big", [False, True])
 @pytest.mark.parametrize("backend", ["channel", "ray-calls", "inprocess"])
 async def test_outputs_are_kept_as_returned_when_the_model_reuses_its_buffer(ray_cluster, backend, big):
-    from flowrl._ray_wire import SMALL_BYTES
+    from flowrl._backends.ray_wire import SMALL_BYTES
 
     width = SMALL_BYTES // 8 + 1 if big else 4
     model = Reused("r", {"num_replicas": 1, "batch_size": 1, "prefetch": 2, **CPU}, width)
@@ -228,7 +228,7 @@ async def test_outputs_are_kept_as_returned_when_the_model_reuses_its_buffer(ray
 
 
 async def test_an_error_over_the_channel_names_the_shard_and_carries_the_replica_traceback(ray_cluster):
-    from flowrl._ray_channel import RemoteTraceback
+    from flowrl._backends.local_channel import RemoteTraceback
 
     bad = Fail("bad", {"num_replicas": 2, "batch_size": 2, **CPU}, bad_id=5)
     with pytest.raises(flowrl.StageError, match=r"stage 'bad\.forward_step'.*ValueError: bad sample 5") as info:
@@ -241,7 +241,7 @@ async def test_an_error_over_the_channel_names_the_shard_and_carries_the_replica
 
 
 async def test_a_channel_that_cannot_open_fails_the_start_with_a_cluster_error(ray_cluster, monkeypatch):
-    from flowrl._ray_channel import ChannelServer
+    from flowrl._backends.local_channel import ChannelServer
 
     async def listen_nowhere(self) -> None:  # no socket at the path: the replicas cannot connect
         return None
@@ -255,7 +255,7 @@ async def test_a_channel_that_cannot_open_fails_the_start_with_a_cluster_error(r
 
 
 def test_weights_submitted_first_run_right_after_the_running_job_before_queued_ones():
-    from flowrl._ray_channel import ReplicaWorker
+    from flowrl._backends.local_channel import ReplicaWorker
 
     worker, release, order = ReplicaWorker(), threading.Event(), []
     running = worker.submit(release.wait)  # the shard running now

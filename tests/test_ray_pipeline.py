@@ -20,9 +20,24 @@ def items(n: int, start: int = 0) -> list[dict]:
 
 def diamond(jitter: int):
     """x -> a (3 replicas, batch 3) and b (2 replicas, batch 5) -> c(a, b): shuffled finishing order."""
-    a = Scale("a", {"num_replicas": 3, "batch_size": 3, **CPU}, srcs=["x"], dst="a", factor=10, sleep_s=0.003, jitter_seed=jitter)
-    b = Scale("b", {"num_replicas": 2, "batch_size": 5, "splitter": "greedy", **CPU}, srcs=["x"], dst="b", factor=100,
-              sleep_s=0.002, jitter_seed=jitter + 1)
+    a = Scale(
+        "a",
+        {"num_replicas": 3, "batch_size": 3, **CPU},
+        srcs=["x"],
+        dst="a",
+        factor=10,
+        sleep_s=0.003,
+        jitter_seed=jitter,
+    )
+    b = Scale(
+        "b",
+        {"num_replicas": 2, "batch_size": 5, "splitter": "greedy", **CPU},
+        srcs=["x"],
+        dst="b",
+        factor=100,
+        sleep_s=0.002,
+        jitter_seed=jitter + 1,
+    )
     c = Scale("c", {"num_replicas": 2, "batch_size": 4, **CPU}, srcs=["a", "b"], dst="c", jitter_seed=jitter + 2)
 
     def flow(x):
@@ -142,7 +157,7 @@ async def test_two_undeclared_writers_of_one_field_are_rejected_when_data_shows_
 
 
 async def test_a_declared_read_nobody_writes_fails_before_any_actor_starts(ray_cluster, monkeypatch):
-    from flowrl._ray_backend import RayBackend
+    from flowrl._backends.ray_backend import RayBackend
 
     async def no_start(self, specs):
         raise AssertionError("replicas were started for a flow that should be rejected first")
@@ -178,8 +193,14 @@ async def test_replicas_get_their_logical_gpus_and_see_who_they_are(ray_cluster)
     class WhoAmI(flowrl.Model):
         def forward_step(self, batch, iteration):
             n = len(batch)
-            return {"gpus": [tuple(self.gpu_ids)] * n, "rid": [self.replica_id] * n, "dev": [str(self.device)] * n,
-                    "nrep": [self.num_replicas] * n, "bs": [self.config.batch_size] * n, "nm": [self.name] * n}
+            return {
+                "gpus": [tuple(self.gpu_ids)] * n,
+                "rid": [self.replica_id] * n,
+                "dev": [str(self.device)] * n,
+                "nrep": [self.num_replicas] * n,
+                "bs": [self.config.batch_size] * n,
+                "nm": [self.name] * n,
+            }
 
     # ChatLearn sizing: 8 GPUs, tensor parallel 4 -> 2 replicas holding 4 GPUs each
     who = WhoAmI("who", {"num_gpu": 8, "tensor_parallel_size": 4, "batch_size": 3, **CPU})
@@ -219,7 +240,7 @@ def test_sync_helper_runs_several_rounds_and_reports_stats(ray_cluster):
 
 
 def _spy_backend(monkeypatch) -> tuple[list, list, list]:
-    from flowrl._ray_backend import RayBackend
+    from flowrl._backends.ray_backend import RayBackend
 
     put, fetched, pieces = [], [], []
     real_put, real_fetch, real_call = RayBackend.put, RayBackend.fetch, RayBackend.call
@@ -250,7 +271,7 @@ def _two_stage_flow():
 
 
 async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_what_it_returns(ray_cluster, monkeypatch):
-    from flowrl._ray_wire import INLINE_BYTES, SMALL_BYTES
+    from flowrl._backends.ray_wire import INLINE_BYTES, SMALL_BYTES
 
     put, fetched, pieces = _spy_backend(monkeypatch)
     width = max(SMALL_BYTES, INLINE_BYTES // 9) // 8 + 1  # x and big are over what rides inline
@@ -267,7 +288,8 @@ async def test_big_payloads_go_replica_to_replica_and_the_driver_fetches_only_wh
 
 @pytest.mark.parametrize("channels", [True, False])
 async def test_small_payloads_ride_inside_the_calls(ray_cluster, monkeypatch, channels):
-    from flowrl._ray_wire import Inline as _Inline, Reply as _Reply
+    from flowrl._backends.ray_wire import Inline as _Inline
+    from flowrl._backends.ray_wire import Reply as _Reply
 
     put, fetched, pieces = _spy_backend(monkeypatch)
     async with flowrl.open_pipeline(_two_stage_flow(), {"local_channels": channels}) as pipe:

@@ -20,7 +20,7 @@ class _LocalRow:
 def test_dumps_falls_back_to_cloudpickle_for_by_value_and_local_objects() -> None:
     import ray.cloudpickle
 
-    from flowrl._ray_wire import dumps
+    from flowrl._backends.ray_wire import dumps
 
     assert dumps([1, "a"]) == pickle.dumps([1, "a"], protocol=5)  # the C pickler where safe
     local = lambda x: x + 1  # noqa: E731  (the C pickler refuses it)
@@ -62,7 +62,7 @@ async def test_replies_arrive_while_older_calls_run_errors_pass_through_and_clos
     from ray.exceptions import RayTaskError
 
     from flowrl import PipelineClosedError
-    from flowrl._ray_wire import Replies
+    from flowrl._backends.ray_wire import Replies
 
     ray = ray_cluster
     gate, echo, boom = _gate_and_echo(ray)
@@ -104,16 +104,19 @@ def test_a_shard_of_inline_rows_and_stored_objects_reaches_the_step_joined_in_it
     import numpy as np
 
     from flowrl import Batch, Model
-    from flowrl._config import Piece, ShardCall, encode_message
-    from flowrl._ray_wire import Inline, call_args, dumps, frame, run_call, unframe
-    from flowrl._replica import ReplicaRuntime
+    from flowrl._backends.ray_wire import Inline, call_args, dumps, frame, run_call, unframe
+    from flowrl._backends.replica import ReplicaRuntime
+    from flowrl._core.config import Piece, ShardCall, encode_message
 
     ids = [7, 3, 5]
     first = Inline(Batch([3, 9, 7], {"q": ["q3", "q9", "q7"]}))
     second = Inline(blob=dumps(Batch([5], {"q": ["q5"]})), rows=1)  # as a reply came: taken whole, forwarded
     policy = Batch([5, 7, 3], {"r": np.array([50.0, 70.0, 30.0])})
-    pieces = [Piece(producer="input", ref=first, rows=[2, 0]), Piece(producer="input", ref=second, rows=[0]),
-              Piece(producer="policy", ref="ref-0" if stored else Inline(policy), rows=[1, 2, 0])]
+    pieces = [
+        Piece(producer="input", ref=first, rows=[2, 0]),
+        Piece(producer="input", ref=second, rows=[0]),
+        Piece(producer="policy", ref="ref-0" if stored else Inline(policy), rows=[1, 2, 0]),
+    ]
     call = ShardCall(stage="score.forward_step", method="forward_step", iteration=0, ids=ids, pieces=pieces)
 
     refs, body, sent = call_args(call)
@@ -137,7 +140,7 @@ def test_a_replica_calls_the_users_function_past_the_tracing_wrapper_but_keeps_i
     import functools
 
     from flowrl import Batch, Model
-    from flowrl._model import step_target
+    from flowrl._core.model import step_target
 
     seen = []
 
@@ -146,6 +149,7 @@ def test_a_replica_calls_the_users_function_past_the_tracing_wrapper_but_keeps_i
         def wrapper(self, batch, iteration):
             seen.append(iteration)
             return fn(self, batch, iteration)
+
         return wrapper
 
     class M(Model):

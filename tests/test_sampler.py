@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, plan_steps
+from flowrl._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, plan_steps
 
 
 def test_episodes_draw_consecutive_prompts_and_wrap_around():
@@ -75,6 +75,8 @@ def test_groups_follow_prompt_keys_when_a_relay_drops_or_reorders_samples():
         for rank in st.ranks:
             rows = [r for mb in rank for r in mb]
             # a prompt's copies are never split over ranks or steps
-            assert all(keys[r] not in {keys[x] for other in st.ranks if other is not rank for mb in other for x in mb}
-                       for r in rows)
+            assert all(
+                keys[r] not in {keys[x] for other in st.ranks if other is not rank for mb in other for x in mb}
+                for r in rows
+            )
     assert [r for st in steps for rank in st.ranks for mb in rank for r in mb] == list(range(len(keys)))

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._scheduler import Assignment, PoolScheduler
+from flowrl._core.scheduler import Assignment, PoolScheduler
 
 STAGE = "m.forward_step"
 
@@ -140,7 +140,7 @@ def test_seed_issue_every_replica_gets_two_samples(policy):
     per_replica = Counter()
     for a in s.poll():
         per_replica[a.replica] += len(a.ids)
-    assert dict(per_replica) == {r: 16 // 8 for r in range(8)}
+    assert dict(per_replica) == dict.fromkeys(range(8), 16 // 8)
 
 
 def test_each_sample_assigned_once_per_stage_across_stages():
@@ -230,8 +230,15 @@ def simulate(replicas: int, batch: int, samples: int, policy: str, seed: str) ->
     rng = random.Random(seed)
     prefetch = rng.choice([1, 2, 3])
     eager = rng.random() < 0.5  # prefetch slots queue ahead, or wait until their replica is idle
-    s = make(replicas=replicas, policy=policy, prefetch=prefetch, batch=batch, expected=samples, stages=("a", "b"),
-             eager=eager)
+    s = make(
+        replicas=replicas,
+        policy=policy,
+        prefetch=prefetch,
+        batch=batch,
+        expected=samples,
+        stages=("a", "b"),
+        eager=eager,
+    )
     arriving = list(range(samples))
     rng.shuffle(arriving)
     waiting = [0] * replicas

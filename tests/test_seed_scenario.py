@@ -22,8 +22,14 @@ DOWNSTREAM = ("reference", "value", "reward")
 def make_flow():
     small = {"num_replicas": 8, "batch_size": 2, "cpus_per_replica": 0.25, "gpus_per_replica": 0.25}
     # policy: ChatLearn-style sizing, num_gpu=8 with tensor_parallel_size=4 -> 2 replicas
-    policy = Scale("policy", {"num_gpu": 8, "tensor_parallel_size": 4, "batch_size": 4, "cpus_per_replica": 0.25,
-                              "gpus_per_replica": 1}, srcs=["query"], dst="policy_out", factor=1.0, sleep_s=0.02)
+    policy = Scale(
+        "policy",
+        {"num_gpu": 8, "tensor_parallel_size": 4, "batch_size": 4, "cpus_per_replica": 0.25, "gpus_per_replica": 1},
+        srcs=["query"],
+        dst="policy_out",
+        factor=1.0,
+        sleep_s=0.02,
+    )
     reference = Scale("reference", small, srcs=["policy_out"], dst="ref_out", factor=2.0, sleep_s=0.01)
     value = Scale("value", small, srcs=["policy_out"], dst="value_out", factor=3.0, sleep_s=0.01)
     reward = Scale("reward", small, srcs=["ref_out", "policy_out", "value_out"], dst="reward_out", sleep_s=0.01)

@@ -8,17 +8,22 @@ import numpy as np
 import pytest
 
 import flowrl
-from flowrl._simulate import StageCost, SimStage, Workload, simulate
+from flowrl._core.simulate import SimStage, StageCost, Workload, simulate
 
 
 def seed_209(splitter: str = "guided", rounds: int = 1) -> Workload:
     wide = dict(replicas=8, batch_size=2, cost=StageCost(call_s=0.01, per_sample_s=0.001), splitter=splitter)
-    return Workload(samples=16 * rounds, stages=[
-        SimStage(name="policy", replicas=2, batch_size=4, cost=StageCost(call_s=0.02, tail_median_s=0.01, tail_sigma=0.5)),
-        SimStage(name="reference", inputs=["policy"], **wide),
-        SimStage(name="value", inputs=["policy"], **wide),
-        SimStage(name="reward", inputs=["policy", "reference", "value"], **wide),
-    ])
+    return Workload(
+        samples=16 * rounds,
+        stages=[
+            SimStage(
+                name="policy", replicas=2, batch_size=4, cost=StageCost(call_s=0.02, tail_median_s=0.01, tail_sigma=0.5)
+            ),
+            SimStage(name="reference", inputs=["policy"], **wide),
+            SimStage(name="value", inputs=["policy"], **wide),
+            SimStage(name="reward", inputs=["policy", "reference", "value"], **wide),
+        ],
+    )
 
 
 @pytest.mark.parametrize("splitter", sorted(flowrl.SPLITTERS))
@@ -35,13 +40,31 @@ def random_workload(seed: int) -> Workload:
     stages, names = [], ["input"]
     for k in range(rng.randint(1, 4)):
         inputs = rng.sample(names, rng.randint(1, min(2, len(names))))
-        cost = StageCost(call_s=rng.uniform(0, 0.05), per_sample_s=rng.uniform(0, 0.01),
-                    tail_median_s=rng.choice([0.0, 0.02]), tail_sigma=rng.choice([0.0, 1.0]))
-        stages.append(SimStage(name=f"s{k}", inputs=inputs, replicas=rng.randint(1, 9), batch_size=rng.randint(1, 9),
-                               cost=cost, splitter=rng.choice(sorted(flowrl.SPLITTERS)), prefetch=rng.randint(1, 2)))
+        cost = StageCost(
+            call_s=rng.uniform(0, 0.05),
+            per_sample_s=rng.uniform(0, 0.01),
+            tail_median_s=rng.choice([0.0, 0.02]),
+            tail_sigma=rng.choice([0.0, 1.0]),
+        )
+        stages.append(
+            SimStage(
+                name=f"s{k}",
+                inputs=inputs,
+                replicas=rng.randint(1, 9),
+                batch_size=rng.randint(1, 9),
+                cost=cost,
+                splitter=rng.choice(sorted(flowrl.SPLITTERS)),
+                prefetch=rng.randint(1, 2),
+            )
+        )
         names.append(f"s{k}")
-    return Workload(stages=stages, samples=rng.randint(1, 120), seed=seed, overhead_s=rng.choice([0.0, 0.001]),
-                    cost_hint_sigma=rng.choice([None, 0.0, 0.5]))
+    return Workload(
+        stages=stages,
+        samples=rng.randint(1, 120),
+        seed=seed,
+        overhead_s=rng.choice([0.0, 0.001]),
+        cost_hint_sigma=rng.choice([None, 0.0, 0.5]),
+    )
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -86,8 +109,16 @@ def test_the_dispatch_capacity_caps_calls_per_second_however_many_replicas_wait(
 
 def test_a_thousand_replicas_and_a_hundred_thousand_samples_simulate():
     stages = [
-        SimStage(name="policy", replicas=1024, batch_size=8, cost=StageCost(call_s=0.05, tail_median_s=0.1, tail_sigma=1.0)),
-        SimStage(name="reward", inputs=["policy"], replicas=1024, batch_size=16, cost=StageCost(call_s=0.01, per_sample_s=0.002)),
+        SimStage(
+            name="policy", replicas=1024, batch_size=8, cost=StageCost(call_s=0.05, tail_median_s=0.1, tail_sigma=1.0)
+        ),
+        SimStage(
+            name="reward",
+            inputs=["policy"],
+            replicas=1024,
+            batch_size=16,
+            cost=StageCost(call_s=0.01, per_sample_s=0.002),
+        ),
     ]
     result = simulate(Workload(stages=stages, samples=100_000))
     assert result.replicas_used == {"policy": 1024, "reward": 1024}

@@ -45,9 +45,17 @@ def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_clus
     reward = Scale("reward", {"num_replicas": 2, "batch_size": 4, **gpu}, srcs=["y"], dst="r")
     trainer = CountingTrainer("trainer", {"num_replicas": 2, **gpu})
     engine = flowrl.Engine(
-        rollout=lambda x: reward.forward_step(policy.forward_step(x)), train=[trainer], sync=[(trainer, policy)],
-        config={"sample_per_episode": 16, "num_episode": EPISODES, "train_global_batch_size": 16,
-                "max_relay_episode": 2, "checkpoint_dir": str(tmp_path), "checkpoint_every": 20},
+        rollout=lambda x: reward.forward_step(policy.forward_step(x)),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={
+            "sample_per_episode": 16,
+            "num_episode": EPISODES,
+            "train_global_batch_size": 16,
+            "max_relay_episode": 2,
+            "checkpoint_dir": str(tmp_path),
+            "checkpoint_every": 20,
+        },
     )
     rss, plasma = [], []
 
@@ -65,16 +73,20 @@ def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_clus
     assert len(stats.episodes) == EPISODES and stats.trainers["trainer"].steps == EPISODES
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"episode-{EPISODES - 20:06d}", f"episode-{EPISODES:06d}"]
     warm, last = float(np.median(rss[40:60])), float(np.median(rss[-20:]))
-    print(f"\nsoak: {EPISODES} episodes; driver RSS median at episodes 40-60 {warm:.1f} MiB, last 20 {last:.1f} MiB "
-          f"(growth {last - warm:+.1f} MiB); placement groups during "
-          f"{groups_during}, after {_flowrl_groups(ray) - groups_before}; actors after {len(flowrl_actor_names())}")
+    print(
+        f"\nsoak: {EPISODES} episodes; driver RSS median at episodes 40-60 {warm:.1f} MiB, last 20 {last:.1f} MiB "
+        f"(growth {last - warm:+.1f} MiB); placement groups during "
+        f"{groups_during}, after {_flowrl_groups(ray) - groups_before}; actors after {len(flowrl_actor_names())}"
+    )
     assert last - warm < 16.0  # flat: no growth with the episode count beyond noise
     # Shared memory holds the episodes in flight (freed as their references drop), never the run's history:
     # 200 episodes of 16 samples x 3 fields of 128 KiB would be 1.2 GiB. The samples swing with where an
     # episode is when sampled; their trend over the run must stay within that swing.
     trend = float(np.polyfit(np.arange(len(plasma)) * 5, plasma, 1)[0]) * EPISODES
-    print(f"soak: object store {min(plasma):.0f}-{max(plasma):.0f} MiB, median {np.median(plasma):.0f} MiB; "
-          f"fitted trend {trend:+.1f} MiB over the run")
+    print(
+        f"soak: object store {min(plasma):.0f}-{max(plasma):.0f} MiB, median {np.median(plasma):.0f} MiB; "
+        f"fitted trend {trend:+.1f} MiB over the run"
+    )
     assert abs(trend) < 40.0 and max(plasma) < 160.0
     assert groups_during == 3 and _flowrl_groups(ray) == groups_before
     assert flowrl_actor_names() == []

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._splitter import ShardFloor, shard_size
+from flowrl._core.splitter import ShardFloor, shard_size
 
 POLICIES = sorted(flowrl.SPLITTERS)
 ADAPTIVE = ["guided", "factoring"]
@@ -117,8 +117,15 @@ def drain(policy: str, samples: int, replicas: int, batch: int):
     while pool:
         r = turn % replicas
         finished += running.pop(r, 0)
-        n = shard_size(policy, pending=len(pool), remaining=samples - finished, replicas=replicas, batch_size=batch,
-                       unassigned=len(pool), free_replicas=replicas - len(running))
+        n = shard_size(
+            policy,
+            pending=len(pool),
+            remaining=samples - finished,
+            replicas=replicas,
+            batch_size=batch,
+            unassigned=len(pool),
+            free_replicas=replicas - len(running),
+        )
         assert n >= 1
         shards.append((r, pool[:n]))
         running[r] = n
@@ -185,7 +192,7 @@ def test_seed_issue_every_replica_gets_exactly_its_share(policy):
     for r, ids in drain(policy, SEED_SAMPLES, SEED_REPLICAS, SEED_BATCH):
         per_replica[r] += len(ids)
     share = SEED_SAMPLES // SEED_REPLICAS
-    assert dict(per_replica) == {r: share for r in range(SEED_REPLICAS)}
+    assert dict(per_replica) == dict.fromkeys(range(SEED_REPLICAS), share)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flowrl
-from flowrl._trace import Span, chrome_trace, read_chrome_trace
+from flowrl._core.trace import Span, chrome_trace, read_chrome_trace
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 CPU = {"cpus_per_replica": 0.1}
@@ -33,21 +33,30 @@ def _assert_no_overlap(tracks: dict) -> None:
 
 
 def test_chrome_trace_names_tracks_and_round_trips():
-    spans = [Span(group="policy", lane=1, name="policy.forward_step", start=10.0, end=10.5, args={"ids": [3, 4]}),
-             Span(group="engine", lane=0, name="rollout", start=9.5, end=11.0, args={"episode": 0})]
+    spans = [
+        Span(group="policy", lane=1, name="policy.forward_step", start=10.0, end=10.5, args={"ids": [3, 4]}),
+        Span(group="engine", lane=0, name="rollout", start=9.5, end=11.0, args={"episode": 0}),
+    ]
     trace = chrome_trace(spans)
     meta = {(e["name"], e["args"].get("name")) for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {("process_name", "engine"), ("process_name", "policy"), ("thread_name", "policy[1]")} <= meta
     x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert [(e["name"], e["ts"], e["dur"]) for e in x] == [("rollout", 0.0, 1.5e6), ("policy.forward_step", 5e5, 5e5)]
     assert sorted(read_chrome_trace(json.loads(json.dumps(trace))), key=lambda s: s.start) == sorted(
-        spans, key=lambda s: s.start)
+        spans, key=lambda s: s.start
+    )
 
 
 @pytest.mark.parametrize("backend", ["ray", "inprocess"])
 def test_pipeline_trace_has_a_span_per_shard_with_its_ids_and_no_overlap_per_replica(ray_cluster, tmp_path, backend):
-    a = Scale("a", {"num_replicas": 3, "batch_size": 3, "prefetch": 2, **CPU}, srcs=["x"], dst="a", sleep_s=0.004,
-              jitter_seed=1)
+    a = Scale(
+        "a",
+        {"num_replicas": 3, "batch_size": 3, "prefetch": 2, **CPU},
+        srcs=["x"],
+        dst="a",
+        sleep_s=0.004,
+        jitter_seed=1,
+    )
     b = Scale("b", {"num_replicas": 2, "batch_size": 4, **CPU}, srcs=["a"], dst="b", sleep_s=0.002)
 
     def flow(x):
@@ -73,9 +82,12 @@ def test_pipeline_trace_has_a_span_per_shard_with_its_ids_and_no_overlap_per_rep
 def test_engine_trace_and_metrics_lines_match_its_counters(ray_cluster, tmp_path):
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y", sleep_s=0.002)
     trainer = CountingTrainer("trainer", {"num_replicas": 2, **CPU})
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 3, "train_global_batch_size": 4,
-                                   "run_dir": str(tmp_path)})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 8, "num_episode": 3, "train_global_batch_size": 4, "run_dir": str(tmp_path)},
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(32)])
     stats = engine.learn()
     assert flowrl_actor_names() == []
@@ -99,12 +111,15 @@ def test_engine_trace_and_metrics_lines_match_its_counters(ray_cluster, tmp_path
 
 
 def test_flowrl_trace_prints_a_summary_and_draws_the_chart(ray_cluster, tmp_path, capsys):
-    from flowrl._cli import main
+    from flowrl._tools.cli import main
 
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y", sleep_s=0.002)
     trainer = CountingTrainer("trainer", {"num_replicas": 1, **CPU})
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer],
-                           config={"sample_per_episode": 8, "num_episode": 2, "run_dir": str(tmp_path)})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        config={"sample_per_episode": 8, "num_episode": 2, "run_dir": str(tmp_path)},
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
     stats = engine.learn()
     assert main(["trace", str(tmp_path)]) == 0
@@ -118,7 +133,7 @@ def test_flowrl_trace_prints_a_summary_and_draws_the_chart(ray_cluster, tmp_path
 
 
 def test_flowrl_trace_names_what_is_missing(tmp_path, capsys):
-    from flowrl._cli import main
+    from flowrl._tools.cli import main
 
     assert main(["trace", str(tmp_path)]) == 2
     assert f"no trace at {tmp_path / 'trace.json'}" in capsys.readouterr().err
@@ -137,10 +152,16 @@ def test_debug_switch_runs_a_ray_configured_engine_in_this_process(monkeypatch):
     monkeypatch.setenv("FLOWRL_DEBUG", "1")
     policy = Where("policy", {"num_replicas": 3, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
     trainer = CountingTrainer("trainer", {"num_replicas": 2, **CPU})  # one rank while debugging
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 2, "pipeline": {"backend": "ray"}})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 8, "num_episode": 2, "pipeline": {"backend": "ray"}},
+    )
     pids = []
-    engine.set_relay_sample_fn(lambda episodes: pids.extend(s["pid"] for s in episodes[-1].buffer) or episodes[-1].buffer)
+    engine.set_relay_sample_fn(
+        lambda episodes: pids.extend(s["pid"] for s in episodes[-1].buffer) or episodes[-1].buffer
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
     stats = engine.learn()
     assert set(pids) == {os.getpid()} and len(pids) == 16
@@ -154,14 +175,17 @@ def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_clust
 
     policy = Scale("prom_policy", {"num_replicas": 2, "batch_size": 2, **CPU}, srcs=["x"], dst="y")
     trainer = CountingTrainer("prom_trainer", {"num_replicas": 1, **CPU})
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer],
-                           config={"sample_per_episode": 8, "num_episode": 2})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x), train=[trainer], config={"sample_per_episode": 8, "num_episode": 2}
+    )
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
     stats = engine.learn()
     port = ray_cluster._private.worker._global_node.metrics_export_port
     assert isinstance(port, int), "Ray's metrics agent is not running: install flowrl[metrics] (ray[default])"
-    wanted = {"ray_flowrl_stage_samples": ('stage="prom_policy.forward_step"', 16.0),
-              "ray_flowrl_trainer_steps": ('trainer="prom_trainer"', float(stats.trainers["prom_trainer"].steps))}
+    wanted = {
+        "ray_flowrl_stage_samples": ('stage="prom_policy.forward_step"', 16.0),
+        "ray_flowrl_trainer_steps": ('trainer="prom_trainer"', float(stats.trainers["prom_trainer"].steps)),
+    }
     seen: dict[str, float] = {}
     deadline = time.monotonic() + 60  # Ray's agent exports every few seconds
     while time.monotonic() < deadline and len(seen) < len(wanted):
@@ -193,14 +217,25 @@ def test_queue_depth_its_peak_and_starved_time_are_counted():
 def test_staleness_counts_how_many_versions_behind_each_trained_sample_was_generated():
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y")
     trainer = CountingTrainer("trainer")
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 4, "num_episode": 3, "max_relay_episode": 2,
-                                   "pipeline": {"backend": "inprocess"}})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={
+            "sample_per_episode": 4,
+            "num_episode": 3,
+            "max_relay_episode": 2,
+            "pipeline": {"backend": "inprocess"},
+        },
+    )
     engine.set_relay_sample_fn(lambda episodes: [s for e in episodes for s in e.buffer])  # brings the last one back
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(16)])
     stats = engine.learn()
-    assert [e.staleness for e in stats.episodes] == [{"policy": {0: 4}}, {"policy": {0: 4, 1: 4}},
-                                                     {"policy": {0: 4, 1: 4}}]
+    assert [e.staleness for e in stats.episodes] == [
+        {"policy": {0: 4}},
+        {"policy": {0: 4, 1: 4}},
+        {"policy": {0: 4, 1: 4}},
+    ]
 
 
 def test_blocked_time_counts_admission_waiting_for_a_full_window():
@@ -209,8 +244,9 @@ def test_blocked_time_counts_admission_waiting_for_a_full_window():
     double = Scale("double", {"num_replicas": 2, "batch_size": 2}, srcs=["x"], dst="y")
 
     async def main() -> tuple[float, float]:
-        async with flowrl.open_pipeline(lambda x: double.forward_step(x),
-                                        {"backend": "inprocess", "max_inflight": 4, "input_chunk": 4}) as pipe:
+        async with flowrl.open_pipeline(
+            lambda x: double.forward_step(x), {"backend": "inprocess", "max_inflight": 4, "input_chunk": 4}
+        ) as pipe:
             taken = 0
             async for _ in pipe.stream([{"x": np.full(1, float(i))} for i in range(12)]):
                 taken += 1

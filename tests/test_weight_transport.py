@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flowrl
-from flowrl._weight_share import Groups, Sender, pack, unpack
+from flowrl._backends.weight_share import Groups, Sender, pack, unpack
 from flowrl.testing import flowrl_actor_names
 
 torch = pytest.importorskip("torch")
@@ -21,8 +21,13 @@ CPU = {"cpus_per_replica": 0.1}
 
 
 def test_pack_and_unpack_keep_every_dtype_shape_and_value():
-    weights = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 2).to(torch.bfloat16),
-               "d": torch.randn(7), "e": torch.tensor(1.5)}
+    weights = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(5),
+        "c": torch.randn(2, 2).to(torch.bfloat16),
+        "d": torch.randn(7),
+        "e": torch.tensor(1.5),
+    }
     layout, flats = pack(weights)
     assert set(flats) == {"float32", "int64", "bfloat16"}  # one flat per dtype
     out = unpack(layout, flats)
@@ -86,16 +91,19 @@ def test_a_snapshot_reaches_every_receiver_and_the_group_serves_the_next_one():
 
 def test_cuda_weights_by_nccl_to_a_replica_without_a_gpu_are_refused_by_name():
     share = msgspec.structs.replace(Sender().snapshot({"w": torch.ones(2)}, "trainer"), backend="nccl")
-    group = flowrl._weight_share.Group(id="g", address="127.0.0.1", port=1, world=2, backend="nccl", timeout_s=1.0)
+    group = flowrl._backends.weight_share.Group(
+        id="g", address="127.0.0.1", port=1, world=2, backend="nccl", timeout_s=1.0
+    )
     with pytest.raises(flowrl.ConfigError, match=r"replica 0 of 'policy'.*weight_transport='nccl'.*computes on cpu"):
-        msgspec.structs.replace(share, group=group, rank=1).receive(torch.device("cpu"), Groups(),
-                                                                    "replica 0 of 'policy'")
+        msgspec.structs.replace(share, group=group, rank=1).receive(
+            torch.device("cpu"), Groups(), "replica 0 of 'policy'"
+        )
 
 
 def test_ranks_of_an_nccl_broadcast_sharing_a_gpu_all_fail_by_name_instead_of_hanging():
     import torch.distributed as dist
 
-    from flowrl._weight_share import _one_rank_per_gpu
+    from flowrl._backends.weight_share import _one_rank_per_gpu
 
     store = dist.HashStore()
 
@@ -104,7 +112,11 @@ def test_ranks_of_an_nccl_broadcast_sharing_a_gpu_all_fail_by_name_instead_of_ha
             _one_rank_per_gpu(store, rank, 3, gpu)
         return gpu
 
-    assert run_all(*((rank_of, r, gpu) for r, gpu in enumerate(["GPU-a", "GPU-b", "GPU-a"]))) == ["GPU-a", "GPU-b", "GPU-a"]
+    assert run_all(*((rank_of, r, gpu) for r, gpu in enumerate(["GPU-a", "GPU-b", "GPU-a"]))) == [
+        "GPU-a",
+        "GPU-b",
+        "GPU-a",
+    ]
     _one_rank_per_gpu(dist.HashStore(), 0, 1, "GPU-a")  # one rank per GPU: fine
 
 
@@ -115,8 +127,10 @@ class Policy(flowrl.Model):
         self.module = torch.nn.Linear(4, 1)
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        return {f"{self.name}_w": [float(self.module.weight.detach().sum())] * len(batch),
-                f"{self.name}_replica": [self.replica_id] * len(batch)}
+        return {
+            f"{self.name}_w": [float(self.module.weight.detach().sum())] * len(batch),
+            f"{self.name}_replica": [self.replica_id] * len(batch),
+        }
 
 
 class Trainer(flowrl.Model):
@@ -137,9 +151,12 @@ class Trainer(flowrl.Model):
 def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, backend):
     policy = Policy("policy", {"num_replicas": 2, "batch_size": 1, **CPU})
     trainer = Trainer("trainer", {"weight_transport": "nccl", **CPU})
-    engine = flowrl.Engine(rollout=lambda x: policy.forward_step(x), train=[trainer], sync=[(trainer, policy)],
-                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off",
-                                   "pipeline": {"backend": backend}})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 8, "num_episode": 3, "progress": "off", "pipeline": {"backend": backend}},
+    )
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
     probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(24)]
     with engine:
@@ -166,9 +183,12 @@ def test_one_trainer_feeding_two_models_broadcasts_one_snapshot_that_a_later_joi
     policy = Policy("policy", {"num_replicas": 1, "batch_size": 1, **CPU})
     critic = Policy("critic", {"num_replicas": 1, "batch_size": 1, **CPU})
     trainer = Trainer("trainer", {"weight_transport": "nccl", **CPU})
-    engine = flowrl.Engine(rollout=lambda x: critic.forward_step(policy.forward_step(x)), train=[trainer],
-                           sync=[(trainer, policy), (trainer, critic)],
-                           config={"sample_per_episode": 8, "num_episode": 3, "progress": "off"})
+    engine = flowrl.Engine(
+        rollout=lambda x: critic.forward_step(policy.forward_step(x)),
+        train=[trainer],
+        sync=[(trainer, policy), (trainer, critic)],
+        config={"sample_per_episode": 8, "num_episode": 3, "progress": "off"},
+    )
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
     probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(24)]
     with engine:

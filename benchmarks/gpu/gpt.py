@@ -12,8 +12,7 @@ generation without continuous batching does; positions after a response's end ar
 from __future__ import annotations
 
 import subprocess
-import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +20,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import flowrl
+
+if TYPE_CHECKING:
+    import threading
 
 VOCAB, PROMPT = 8192, 16
 SIZES = {"full": dict(width=768, layers=12, heads=12), "tiny": dict(width=64, layers=2, heads=4)}
@@ -56,7 +58,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(w, size["heads"]) for _ in range(size["layers"]))
         self.ln, self.head = nn.LayerNorm(w), nn.Linear(w, out)
 
-    def forward(self, ids: torch.Tensor, caches: list[list[torch.Tensor]] | None = None, start: int = 0) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, caches: list[list[torch.Tensor]] | None = None, start: int = 0
+    ) -> torch.Tensor:
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)
         x = self.token(ids) + self.position(pos)
         for i, block in enumerate(self.blocks):
@@ -89,7 +93,7 @@ def response_mask(length: torch.Tensor, tokens: int) -> torch.Tensor:
 
 def token_logprobs(model: GPT, seq: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of the response tokens of ``seq`` ([n, PROMPT + TOKENS])."""
-    logits = model(seq[:, :-1])[:, PROMPT - 1:]
+    logits = model(seq[:, :-1])[:, PROMPT - 1 :]
     return torch.log_softmax(logits.float(), -1).gather(-1, seq[:, PROMPT:, None]).squeeze(-1)
 
 
@@ -157,7 +161,7 @@ class Value(Timed):
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         seq = torch.as_tensor(batch["seq"]).to(self.device)
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
-            values = self.module(seq[:, :-1])[:, PROMPT - 1:, 0].float()
+            values = self.module(seq[:, :-1])[:, PROMPT - 1 :, 0].float()
         self.sync()
         return {"values": values.cpu()}
 
@@ -171,8 +175,10 @@ class PPO(Sized):
         total = 0.0
         self.optimizer.zero_grad()
         for mb in self.micro_batches(batch):
-            fields = {k: torch.as_tensor(mb[k]).to(self.device) for k in ("seq", "length", "old_logprobs",
-                                                                          "ref_logprobs", "values", "score")}
+            fields = {
+                k: torch.as_tensor(mb[k]).to(self.device)
+                for k in ("seq", "length", "old_logprobs", "ref_logprobs", "values", "score")
+            }
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
                 loss = self.loss(fields)
             (loss / self.global_batch_size).backward()
@@ -206,14 +212,17 @@ class PPOValue(PPO):
 
     def loss(self, f: dict[str, torch.Tensor]) -> torch.Tensor:
         returns = self.advantages(f) + f["values"]
-        values = self.module(f["seq"][:, :-1])[:, PROMPT - 1:, 0].float()
+        values = self.module(f["seq"][:, :-1])[:, PROMPT - 1 :, 0].float()
         return self.per_sample(0.5 * (values - returns) ** 2, f)
 
 
 def gpu_sampler(stop: threading.Event, out: list[float]) -> None:
     """nvidia-smi's utilisation every 200 ms until ``stop``."""
-    proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                             "-lms", "200"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if stop.is_set():
@@ -221,8 +230,6 @@ def gpu_sampler(stop: threading.Event, out: list[float]) -> None:
         if line.strip().isdigit():
             out.append(float(line))
     proc.terminate()
-
-
 
 
 def prompts(n: int, tokens: int, lengths: str) -> list[dict[str, Any]]:

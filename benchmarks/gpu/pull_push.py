@@ -43,10 +43,20 @@ def build_models(args: argparse.Namespace, on_gpu: bool) -> dict[str, flowrl.Mod
     counts = {"policy": args.policy_replicas} | {m: args.scorer_replicas for m in ROLES if m != "policy"}
     share = 0.5 / sum(counts.values())  # both systems' replicas are alive at once: half the GPU each
     size = SIZES["tiny" if args.tiny else "full"]
-    return {m: cls(m, {"num_replicas": counts[m], "batch_size": args.policy_batch if m == "policy" else 64,
-                       "cpus_per_replica": 0.5, **({"gpus_per_replica": share} if on_gpu else {})},
-                   size=size, tokens=args.tokens)
-            for m, cls in ROLES.items()}
+    return {
+        m: cls(
+            m,
+            {
+                "num_replicas": counts[m],
+                "batch_size": args.policy_batch if m == "policy" else 64,
+                "cpus_per_replica": 0.5,
+                **({"gpus_per_replica": share} if on_gpu else {}),
+            },
+            size=size,
+            tokens=args.tokens,
+        )
+        for m, cls in ROLES.items()
+    }
 
 
 def rollout_flow(models: dict[str, flowrl.Model]) -> Any:
@@ -81,8 +91,12 @@ class PushReplica:
         end = time.time()
         new = flowrl.Batch(batch.ids, dict(out))
         # the policy's batch carries its inputs on; a scorer sends back its own fields only
-        return (batch.merge(new) if self.model.name == "policy" else new), (self.model.name, self.model.replica_id,
-                                                                            start, end)
+        return (batch.merge(new) if self.model.name == "policy" else new), (
+            self.model.name,
+            self.model.replica_id,
+            start,
+            end,
+        )
 
 
 class Push:
@@ -123,8 +137,10 @@ def measure(spans: list[Span], start: float, end: float, models: list[str]) -> d
     out = {"s": end - start, "busy": covered([(a, b) for _, _, a, b in spans], start, end) / (end - start)}
     for m in models:
         out[m] = covered([(a, b) for name, _, a, b in spans if name == m], start, end)
-        per_replica = [sum(b - a for name, r, a, b in spans if name == m and r == i)
-                       for i in sorted({r for name, r, _, _ in spans if name == m})]
+        per_replica = [
+            sum(b - a for name, r, a, b in spans if name == m and r == i)
+            for i in sorted({r for name, r, _, _ in spans if name == m})
+        ]
         out[f"{m} spread"] = max(per_replica) - min(per_replica) if per_replica else 0.0
     return out
 
@@ -162,7 +178,7 @@ def main() -> None:
         with flowrl.Pipeline(rollout_flow(models), {"backend": "ray", "progress": "off"}) as pipe:
             for e in range(args.episodes):
                 items = [data[i] for i in rng.permutation(len(data))]  # the same order for both
-                for system in (("pull", "push") if e % 2 == 0 else ("push", "pull")):
+                for system in ("pull", "push") if e % 2 == 0 else ("push", "pull"):
                     if system == "pull":
                         n, start, end, spans = pull_episode(pipe, items)
                     else:
@@ -183,16 +199,24 @@ def main() -> None:
 def report(results: dict[str, list[dict[str, float]]], args: argparse.Namespace, tokens: int, on_gpu: bool) -> None:
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in results.items()}
     ratios = [b["s"] / a["s"] for a, b in zip(results["pull"], results["push"])]
-    print(f"\n{args.samples} samples, responses {args.lengths} (at most {args.tokens} tokens, {tokens} in all), "
-          f"policy {args.policy_replicas} replicas x batch {args.policy_batch}, reference/value/reward "
-          f"{args.scorer_replicas} each, on {'GPU' if on_gpu else 'CPU'}; medians of {len(ratios)} episodes each")
-    print("| system | rollout s | samples/s | tokens/s | GPU busy | policy busy s | policy replica spread s "
-          "| reference / value / reward busy s |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        f"\n{args.samples} samples, responses {args.lengths} (at most {args.tokens} tokens, {tokens} in all), "
+        f"policy {args.policy_replicas} replicas x batch {args.policy_batch}, reference/value/reward "
+        f"{args.scorer_replicas} each, on {'GPU' if on_gpu else 'CPU'}; medians of {len(ratios)} episodes each"
+    )
+    print(
+        "| system | rollout s | samples/s | tokens/s | GPU busy | policy busy s | policy replica spread s "
+        "| reference / value / reward busy s |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     for system, m in med.items():
-        print(f"| {system} | {m['s']:.2f} | {args.samples / m['s']:.1f} | {tokens / m['s']:.0f} | {m['busy']:.0%} "
-              f"| {m['policy']:.2f} | {m['policy spread']:.2f} "
-              f"| {m['reference']:.2f} / {m['value']:.2f} / {m['reward']:.2f} |")
-    print(f"\npush / pull per episode: {', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+        print(
+            f"| {system} | {m['s']:.2f} | {args.samples / m['s']:.1f} | {tokens / m['s']:.0f} | {m['busy']:.0%} "
+            f"| {m['policy']:.2f} | {m['policy spread']:.2f} "
+            f"| {m['reference']:.2f} / {m['value']:.2f} / {m['reward']:.2f} |"
+        )
+    print(
+        f"\npush / pull per episode: {', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x"
+    )
 
 
 if __name__ == "__main__":

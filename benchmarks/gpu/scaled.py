@@ -27,8 +27,20 @@ import torch
 import flowrl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import (PPO, SIZES, VOCAB, Policy, PPOValue, Reference, Reward, Value, build, covered,  # noqa: E402
-                 gpu_sampler, prompts)
+from gpt import (
+    PPO,
+    SIZES,
+    VOCAB,
+    Policy,
+    PPOValue,
+    Reference,
+    Reward,
+    Value,
+    build,
+    covered,  # noqa: E402
+    gpu_sampler,
+    prompts,
+)
 
 INFERENCE = ("policy", "reference", "value", "reward")
 
@@ -38,14 +50,25 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=5)
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--lengths", choices=["full", "eos"], default="full",
-                        help="every response --tokens long, or ending at lognormal lengths (gpt.py)")
+    parser.add_argument(
+        "--lengths",
+        choices=["full", "eos"],
+        default="full",
+        help="every response --tokens long, or ending at lognormal lengths (gpt.py)",
+    )
     parser.add_argument("--policy-replicas", type=int, default=2)
     parser.add_argument("--policy-batch", type=int, default=32, help="the policy's shard size (generation batch)")
-    parser.add_argument("--weight-transport", choices=["host", "cuda_ipc", "nccl"], default="host",
-                        help="how the trainers' weights reach the policy and value replicas")
-    parser.add_argument("--apart", action="store_true",
-                        help="the trainers on one GPU, the inference models on another (else all on one)")
+    parser.add_argument(
+        "--weight-transport",
+        choices=["host", "cuda_ipc", "nccl"],
+        default="host",
+        help="how the trainers' weights reach the policy and value replicas",
+    )
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="the trainers on one GPU, the inference models on another (else all on one)",
+    )
     parser.add_argument("--tiny", action="store_true", help="small models on the CPU, in one process (a check)")
     parser.add_argument("--out", help="write the figures here (JSON)")
     args = parser.parse_args()
@@ -60,13 +83,20 @@ def main() -> None:
         sync = {"weight_transport": args.weight_transport} if name.startswith("ppo") else {}
         return {"num_replicas": n, "batch_size": args.policy_batch if name == "policy" else 64, **gpu, **sync}
 
-    models = [cls(n, cfg(n), size=size, tokens=args.tokens)
-              for cls, n in zip((Policy, Reference, Reward, Value, PPO, PPOValue), names)]
+    models = [
+        cls(n, cfg(n), size=size, tokens=args.tokens)
+        for cls, n in zip((Policy, Reference, Reward, Value, PPO, PPOValue), names)
+    ]
     params = sum(p.numel() for p in build(VOCAB, size, args.tokens).parameters())
-    config = {"sample_per_episode": args.samples, "num_episode": args.episodes, "train_global_batch_size": 64,
-              "train_micro_batch_size": 16, "progress": "log",
-              "colocation": ([names[4:], names[:4]] if args.apart else [names]) if on_gpu else [],
-              "pipeline": {"backend": "ray" if on_gpu else "inprocess"}}
+    config = {
+        "sample_per_episode": args.samples,
+        "num_episode": args.episodes,
+        "train_global_batch_size": 64,
+        "train_micro_batch_size": 16,
+        "progress": "log",
+        "colocation": ([names[4:], names[:4]] if args.apart else [names]) if on_gpu else [],
+        "pipeline": {"backend": "ray" if on_gpu else "inprocess"},
+    }
     engine = flowrl.RLHFEngine(*models, config)
     data = prompts(args.samples, args.tokens, args.lengths)  # every episode: the same prompts, a new order
     engine.set_dataset(data)
@@ -105,12 +135,22 @@ def phases(spans: list[Any], models: list[str]) -> dict[str, tuple[float, float]
     return {k: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v)) for k, v in out.items()}
 
 
-def report(figures: dict[str, tuple[float, float]], stats: flowrl.EngineStats, args: argparse.Namespace,
-           params: int, tokens: int, util: list[float], wall: float, on_gpu: bool) -> None:
-    print(f"\n{params / 1e6:.0f}M parameters per model, {args.samples} samples, responses of {args.lengths} length "
-          f"(at most {args.tokens} tokens, {tokens} in all), policy shards of {args.policy_batch}, weights by "
-          f"{args.weight_transport}{' (trainers and inference on two GPUs)' if args.apart else ''}, {len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; "
-          "medians of episodes 1..")
+def report(
+    figures: dict[str, tuple[float, float]],
+    stats: flowrl.EngineStats,
+    args: argparse.Namespace,
+    params: int,
+    tokens: int,
+    util: list[float],
+    wall: float,
+    on_gpu: bool,
+) -> None:
+    print(
+        f"\n{params / 1e6:.0f}M parameters per model, {args.samples} samples, responses of {args.lengths} length "
+        f"(at most {args.tokens} tokens, {tokens} in all), policy shards of {args.policy_batch}, weights by "
+        f"{args.weight_transport}{' (trainers and inference on two GPUs)' if args.apart else ''}, {len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; "
+        "medians of episodes 1.."
+    )
     print("| phase | s | samples/s | tokens/s | GPU busy |\n| --- | --- | --- | --- | --- |")
     for name, (s, frac) in figures.items():
         rate = "| | |" if name.startswith("sync") else f"| {args.samples / s:.1f} | {tokens / s:.0f} |"
@@ -118,15 +158,31 @@ def report(figures: dict[str, tuple[float, float]], stats: flowrl.EngineStats, a
         print(f"| {label} | {s:.2f} {rate} {frac:.0%} |")
     print("\n(a model's row: seconds some replica of it was inside a step, and that share of the phase)")
     if util:
-        print(f"nvidia-smi utilisation over the run ({len(util)} samples, 200 ms): mean {statistics.mean(util):.0f}%, "
-              f"median {statistics.median(util):.0f}%")
-    print(f"wall {wall:.1f} s; episode rollout/train/sync s: " + ", ".join(
-        f"{e.rollout_s:.2f}/{e.train_s:.2f}/{e.sync_s:.2f}" for e in stats.episodes))
+        print(
+            f"nvidia-smi utilisation over the run ({len(util)} samples, 200 ms): mean {statistics.mean(util):.0f}%, "
+            f"median {statistics.median(util):.0f}%"
+        )
+    print(
+        f"wall {wall:.1f} s; episode rollout/train/sync s: "
+        + ", ".join(f"{e.rollout_s:.2f}/{e.train_s:.2f}/{e.sync_s:.2f}" for e in stats.episodes)
+    )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"params": params, "tokens": tokens, "phases": figures, "util": util, "wall": wall,
-                       "episodes": [{k: getattr(e, k) for k in ("episode", "rollout_s", "train_s", "sync_s")}
-                                    for e in stats.episodes]}, f, indent=1)
+            json.dump(
+                {
+                    "params": params,
+                    "tokens": tokens,
+                    "phases": figures,
+                    "util": util,
+                    "wall": wall,
+                    "episodes": [
+                        {k: getattr(e, k) for k in ("episode", "rollout_s", "train_s", "sync_s")}
+                        for e in stats.episodes
+                    ],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

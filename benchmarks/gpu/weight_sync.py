@@ -69,7 +69,7 @@ class Holder:
         offset = 0
         with torch.no_grad():
             for p in self.module.parameters():
-                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         torch.cuda.synchronize()
         del flat
@@ -84,16 +84,24 @@ class Holder:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                    timeout=datetime.timedelta(seconds=60))
+            dist.init_process_group(
+                "nccl",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=2,
+                timeout=datetime.timedelta(seconds=60),
+            )
         params = list(self.module.parameters())
         with torch.no_grad():
-            flat = (torch.cat([p.detach().reshape(-1) for p in params]) if rank == 0
-                    else torch.empty(sum(p.numel() for p in params), device="cuda"))
+            flat = (
+                torch.cat([p.detach().reshape(-1) for p in params])
+                if rank == 0
+                else torch.empty(sum(p.numel() for p in params), device="cuda")
+            )
             dist.broadcast(flat, src=0)
             offset = 0
             for p in params if rank else []:
-                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         torch.cuda.synchronize()
         return self.checksum()
@@ -119,13 +127,18 @@ def nccl_ready(trainer: Any, policy: Any, port: int) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--apart", action="store_true", help="trainer and policy on two GPUs (CUDA IPC is then "
-                        "left out: each actor sees only its own GPU)")
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="trainer and policy on two GPUs (CUDA IPC is then left out: each actor sees only its own GPU)",
+    )
     args = parser.parse_args()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     gpus = 1 if args.apart else 0.5
-    paths = {"object store (numpy, host memory)": ("as_numpy", "load_numpy"),
-             **({} if args.apart else {"CUDA IPC (GPU to GPU)": ("as_ipc", "load_ipc")})}
+    paths = {
+        "object store (numpy, host memory)": ("as_numpy", "load_numpy"),
+        **({} if args.apart else {"CUDA IPC (GPU to GPU)": ("as_ipc", "load_ipc")}),
+    }
     try:
         trainer, policy = Holder.options(num_gpus=gpus).remote(), Holder.options(num_gpus=gpus).remote()
         params = ray.get(trainer.params.remote())
@@ -151,8 +164,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     where = "on two GPUs" if args.apart else "on one GPU"
-    print(f"{params / 1e6:.1f}M parameters (fp32, {params * 4 / 2**20:.0f} MiB), trainer and policy actors {where}; "
-          f"medians of {args.repeats}, each checked by the receiver's checksum")
+    print(
+        f"{params / 1e6:.1f}M parameters (fp32, {params * 4 / 2**20:.0f} MiB), trainer and policy actors {where}; "
+        f"medians of {args.repeats}, each checked by the receiver's checksum"
+    )
     print("| path | s | GiB/s |\n| --- | --- | --- |")
     for name, ts in times.items():
         s = statistics.median(ts)

@@ -1,0 +1,304 @@
+"""What runs inside a replica, whatever the backend (layer 4, shared by both backends).
+
+A replica receives a ``ShardCall``: the shard's sample ids and, per producer, the object
+references and rows that hold their fields. It fetches each object once, gathers and merges
+the rows (joined by sample id), runs the user's step, checks what came back, and returns a
+small ``CallMeta`` plus the new fields as a ``Batch`` that stays in the object store.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._core.batch import Batch, approx_nbytes, column_length
+from .._core.config import CallMeta, ShardCall
+from .._core.errors import CheckpointError, FlowError, OutputError, StageError
+from .._core.model import Model, step_info, step_target
+from .._core.state_format import decode_state, encode_state, rng_state, set_rng_state
+from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
+
+Fetch = Callable[[list[Any]], list[Batch]]
+
+
+def gather(call: ShardCall, fetch: Fetch, private: bool = False) -> Batch:
+    """The shard's samples with the fields of every producer it reads, in ``call.ids`` order.
+
+    ``private``: the fetched objects belong to this call alone (unpickled for it), so one
+    whose rows are the whole object is used as it is instead of copied."""
+    refs: list[Any] = []
+    index: dict[Any, int] = {}  # refs hash by object identity (Ray: by object id)
+    for piece in call.pieces:
+        if piece.ref not in index:
+            index[piece.ref] = len(refs)
+            refs.append(piece.ref)
+    objects = fetch(refs)
+    by_producer: dict[str, list[Batch]] = {}
+    for piece in call.pieces:
+        obj = objects[index[piece.ref]]
+        whole = private and len(piece.rows) == len(obj) and piece.rows == list(range(len(obj)))
+        by_producer.setdefault(piece.producer, []).append(obj if whole else obj.select(piece.rows))
+    merged: Batch | None = None
+    for producer, parts in by_producer.items():
+        part = parts[0] if len(parts) == 1 else Batch.concat(parts)
+        if part.ids.tolist() != call.ids:
+            raise FlowError(
+                f"internal: rows gathered from {producer!r} are samples {part.ids.tolist()}, expected {call.ids}"
+            )
+        merged = part if merged is None else merged.merge(part)
+    return merged if merged is not None else Batch(call.ids)
+
+
+def new_fields(
+    out: Any, batch: Batch, input_fields: set[str], call: ShardCall, replica: int, writes: Any
+) -> dict[str, Any]:
+    """The fields a step added, checked: a mapping, one row per sample, no overwrite."""
+
+    def fail(msg: str) -> OutputError:
+        return OutputError(msg, call.stage, replica, call.ids)
+
+    if not isinstance(out, (Mapping, Batch)):
+        return_type = type(out).__name__
+        raise fail(f"{call.method} must return a mapping of new fields (field -> tensor or list), got {return_type}")
+    added: dict[str, Any] = {}
+    for name, value in out.items():
+        if name in input_fields:
+            if out is batch or value is batch.get(name):
+                continue  # passed through untouched (ChatLearn style: ``return data``)
+            raise fail(
+                f"returned field {name!r}, which its input already has; a stage adds fields, never overwrites one"
+            )
+        rows = column_length(value)
+        if rows != len(batch):
+            got = f"{rows} rows" if rows is not None else f"a {type(value).__name__}"
+            raise fail(f"field {name!r} must have {len(batch)} rows (one per sample of the shard), got {got}")
+        added[name] = value
+    if writes is not None and set(added) != set(writes):
+        raise fail(f"declared writes={sorted(writes)} but returned new fields {sorted(added)}")
+    return added
+
+
+class ReplicaRuntime:
+    """One model instance inside one replica."""
+
+    def __init__(self, model: Model, replica_id: int) -> None:
+        self.model = model
+        self.replica_id = replica_id
+        self._steps: dict[str, tuple[Callable[..., Any], Any]] = {}  # method -> (callable, writes)
+        self._groups = Groups()  # weight-broadcast groups it joined (weight_transport="nccl")
+
+    def _step(self, method: str) -> tuple[Callable[..., Any], Any]:
+        found = self._steps.get(method)
+        if found is None:
+            found = self._steps[method] = (step_target(self.model, method), step_info(self.model, method).writes)
+        return found
+
+    def setup(self, gpu_ids: list[int], node_id: str) -> str:
+        m = self.model
+        m.replica_id = self.replica_id
+        m.gpu_ids = list(gpu_ids)
+        m.node_id = node_id
+        try:
+            m.setup()
+        except Exception as err:
+            raise StageError(
+                f"setup() failed: {type(err).__name__}: {err}", f"{m.name}.setup", self.replica_id, []
+            ) from err
+        return node_id
+
+    def run(self, call: ShardCall, fetch: Fetch, private: bool = False) -> tuple[CallMeta, Batch]:
+        return self.step(call, *self.prepare(call, fetch, private))
+
+    def prepare(self, call: ShardCall, fetch: Fetch, private: bool = False) -> tuple[Batch, float]:
+        """The shard's input (``gather``), and the seconds it took; no user code runs here, so
+        another thread may prepare the next shard while this replica's step runs."""
+        start = time.perf_counter()
+        batch = gather(call, fetch, private)
+        return batch, time.perf_counter() - start
+
+    def step(self, call: ShardCall, batch: Batch, spent: float = 0.0) -> tuple[CallMeta, Batch]:
+        """Run the user's step on a prepared input and check its output; ``spent`` is the
+        time the preparation took (counted as the call's busy time)."""
+        start, started = time.perf_counter(), time.time()
+        inputs = batch.keys()
+        target, writes = self._step(call.method)
+        try:
+            out = target(batch, call.iteration)
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
+        added = new_fields(out, batch, inputs, call, self.replica_id, writes)
+        if self.model.track_version:  # a trainer feeds this model: record the weights' version
+            version_field = f"{self.model.name}_version"
+            if version_field in added:
+                raise OutputError(
+                    f"field {version_field!r} is reserved for the weight version", call.stage, self.replica_id, call.ids
+                )
+            if version_field not in inputs:  # a later step of the same model keeps the first's
+                added[version_field] = [self.model.weight_version] * len(batch)
+        result = Batch(batch.ids, added, _check=False)
+        took = time.perf_counter() - start
+        meta = CallMeta(
+            rows=len(batch),
+            fields=sorted(added),
+            busy_s=spent + took,
+            out_bytes=approx_nbytes(result),
+            node_id=self.model.node_id,
+            started=started,
+            step_s=took,
+        )
+        return meta, result
+
+    def get_weights(self) -> dict[str, Any]:
+        return weights_of(self.model, self.replica_id)
+
+    def load_weights(self, version: int, weights: Mapping[str, Any] | CudaShare | Broadcast) -> None:
+        """New weights from a trainer; runs between shards (the replica runs one call at a time)."""
+        where = f"{self.model.name}.set_weights"
+        replica = f"replica {self.replica_id} of {self.model.name!r}"
+        try:
+            if isinstance(weights, CudaShare):
+                tensors = weights.open(self.model.device, replica)
+            elif isinstance(weights, Broadcast):
+                tensors = weights.receive(self.model.device, self._groups, replica)
+            else:
+                tensors = to_tensors(weights)
+            self.model.set_weights(tensors)
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", where, self.replica_id, []) from err
+        self.model.weight_version = version
+
+
+def weights_of(model: Model, replica: int) -> dict[str, Any]:
+    try:
+        return to_arrays(model.get_weights())
+    except Exception as err:
+        raise StageError(f"{type(err).__name__}: {err}", f"{model.name}.get_weights", replica, []) from err
+
+
+def to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Tensors as numpy arrays, so every receiver reads them zero-copy from the object store."""
+    out = {}
+    for key, value in weights.items():
+        try:
+            out[key] = value.detach().cpu().numpy()
+        except (AttributeError, TypeError, RuntimeError):  # not a tensor, or a dtype numpy lacks
+            out[key] = value
+    return out
+
+
+def to_tensors(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """Arrays back to tensors for a model that uses torch (one that doesn't keeps numpy)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return dict(weights)
+    return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+
+
+class TrainerRuntime:
+    """One rank of a data-parallel trainer group."""
+
+    def __init__(self, model: Model, rank: int, world_size: int) -> None:
+        self.model = model
+        model.rank, model.world_size, model.replica_id = rank, world_size, rank
+        self._shared: tuple[CudaShare | None, CudaShare | None] = (None, None)  # weight_transport="cuda_ipc"
+        self._sender = Sender()  # weight_transport="nccl"
+
+    def setup(self, init_method: str | None, gpu_ids: list[int], node_id: str, timeout_s: float) -> str:
+        m = self.model
+        m.gpu_ids, m.node_id = list(gpu_ids), node_id
+        stage = f"{m.name}.setup"
+        try:
+            if m.world_size > 1:
+                import datetime
+
+                import torch
+                import torch.distributed as dist
+
+                backend = "nccl" if gpu_ids and torch.cuda.is_available() else "gloo"
+                dist.init_process_group(
+                    backend,
+                    init_method=init_method,
+                    rank=m.rank,
+                    world_size=m.world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+            m.setup()
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
+        return node_id
+
+    def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
+        m = self.model
+        m.global_batch_size, m.micro_batch_size = step_size, micro_batch
+        start, started = time.perf_counter(), time.time()
+        try:
+            out = m.train_step(batch, iteration)  # type: ignore[attr-defined]
+        except Exception as err:
+            raise StageError(
+                f"{type(err).__name__}: {err}", f"{m.name}.train_step", m.rank, batch.ids.tolist()
+            ) from err
+        if out is not None and not isinstance(out, Mapping):
+            raise OutputError(
+                f"train_step must return a mapping of metrics or None, got {type(out).__name__}",
+                f"{m.name}.train_step",
+                m.rank,
+                batch.ids.tolist(),
+            )
+        return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch), "_started": started}
+
+    def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast:
+        m = self.model
+        if m.config.weight_transport != "host":
+            try:
+                weights = m.get_weights()
+            except Exception as err:
+                raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
+            if m.config.weight_transport == "nccl":
+                return self._sender.snapshot(weights, m.name)
+            if weights and all(is_cuda_tensor(v) for v in weights.values()):
+                # kept alive for two syncs: a replica joining while the next is read still
+                # receives the one before
+                self._shared = (self._shared[1], CudaShare(weights))
+                return self._shared[1]
+        return weights_of(m, m.rank)
+
+    # ---- weight_transport="nccl": rank 0 broadcasts a snapshot to the replicas ----
+    def serve_weights(self, address: str, world: int, backend: str, timeout_s: float) -> Group:
+        return self._sender.groups.serve(address, world, backend, timeout_s)
+
+    def send_weights(self, group: Group, snapshot: int, keep: list[str]) -> None:
+        try:
+            self._sender.send(group, snapshot, keep)
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{self.model.name}.weight broadcast", 0, []) from err
+
+    def weight_values(self, snapshot: int) -> dict[str, Any]:
+        return self._sender.values(snapshot)
+
+    def save_state(self) -> tuple[bytes | None, bytes]:
+        """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""
+        m = self.model
+        if m.rank != 0:
+            return None, encode_state(rng_state())
+        stage = f"{m.name}.checkpoint_state"
+        try:
+            state = m.checkpoint_state()
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
+        try:
+            return encode_state(state), encode_state(rng_state())
+        except CheckpointError as err:
+            raise StageError(str(err), stage, m.rank, []) from err
+
+    def load_state(self, model: bytes, rng: bytes | None) -> None:
+        m = self.model
+        try:
+            m.restore_state(decode_state(model))
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.restore_state", m.rank, []) from err
+        if rng is not None:
+            set_rng_state(decode_state(rng))

@@ -1,0 +1,274 @@
+"""Columnar samples (layer 2): ``ids`` plus field -> tensor (dim 0 = sample), array or list."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import FlowDefinitionError, FlowError
+
+Column = Any  # torch.Tensor | np.ndarray | list
+
+
+def _is_tensor(value: Any) -> bool:
+    # torch is imported lazily: if nobody imported it, nothing here can be a tensor, and a
+    # replica that never touches torch starts without paying for its import.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def column_length(value: Column) -> int | None:
+    """Rows of a column, or None when the value cannot be a column."""
+    if _is_tensor(value) or isinstance(value, np.ndarray):
+        return int(value.shape[0]) if value.ndim > 0 else None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
+
+
+def _take(value: Column, rows: np.ndarray) -> Column:
+    if _is_tensor(value):
+        torch = sys.modules["torch"]
+        return value[torch.from_numpy(rows).to(value.device)]
+    if isinstance(value, np.ndarray):
+        return value[rows]
+    return [value[i] for i in rows.tolist()]
+
+
+def _copy(value: Column) -> Column:
+    if _is_tensor(value):
+        return value.clone()
+    return value.copy() if isinstance(value, np.ndarray) else list(value)
+
+
+def _cat(parts: list[Column]) -> Column:
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if _is_tensor(first) and all(_is_tensor(p) for p in parts):
+        if all(p.shape[1:] == first.shape[1:] for p in parts):
+            return sys.modules["torch"].cat(parts)
+    elif isinstance(first, np.ndarray) and all(isinstance(p, np.ndarray) for p in parts):
+        if all(p.shape[1:] == first.shape[1:] for p in parts):
+            return np.concatenate(parts)
+    # Rows of different trailing shapes (e.g. responses padded per shard) stay per-sample.
+    return [row for part in parts for row in part]
+
+
+def _stack(values: list[Any]) -> Column:
+    first = values[0]
+    if _is_tensor(first) and all(_is_tensor(v) and v.shape == first.shape for v in values):
+        return sys.modules["torch"].stack(values)
+    if isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape for v in values):
+        return np.stack(values)
+    return list(values)
+
+
+def approx_nbytes(batch: Batch) -> int:
+    """About how many bytes of data ``batch`` holds (what it pickles to, less the framing)."""
+    total = batch.ids.nbytes
+    for value in batch._fields.values():
+        nbytes = _nbytes(value)
+        if nbytes is None:  # a list column: its items' sizes
+            nbytes = sum(_nbytes(v) or (len(v) if isinstance(v, (str, bytes)) else 16) for v in value)
+        total += nbytes
+    return total
+
+
+def _nbytes(value: Any) -> int | None:
+    if _is_tensor(value):
+        return value.element_size() * value.numel()
+    return value.nbytes if isinstance(value, np.ndarray) else None
+
+
+SMALL_ARRAY = 64 << 10  # bytes; a smaller array pickles as its raw bytes
+
+
+def _encode(value: Column) -> Any:
+    # numpy buffers are read zero-copy from Ray's shared memory; torch tensors are pickled.
+    if _is_tensor(value) and value.device.type == "cpu":
+        try:
+            return _pack("torch", value.detach().numpy())
+        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
+            return ("raw", value)
+    return _pack("raw", value) if type(value) is np.ndarray else ("raw", value)
+
+
+def _pack(kind: str, array: np.ndarray) -> tuple[Any, ...]:
+    # numpy's own pickling costs ~10 us an array, most of a small shard's cost; a big array
+    # keeps it, for pickle 5's out-of-band buffers (zero-copy reads from shared memory).
+    if array.nbytes <= SMALL_ARRAY and array.dtype.fields is None and not array.dtype.hasobject:
+        return (kind, array.dtype.str, array.shape, array.tobytes())
+    return (kind, array)
+
+
+def _decode(tagged: tuple[Any, ...]) -> Column:
+    if len(tagged) == 4:
+        kind, dtype, shape, data = tagged
+        value = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)  # writable, as unpickled
+    else:
+        kind, value = tagged
+    if kind == "torch":
+        import torch
+
+        # Object-store buffers are read-only; the tensor shares them (zero-copy), so a stage
+        # must treat its inputs as read-only, as it would any field it did not write.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(value)
+    return value
+
+
+def _rebuild(ids: tuple[Any, ...], fields: dict[str, Any]) -> Batch:
+    batch = Batch.__new__(Batch)  # the pickled ids are int64 and flat already: no checks
+    batch.ids = _decode(ids)
+    batch._fields = {k: _decode(v) for k, v in fields.items()}
+    return batch
+
+
+class Batch:
+    """Several samples as columns. ``len(batch)`` is the number of samples.
+
+    Reading is dict-like (``batch["query"]``, ``"query" in batch``, ``batch.keys()``).
+    Assigning a *new* field is allowed (ChatLearn style: ``data["out"] = x; return data``);
+    assigning an existing field is an error, because a stage never overwrites a field.
+    """
+
+    __slots__ = ("ids", "_fields")
+
+    def __init__(
+        self, ids: Sequence[int] | np.ndarray, fields: Mapping[str, Column] | None = None, *, _check: bool = True
+    ) -> None:
+        self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._fields: dict[str, Column] = {}
+        for name, value in (fields or {}).items():
+            if _check:
+                self._check_column(name, value)
+            self._fields[name] = value
+
+    # ---- construction ----
+    @classmethod
+    def from_samples(cls, ids: Sequence[int], samples: Sequence[Mapping[str, Any]]) -> Batch:
+        if len(ids) != len(samples):
+            raise FlowError(f"Batch.from_samples: {len(ids)} ids for {len(samples)} samples")
+        names = list(samples[0].keys()) if samples else []
+        for pos, sample in enumerate(samples):
+            if set(sample.keys()) != set(names):
+                raise FlowDefinitionError(
+                    f"sample {ids[pos]} has fields {sorted(sample)}, sample {ids[0]} has {sorted(names)}; "
+                    "every sample must have the same fields"
+                )
+        return cls(ids, {n: _stack([s[n] for s in samples]) for n in names})
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        if not batches:
+            return Batch([])
+        names = batches[0].keys()
+        for b in batches[1:]:
+            if b.keys() != names:
+                raise FlowError(f"cannot concatenate batches with fields {sorted(names)} and {sorted(b.keys())}")
+        ids = np.concatenate([b.ids for b in batches])
+        return Batch(ids, {n: _cat([b._fields[n] for b in batches]) for n in names}, _check=False)
+
+    # ---- mapping-like reads ----
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, name: str) -> Column:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise KeyError(f"field {name!r} is not in this batch; it has {sorted(self._fields)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def keys(self) -> set[str]:
+        return set(self._fields)
+
+    def items(self) -> Iterable[tuple[str, Column]]:
+        return self._fields.items()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._fields.get(name, default)
+
+    def __setitem__(self, name: str, value: Column) -> None:
+        if name in self._fields:
+            raise FlowError(
+                f"field {name!r} already exists in this batch; a stage adds fields, it never overwrites one"
+            )
+        self._check_column(name, value)
+        self._fields[name] = value
+
+    # ---- row operations ----
+    def select(self, rows: Sequence[int] | np.ndarray) -> Batch:
+        idx = np.asarray(rows, dtype=np.int64).reshape(-1)
+        return Batch(self.ids[idx], {n: _take(v, idx) for n, v in self._fields.items()}, _check=False)
+
+    def merge(self, other: Batch) -> Batch:
+        """The union of two batches' fields for the same samples in the same order."""
+        # ids are always flat int64: comparing their bytes is ~10x cheaper than array_equal
+        if self.ids is not other.ids and self.ids.tobytes() != other.ids.tobytes():
+            raise FlowError(f"cannot merge batches of different samples: {self.ids.tolist()} vs {other.ids.tolist()}")
+        both = self.keys() & other.keys()
+        if both:
+            raise FlowError(f"cannot merge batches that both have fields {sorted(both)}")
+        return Batch(self.ids, {**self._fields, **other._fields}, _check=False)
+
+    def copy(self) -> Batch:
+        """The same rows in columns of its own (a list column's items are shared): what a
+        step returned, kept after the step although the model may reuse its buffers."""
+        return Batch(self.ids.copy(), {n: _copy(v) for n, v in self._fields.items()}, _check=False)
+
+    def row(self, i: int) -> dict[str, Any]:
+        return {n: v[i] for n, v in self._fields.items()}
+
+    def __reduce__(self):
+        return (_rebuild, (_pack("raw", self.ids), {k: _encode(v) for k, v in self._fields.items()}))
+
+    def __repr__(self) -> str:
+        return f"Batch(samples={len(self)}, fields={sorted(self._fields)})"
+
+    def _check_column(self, name: str, value: Column) -> None:
+        got = column_length(value)
+        if got != len(self):
+            shape = getattr(value, "shape", None)
+            what = (
+                f"length {got}"
+                if got is not None
+                else f"a {type(value).__name__}{'' if shape is None else f' of shape {tuple(shape)}'}"
+            )
+            raise FlowError(f"field {name!r} must have {len(self)} rows (one per sample), got {what}")
+
+
+class Sample(Mapping[str, Any]):
+    """One finished sample: its ``id`` (dataset order within the pipeline) and its fields."""
+
+    __slots__ = ("id", "_fields")
+
+    def __init__(self, sample_id: int, fields: dict[str, Any]) -> None:
+        self.id = sample_id
+        self._fields = fields
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise KeyError(f"sample {self.id} has no field {name!r}; it has {sorted(self._fields)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        return f"Sample(id={self.id}, fields={sorted(self._fields)})"

@@ -1,0 +1,297 @@
+"""Configuration and control messages (layer 1): frozen, keyword-only msgspec Structs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+import msgspec
+
+from .errors import ConfigError
+
+SplitterName = Literal["guided", "factoring", "greedy"]
+BackendName = Literal["ray", "inprocess"]
+WeightTransport = Literal["host", "cuda_ipc", "nccl"]
+
+
+def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
+    # msgspec checks Literal fields when decoding, not when a Struct is built in code
+    choices = get_args(allowed)
+    if value not in choices:
+        raise ConfigError(f"{owner}.{key} must be one of {list(choices)}, got {value!r}")
+
+
+def _positive(owner: str, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{owner}.{key} must be > 0, got {value!r}")
+
+
+def _non_negative(owner: str, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value < 0:
+            raise ConfigError(f"{owner}.{key} must be >= 0, got {value!r}")
+
+
+def _check_types(config: msgspec.Struct) -> None:
+    """Each field's value against its annotation. msgspec checks a config given as a mapping;
+    one built directly (``ModelConfig(batch_size=2.5)``) is checked only here."""
+    owner = type(config).__name__
+    for field in msgspec.structs.fields(config):
+        value = getattr(config, field.name)
+        plain = value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value  # np.int64(4)
+        try:
+            msgspec.convert(plain, field.type)
+        except msgspec.ValidationError as err:
+            raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
+
+
+class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Grow and shrink one model's pool while runs go on, between ``min_replicas`` and
+    ``max_replicas`` and within the cluster's free resources.
+
+    Every ``every_s`` seconds of an active run the pool is measured. It grows when the
+    samples waiting for its stages stay at least ``grow_queue`` batches per serving replica,
+    and shrinks when its replicas spent at least ``shrink_starved`` of the time with no shard,
+    each for ``patience`` measurements in a row.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int
+    grow_queue: float = 1.0
+    shrink_starved: float = 0.5
+    patience: int = 2
+    every_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive(
+            "Autoscale",
+            min_replicas=self.min_replicas,
+            max_replicas=self.max_replicas,
+            grow_queue=self.grow_queue,
+            patience=self.patience,
+            every_s=self.every_s,
+        )
+        if self.max_replicas < self.min_replicas:
+            raise ConfigError(f"Autoscale.max_replicas={self.max_replicas} is below min_replicas={self.min_replicas}")
+        if not 0 < self.shrink_starved <= 1:
+            raise ConfigError(
+                f"Autoscale.shrink_starved must be in (0, 1] (a fraction of the time), got {self.shrink_starved}"
+            )
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one model runs: replica count, per-call batch size, resources, splitter policy.
+
+    The replica count is either ``num_replicas`` or, ChatLearn-style, ``num_gpu`` divided by
+    ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
+    ``gpus_per_replica`` overrides the GPUs each replica asks Ray for (default: the parallel
+    size with ``num_gpu``, else 0); a fraction lets several models share (colocate on) GPUs.
+    ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
+    behind another on its replica waits for it too); a later reply fails the run.
+    ``autoscale``: grow and shrink the pool from its measured queue and starvation.
+    ``weight_transport`` (trainers): ``"host"`` sends weights as numpy arrays through Ray's
+    object store; ``"cuda_ipc"`` sends handles to a GPU snapshot, which replicas on the same
+    GPU copy on the GPU (colocated models; weights that are not CUDA tensors go by host);
+    ``"nccl"`` broadcasts a snapshot from rank 0 to the replicas in a process group of their own
+    (NCCL for CUDA weights, on other GPUs than the trainer's; gloo for CPU weights).
+    """
+
+    num_replicas: int | None = None
+    num_gpu: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    batch_size: int = 1
+    gpus_per_replica: float | None = None
+    cpus_per_replica: float = 1.0
+    splitter: SplitterName = "guided"
+    prefetch: int = 2
+    call_timeout_s: float | None = None
+    autoscale: Autoscale | None = None
+    weight_transport: WeightTransport = "host"
+
+    def __post_init__(self) -> None:
+        _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
+        _one_of("ModelConfig", "weight_transport", self.weight_transport, WeightTransport)
+        _check_types(self)
+        _positive(
+            "ModelConfig",
+            num_replicas=self.num_replicas,
+            num_gpu=self.num_gpu,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            batch_size=self.batch_size,
+            prefetch=self.prefetch,
+            call_timeout_s=self.call_timeout_s,
+        )
+        _non_negative("ModelConfig", gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica)
+        if self.num_gpu is not None:
+            per = self.tensor_parallel_size * self.pipeline_parallel_size
+            if self.num_gpu % per:
+                below = self.num_gpu // per * per
+                valid = [n for n in (below, below + per) if n > 0]
+                raise ConfigError(
+                    f"ModelConfig.num_gpu={self.num_gpu} does not hold whole replicas of "
+                    f"tensor_parallel_size*pipeline_parallel_size={per} GPUs; "
+                    f"use a multiple of {per}, e.g. num_gpu={' or '.join(map(str, valid))}"
+                )
+            derived = self.num_gpu // per
+            if self.num_replicas is not None and self.num_replicas != derived:
+                raise ConfigError(
+                    f"ModelConfig.num_replicas={self.num_replicas} disagrees with num_gpu="
+                    f"{self.num_gpu} / (tensor_parallel_size*pipeline_parallel_size={per}) = "
+                    f"{derived}; give one of them"
+                )
+
+        scale = self.autoscale
+        if isinstance(scale, Mapping):  # ModelConfig(autoscale={...}) built directly
+            scale = msgspec.convert(dict(scale), Autoscale)
+            msgspec.structs.force_setattr(self, "autoscale", scale)
+        if scale is not None and not scale.min_replicas <= self.replicas <= scale.max_replicas:
+            raise ConfigError(
+                f"ModelConfig: {self.replicas} replicas to start with, outside autoscale's "
+                f"[min_replicas={scale.min_replicas}, max_replicas={scale.max_replicas}]"
+            )
+
+    @property
+    def replicas(self) -> int:
+        """The resolved number of replicas."""
+        if self.num_replicas is not None:
+            return self.num_replicas
+        if self.num_gpu is not None:
+            return self.num_gpu // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        return 1
+
+    @property
+    def replica_gpus(self) -> float:
+        """GPUs each replica asks Ray for."""
+        if self.gpus_per_replica is not None:
+            return self.gpus_per_replica
+        if self.num_gpu is not None:
+            return float(self.tensor_parallel_size * self.pipeline_parallel_size)
+        return 0.0
+
+
+PROGRESS = ("auto", "live", "log", "off")
+
+
+def check_progress(owner: str, value: str | bool) -> None:
+    if not isinstance(value, bool) and value not in PROGRESS:
+        raise ConfigError(f"{owner}.progress must be one of {list(PROGRESS)} (or a YAML bare off/on), got {value!r}")
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a pipeline runs.
+
+    ``max_inflight`` bounds every queue of the pipeline: samples admitted from the input but
+    not yet handed back to the caller never exceed it. ``cost_field`` names an input field
+    holding an estimate of each sample's cost (a number, e.g. the length its response had in
+    the previous epoch): every stage then takes the costliest pending samples first.
+    ``local_channels`` (Ray backend): replicas on the driver's node read shards whose data is
+    in the driver from a Unix socket rather than Ray actor calls, which cost far more CPU.
+    ``max_retries``: how many times a sample may be sent to a stage again after the replica
+    running it died; the pool carries on without that replica. 0 fails the run at once.
+    ``trace_spans``: how many of the latest shard spans the pipeline keeps for its timeline
+    (``write_trace``); 0 keeps none. ``progress``: ``"auto"`` (a live table while a stream
+    runs, on a terminal; else a log line per run), ``"live"``, ``"log"`` or ``"off"``.
+    """
+
+    backend: BackendName = "ray"
+    ray_address: str | None = None
+    ray_namespace: str = "flowrl"
+    ray_init_cpus: int | None = None
+    ray_init_gpus: int | None = None
+    max_inflight: int = 4096
+    input_chunk: int = 64
+    ordered: bool = True
+    setup_timeout_s: float = 300.0
+    inprocess_threads: bool = False
+    cost_field: str | None = None
+    local_channels: bool = True
+    max_retries: int = 3
+    trace_spans: int = 200_000
+    progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
+
+    def __post_init__(self) -> None:
+        _one_of("PipelineConfig", "backend", self.backend, BackendName)
+        _check_types(self)
+        _positive(
+            "PipelineConfig",
+            max_inflight=self.max_inflight,
+            input_chunk=self.input_chunk,
+            setup_timeout_s=self.setup_timeout_s,
+            ray_init_cpus=self.ray_init_cpus,
+        )
+        _non_negative(
+            "PipelineConfig",
+            ray_init_gpus=self.ray_init_gpus,
+            max_retries=self.max_retries,
+            trace_spans=self.trace_spans,
+        )
+        check_progress("PipelineConfig", self.progress)
+
+
+def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:
+    """Accept a config Struct or a plain mapping; unknown keys and wrong types are errors."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return msgspec.convert(dict(value), cls)
+        except msgspec.ValidationError as err:
+            raise ConfigError(f"{where}: {err}") from err
+    raise ConfigError(f"{where}: expected {cls.__name__} or a mapping, got {type(value).__name__}")
+
+
+# ---- control messages: what crosses the driver/replica boundary besides payload objects ----
+
+
+class Piece(msgspec.Struct, frozen=True, kw_only=True):
+    """Rows ``rows`` of the object ``ref`` produced by ``producer`` (a stage or the input)."""
+
+    producer: str
+    ref: Any
+    rows: list[int]
+
+
+class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard handed to one replica: which method, which samples, where their fields live."""
+
+    stage: str
+    method: str
+    iteration: int
+    ids: list[int]
+    pieces: list[Piece]
+
+
+class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What a replica reports about one call; the payload stays in the object store."""
+
+    rows: int
+    fields: list[str]
+    busy_s: float
+    out_bytes: int = 0  # about how many bytes the new fields take
+    node_id: str = ""
+    started: float = 0.0  # wall-clock time the step started in the replica (its timeline span)
+    step_s: float = 0.0  # the step alone (busy_s also counts gathering the input)
+
+
+# Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.
+_ENCODER = msgspec.msgpack.Encoder()
+_CALL_DECODER = msgspec.msgpack.Decoder(ShardCall)
+_META_DECODER = msgspec.msgpack.Decoder(CallMeta)
+
+
+def encode_message(message: ShardCall | CallMeta) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode_call(data: bytes) -> ShardCall:
+    return _CALL_DECODER.decode(data)
+
+
+def decode_meta(data: bytes) -> CallMeta:
+    return _META_DECODER.decode(data)

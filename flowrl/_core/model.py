@@ -1,0 +1,227 @@
+"""The user's model base class and step decorator.
+
+A ``Model`` instance made on the driver is a light description (name, config, user
+attributes). Inside a flow, calling one of its steps on a stage output records a stage; inside
+a replica the same call runs the user's code. Each replica gets its own copy of the instance
+(pickled from the driver), then ``setup()`` runs once there — build heavy state in ``setup``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .config import ModelConfig, to_config
+from .errors import ConfigError, FlowDefinitionError
+from .graph import Node
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Methods that are steps without a decorator (ChatLearn's names).
+STEP_NAMES = ("forward_step", "eval_step", "train_step")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    reads: frozenset[str] | None = None
+    writes: frozenset[str] | None = None
+
+
+def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    names = frozenset(value)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ConfigError(f"@flowrl.step({what}=...) takes field names (non-empty strings), got {bad}")
+    return names
+
+
+def step(fn: F | None = None, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None) -> Any:
+    """Mark a method as a step and, optionally, declare the fields it reads and writes.
+
+    Declared fields let the flow be checked when it is built: a read nobody writes (when
+    every upstream producer declares its writes, and the input fields are known) and two
+    writers of one field. Declared writes are also checked against every shard's output.
+    Without declarations, two writers of a field are caught when the first shard returns.
+    """
+    info = StepInfo(_fields(reads, "reads"), _fields(writes, "writes"))
+
+    def mark(f: F) -> F:
+        f.__flowrl_step__ = info  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def step_info(model: Model, method: str) -> StepInfo:
+    return getattr(getattr(type(model), method, None), "__flowrl_step__", StepInfo())
+
+
+def step_target(model: Model, method: str) -> Callable[..., Any]:
+    """``model.method`` as a replica calls it: the user's function itself, bound, without
+    the wrapper that checks whether a flow is being traced (a replica never traces)."""
+    bound = getattr(model, method)
+    raw = getattr(getattr(bound, "__func__", None), "__flowrl_raw__", None)
+    return bound if raw is None else types.MethodType(raw, model)
+
+
+def _traceable(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    info = getattr(fn, "__flowrl_step__", StepInfo())
+
+    @functools.wraps(fn)
+    def call(self: Model, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, Node) for a in (*args, *kwargs.values())):
+            if getattr(type(self), name) is getattr(Model, name, None):
+                raise FlowDefinitionError(
+                    f"the flow calls {self.name}.{name}, but {type(self).__name__} does not define {name}"
+                )
+            node = next(a for a in (*args, *kwargs.values()) if isinstance(a, Node))
+            return node._builder.add_stage(self, name, args, kwargs, info)
+        return fn(self, *args, **kwargs)
+
+    call.__flowrl_step__ = info  # type: ignore[attr-defined]
+    call.__flowrl_raw__ = fn  # type: ignore[attr-defined]  # what a replica calls: no tracing check
+    return call
+
+
+class _MissingStep(FlowDefinitionError, AttributeError):
+    pass
+
+
+class Model:
+    """Base class of user models. Override ``setup`` and ``forward_step`` (or other steps).
+
+    Inside a replica these are set: ``name``, ``config``, ``replica_id``, ``num_replicas``,
+    ``gpu_ids`` and ``node_id``; ``device`` (a property) is the ``torch.device`` to compute on:
+    ``cuda`` when the replica holds a GPU and CUDA is available, else ``cpu``.
+    """
+
+    def __init__(self, name: str, config: ModelConfig | Mapping[str, Any] | None = None) -> None:
+        if not isinstance(name, str) or not name or "." in name or "#" in name:
+            raise ConfigError(f"a model name must be a non-empty string without '.' or '#', got {name!r}")
+        self.name = name
+        self.config: ModelConfig = to_config(ModelConfig, config, f"model {name!r} config")
+        self.num_replicas = self.config.replicas
+        self.replica_id: int | None = None
+        self.gpu_ids: list[int] = []
+        self.node_id = ""
+        # trainers: this rank of the data-parallel group, and the sizes of the current step
+        self.rank = 0
+        self.world_size = 1
+        self.global_batch_size = 0
+        self.micro_batch_size = 0
+        # inference models fed by a trainer: the weight version they run (0: initial weights)
+        self.weight_version = 0
+        self.track_version = False  # set by an engine: outputs then carry "<name>_version"
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when the normal lookup fails. A flow calling a step the class lacks gets
+        # an error naming the model; it is also an AttributeError, so hasattr() still works.
+        if name.endswith("_step"):
+            raise _MissingStep(
+                f"the flow calls {self.__dict__.get('name', '?')}.{name}, but {type(self).__name__} does not "
+                f"define {name}; define it as {name}(self, batch, iteration)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr, value in list(vars(cls).items()):
+            if callable(value) and (attr in STEP_NAMES or hasattr(value, "__flowrl_step__")):
+                setattr(cls, attr, _traceable(value, attr))
+
+    @property
+    def device(self) -> Any:
+        """The ``torch.device`` this replica computes on (imports torch on first use)."""
+        import torch
+
+        return torch.device("cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu")
+
+    def setup(self) -> None:
+        """Runs once inside each replica before its first step."""
+
+    def forward_step(self, batch: Any, iteration: int) -> Mapping[str, Any]:
+        """Return new per-sample fields for ``batch`` (tensors with ``len(batch)`` rows, or lists)."""
+        raise NotImplementedError(f"model {self.name!r} does not implement forward_step")
+
+    # ---- training helpers (used inside train_step) ----
+    def micro_batches(self, batch: Any) -> Iterator[Any]:
+        """This rank's shard in micro-batches of ``train_micro_batch_size`` rows."""
+        size = self.micro_batch_size or len(batch)
+        for start in range(0, len(batch), size):
+            yield batch.select(range(start, min(start + size, len(batch))))
+
+    def all_reduce_grads(self, module: Any) -> None:
+        """Sum gradients over the data-parallel ranks (one flat all-reduce).
+
+        Normalise each loss by ``self.global_batch_size`` (summed over samples, not averaged
+        per micro-batch) and the sum is the exact gradient of the global batch, whatever the
+        shard sizes.
+        """
+        if self.world_size <= 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        # Every rank must join with the same tensor, even one whose shard was empty.
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # ---- weight hooks (trainer -> inference sync) ----
+    def get_weights(self) -> Mapping[str, Any]:
+        """The weights to send to the inference models this trainer feeds (default: ``self.module``)."""
+        return self._module("get_weights").state_dict()
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Load weights received from a trainer (default: into ``self.module``)."""
+        self._module("set_weights").load_state_dict(weights)
+
+    # ---- checkpoint hooks (trainers) ----
+    def checkpoint_state(self) -> Mapping[str, Any]:
+        """What a checkpoint keeps of this trainer (rank 0's; data-parallel ranks hold the same).
+
+        Default: the state dicts of ``self.module`` and, when set, ``self.optimizer`` and
+        ``self.lr_scheduler``. Values: dicts, lists, numbers, strings, arrays and tensors.
+        """
+        state = {"module": self._module("checkpoint_state").state_dict()}
+        for attr in ("optimizer", "lr_scheduler"):
+            part = getattr(self, attr, None)
+            if part is not None:
+                state[attr] = part.state_dict()
+        return state
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Load what ``checkpoint_state`` returned (runs after ``setup``, on every rank)."""
+        self._module("restore_state").load_state_dict(state["module"])
+        for attr in ("optimizer", "lr_scheduler"):
+            if attr in state:
+                getattr(self, attr).load_state_dict(state[attr])
+
+    def _module(self, hook: str) -> Any:
+        module = getattr(self, "module", None)
+        if module is None:
+            raise NotImplementedError(
+                f"model {self.name!r}: set self.module (a torch.nn.Module) in setup, or override {hook}()"
+            )
+        return module
+
+    def __repr__(self) -> str:
+        where = "" if self.replica_id is None else f", replica {self.replica_id}/{self.num_replicas}"
+        return f"{type(self).__name__}({self.name!r}{where})"
+
+
+Model.forward_step = _traceable(Model.forward_step, "forward_step")  # type: ignore[method-assign]

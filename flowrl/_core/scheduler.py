@@ -1,0 +1,233 @@
+"""The pull matchmaker of one pool (layer 3, sans-IO: no Ray, no event loop).
+
+Replicas ask for work one *slot* at a time (a slot is one shard in flight; ``prefetch`` slots
+per replica). Samples become ready per stage. ``poll`` pairs waiting slots with shards cut by
+the splitter at that moment, never ahead of a request. Among waiting replicas, those with
+fewer shards in flight go first, then the least recently served, so a second slot is served
+only when every replica already has work, and work rotates over the whole pool. A second
+slot is served at all only while queueing a shard ahead pays (``ShardFloor.queue_ahead``).
+
+Pending samples leave in order of their cost estimate, costliest first, then oldest first
+(without estimates: oldest first). Starting the long samples first keeps them off the end of
+the episode, and a shard then holds samples of similar cost, so a call that lasts as long as
+its longest sample wastes little.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+from .splitter import ShardFloor, shard_size
+from .splitter import policy as check_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+@dataclass
+class _StageQueue:
+    name: str
+    batch_size: int
+    expected: int = 0
+    dispatched: int = 0
+    finished: int = 0
+    holders: int = 0  # replicas running samples of this stage
+    peak: int = 0  # the most samples ever left waiting after a poll (no replica free to take them)
+    floor: int = 1  # the smallest shard worth a call, from ``measure``
+    heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
+    fit: ShardFloor = field(init=False)  # the floor, refitted from measured calls
+
+    def __post_init__(self) -> None:
+        self.fit = ShardFloor(self.batch_size)
+
+    @property
+    def remaining(self) -> int:
+        """Samples not finished yet: pending, still upstream, or running."""
+        return self.expected - self.finished
+
+
+@dataclass(frozen=True)
+class Assignment:
+    replica: int
+    stage: str
+    ids: list[int]
+
+
+class PoolScheduler:
+    """Ready samples per stage, waiting slots per replica, and the splitter between them.
+
+    Every operation costs O(log replicas) (a heap of waiting replicas with lazy deletion),
+    so a pool of thousands of replicas schedules as fast as a pool of eight.
+    """
+
+    def __init__(self, *, replicas: int, policy: str, prefetch: int = 1) -> None:
+        self.replicas = replicas
+        check_policy(policy)
+        self.policy = policy
+        self.prefetch = prefetch
+        self.in_flight = [0] * replicas
+        self._last_served = list(range(-replicas, 0))  # never served: in replica order
+        self._stages: dict[str, _StageQueue] = {}
+        self._waiting = [0] * replicas  # slots of each replica waiting for a shard
+        self._version = [0] * replicas  # bumped when a replica's priority changes
+        self._queue: list[tuple[int, int, int, int]] = []  # (in flight, last served, replica, version)
+        self._held: dict[tuple[int, str], int] = {}  # (replica, stage) -> samples running there
+        self._seq = itertools.count()
+        self.retired: set[int] = set()  # replicas that serve no more (their process died)
+
+    def add_stage(self, name: str, batch_size: int) -> None:
+        """Register a stage served by this pool; later stages in a flow are added later."""
+        self._stages[name] = _StageQueue(name, batch_size)
+
+    def expect(self, stage: str, count: int) -> None:
+        """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
+        self._stages[stage].expected += count
+
+    def measure(self, stage: str, rows: int, busy_s: float, overhead_s: float | None) -> None:
+        """A finished call of ``stage``: its step time and its overhead (None when unknown),
+        from which the smallest shard worth a call is refitted (``ShardFloor``)."""
+        q = self._stages[stage]
+        q.fit.observe(rows, busy_s, overhead_s)
+        q.floor = q.fit.floor()
+
+    def ready(self, stage: str, ids: list[int], costs: Sequence[float] | None = None) -> None:
+        """Samples ``ids`` can run on ``stage``; ``costs``: an estimate of each one's cost."""
+        q = self._stages[stage]
+        if q.dispatched + len(q.heap) + len(ids) > q.expected:
+            raise ValueError(f"stage {stage!r}: more samples ready than expected ({q.expected})")
+        for i, cost in zip(ids, repeat(0.0) if costs is None else costs):
+            heapq.heappush(q.heap, (-cost, i))
+
+    def request(self, replica: int) -> None:
+        """One slot of ``replica`` is idle and asks for a shard."""
+        if replica in self.retired:
+            raise ValueError(f"replica {replica} is retired and asks for no more shards")
+        if self._waiting[replica] + self.in_flight[replica] >= self.prefetch:
+            raise ValueError(f"replica {replica} asked for more than prefetch={self.prefetch} shards")
+        self._waiting[replica] += 1
+        if self._waiting[replica] == 1:
+            self._enqueue(replica)
+
+    def add_replica(self) -> int:
+        """A new replica joins the pool (ids are never reused); it is served first."""
+        r = self.replicas
+        self.replicas += 1
+        self.in_flight.append(0)
+        self._last_served.append(min(self._last_served, default=0) - 1)
+        self._waiting.append(0)
+        self._version.append(0)
+        return r
+
+    def withdraw(self, replica: int) -> None:
+        """Forget the waiting slots of ``replica`` (it stopped pulling)."""
+        self._waiting[replica] = 0
+        self._version[replica] += 1
+
+    def retire(self, replica: int) -> None:
+        """``replica`` serves no more (its process died, or it was removed): its waiting slots
+        are forgotten, its shards are not cut for, and shard sizes count the replicas left. The
+        shards it holds still finish (or are given back)."""
+        self.withdraw(replica)
+        self.retired.add(replica)
+
+    def give_back(self, assignment: Assignment, costs: Sequence[float] | None = None) -> None:
+        """The shard ``assignment`` did not complete (its replica died): its samples are pending
+        again, with their cost estimates ``costs``."""
+        r, q = assignment.replica, self._stages[assignment.stage]
+        self.in_flight[r] -= 1
+        self._held_add(r, q, -len(assignment.ids))
+        q.dispatched -= len(assignment.ids)
+        for i, cost in zip(assignment.ids, repeat(0.0) if costs is None else costs):
+            heapq.heappush(q.heap, (-cost, i))
+        self._changed(r)
+
+    @property
+    def serving(self) -> int:
+        return self.replicas - len(self.retired)
+
+    def finish(self, assignment: Assignment) -> None:
+        """The shard ``assignment`` completed."""
+        r, n = assignment.replica, len(assignment.ids)
+        self.in_flight[r] -= 1
+        self._held_add(r, self._stages[assignment.stage], -n)
+        self._stages[assignment.stage].finished += n
+        self._changed(r)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q.heap) for q in self._stages.values())
+
+    def poll(self) -> list[Assignment]:
+        out: list[Assignment] = []
+        while self._queue:
+            stage = self._next_stage()
+            if stage is None:
+                break
+            replica = self._pop_waiting()
+            if replica is None:
+                break
+            if self.in_flight[replica] and not stage.fit.queue_ahead(stage.remaining, self.serving):
+                break  # every replica still waiting has work; each asks again when a shard ends
+            self._waiting[replica] -= 1
+            out.append(Assignment(replica, stage.name, self._cut(stage, replica)))
+            self.in_flight[replica] += 1
+            self._last_served[replica] = next(self._seq)
+            self._changed(replica)
+        for q in self._stages.values():
+            q.peak = max(q.peak, len(q.heap))
+        return out
+
+    def queues(self) -> dict[str, tuple[int, int]]:
+        """Per stage: (samples waiting now, the most that ever waited after a poll)."""
+        return {name: (len(q.heap), q.peak) for name, q in self._stages.items()}
+
+    def _enqueue(self, r: int) -> None:
+        heapq.heappush(self._queue, (self.in_flight[r], self._last_served[r], r, self._version[r]))
+
+    def _changed(self, r: int) -> None:
+        self._version[r] += 1
+        if self._waiting[r]:
+            self._enqueue(r)
+
+    def _pop_waiting(self) -> int | None:
+        """The waiting replica with the fewest shards in flight, then the least recently served."""
+        while self._queue:
+            _, _, r, version = heapq.heappop(self._queue)
+            if version == self._version[r] and self._waiting[r]:
+                return r
+        return None
+
+    def _next_stage(self) -> _StageQueue | None:
+        # The deepest stage first (stages are added in flow order): it drains the pipeline.
+        for q in reversed(self._stages.values()):
+            if q.heap:
+                return q
+        return None
+
+    def _held_add(self, replica: int, q: _StageQueue, n: int) -> None:
+        key = (replica, q.name)
+        before = self._held.get(key, 0)
+        self._held[key] = before + n
+        q.holders += (before + n > 0) - (before > 0)
+
+    def _cut(self, q: _StageQueue, replica: int) -> list[int]:
+        held = self._held.get((replica, q.name), 0)
+        busy = q.holders - (held > 0)  # other replicas running samples of this stage
+        n = shard_size(
+            self.policy,
+            pending=len(q.heap),
+            remaining=q.remaining,
+            replicas=self.serving,
+            batch_size=q.batch_size,
+            held=held,
+            unassigned=q.expected - q.dispatched,
+            free_replicas=self.serving - busy,
+            floor=q.floor,
+        )
+        self._held_add(replica, q, n)
+        q.dispatched += n
+        return [heapq.heappop(q.heap)[1] for _ in range(n)]

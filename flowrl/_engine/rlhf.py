@@ -1,0 +1,45 @@
+"""The standard six-model PPO engine, in ChatLearn's argument order (layer 6)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .engine import Engine
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .._core.model import Model
+    from .._core.run_config import RunConfig
+    from .._pipeline.opening import Flow
+
+
+class RLHFEngine(Engine):
+    """policy -> reference, value; reward(policy, reference, value); PPO trainers for policy and
+    value; weights synced ppo_policy -> policy and ppo_value -> value."""
+
+    def __init__(
+        self,
+        policy: Model,
+        reference: Model,
+        reward: Model,
+        value: Model,
+        ppo_policy: Model,
+        ppo_value: Model,
+        config: RunConfig | Mapping[str, Any],
+        *,
+        eval_flow: Flow | None = None,
+    ) -> None:
+        def rollout(prompts: Any) -> Any:
+            out = policy.forward_step(prompts)
+            ref = reference.forward_step(out)
+            val = value.forward_step(out)
+            return reward.forward_step(out, ref, val)
+
+        super().__init__(
+            rollout=rollout,
+            train=[ppo_policy, ppo_value],
+            config=config,
+            sync=[(ppo_policy, policy), (ppo_value, value)],
+            eval_flow=eval_flow,
+        )

@@ -1,0 +1,216 @@
+"""Opening and closing pipelines (layer 5): the async context manager and the sync wrapper."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.from_thread
+
+from .._backends.select import make_backend
+from .._backends.specs import ReplicaSpec, default_spec
+from .._core.config import PipelineConfig, to_config
+from .._core.errors import FlowError, PipelineClosedError
+from .._core.graph import FlowGraph, Node, trace
+from .._core.model import Model
+from .pipeline import AsyncPipeline
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .._backends.abc import Backend
+    from .._core.batch import Sample
+    from .._core.stats import PipelineStats
+    from .._core.trace import Timeline
+
+Flow = Callable[[Node], Any]
+
+
+def build_flow(flow: Flow, input_fields: Iterable[str] | None = None) -> FlowGraph:
+    """Trace ``flow`` and check what can be checked before anything starts."""
+    graph = trace(flow)
+    graph.validate(None if input_fields is None else frozenset(input_fields))
+    return graph
+
+
+SpecFn = Callable[[Model, int], ReplicaSpec]
+
+
+def replica_specs(graph: FlowGraph, make_spec: SpecFn = default_spec) -> list[ReplicaSpec]:
+    return [make_spec(model, r) for model in graph.models.values() for r in range(model.config.replicas)]
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to show for a failed task group: its first non-cancellation leaf."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        elif not isinstance(exc, cancelled) and all(exc is not seen for seen in leaves):
+            leaves.append(exc)
+
+    walk(group)
+    if not leaves:
+        return group
+    first = leaves[0]
+    for other in leaves[1:]:
+        first.add_note(f"also failed at the same time: {other!r}")
+    return first
+
+
+@contextlib.asynccontextmanager
+async def plain_errors() -> AsyncIterator[None]:
+    """Show a failed task group as the error that caused it (a FlowError), not as a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = _first_error(group)
+        if error is group:
+            raise
+        raise error from error.__cause__
+
+
+@contextlib.asynccontextmanager
+async def running(
+    graph: FlowGraph, backend: Backend, config: PipelineConfig, make_spec: SpecFn = default_spec
+) -> AsyncIterator[AsyncPipeline]:
+    """Start ``graph``'s pools on ``backend`` and run their pullers until the block exits."""
+    async with anyio.create_task_group() as tg:
+        handles = await backend.start(replica_specs(graph, make_spec))
+        pipe = AsyncPipeline(graph, backend, config, handles)
+        pipe.grow_spec = make_spec
+        pipe._start(tg)
+        try:
+            yield pipe
+        finally:
+            pipe._close()
+            tg.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def open_pipeline(
+    flow: Flow,
+    config: PipelineConfig | Mapping[str, Any] | None = None,
+    *,
+    input_fields: Iterable[str] | None = None,
+) -> AsyncIterator[AsyncPipeline]:
+    """Trace ``flow``, start every model's pool, and yield a pipeline to stream samples through.
+
+    All replicas are stopped when the block exits, also on error or cancellation. An error in
+    any stage fails the block promptly with a ``FlowError`` naming stage, replica and samples.
+    """
+    cfg = to_config(PipelineConfig, config, "pipeline config")
+    graph = build_flow(flow, input_fields)
+    backend = make_backend(cfg)
+    try:
+        async with plain_errors(), running(graph, backend, cfg) as pipe:
+            yield pipe
+    finally:
+        with anyio.CancelScope(shield=True):
+            await backend.close()
+
+
+class Pipeline:
+    """The synchronous face of a pipeline, for scripts::
+
+    with flowrl.Pipeline(rollout) as pipe:
+        samples = pipe.run(items)
+        print(pipe.stats())
+    """
+
+    def __init__(
+        self,
+        flow: Flow,
+        config: PipelineConfig | Mapping[str, Any] | None = None,
+        *,
+        input_fields: Iterable[str] | None = None,
+    ) -> None:
+        self._args = (flow, config, input_fields)
+        self._stack: contextlib.ExitStack | None = None
+        self._pipe: AsyncPipeline | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._reported: BaseException | None = None
+
+    def __enter__(self) -> Pipeline:
+        flow, config, input_fields = self._args
+        stack = contextlib.ExitStack()
+        try:
+            self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
+            cm = self._portal.wrap_async_context_manager(open_pipeline(flow, config, input_fields=input_fields))
+            self._pipe = stack.enter_context(cm)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        failure = self._pipe._error if self._pipe is not None else None
+        try:
+            stack.__exit__(*exc_info)
+        except BaseException as err:
+            # The portal may report a failed pipeline as a cancellation: show the real error,
+            # unless the caller has already seen it.
+            real = err if isinstance(err, FlowError) or failure is None else failure
+            if real is self._reported or real is exc_info[1]:
+                return
+            if real is err:
+                raise
+            raise real from None
+
+    def run(
+        self, items: Iterable[Mapping[str, Any]], *, ordered: bool | None = None, fields: Iterable[str] | None = None
+    ) -> list[Sample]:
+        """Run ``items`` through the flow and return the finished samples (only ``fields``, if given)."""
+        if self._stack is None or self._pipe is None or self._portal is None:
+            raise PipelineClosedError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
+        pipe = self._pipe
+        try:
+            return self._portal.call(lambda: pipe.run(items, ordered=ordered, fields=fields))
+        except Exception as err:
+            self._reported = err  # seen by the caller: not raised again when the block exits
+            raise
+
+    def stats(self) -> PipelineStats:
+        if self._pipe is None:
+            raise FlowError("the pipeline is not open")
+        return self._pipe.stats()
+
+    @property
+    def placement(self) -> dict[str, list[str]]:
+        if self._pipe is None:
+            raise FlowError("the pipeline is not open")
+        return self._pipe.placement
+
+    @property
+    def timeline(self) -> Timeline:
+        """A span per shard (``timeline.spans``), as its replica timed it; also after the block."""
+        if self._pipe is None:
+            raise FlowError("the pipeline was never opened")
+        return self._pipe.timeline
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the timeline (a span per shard) as a Chrome trace; also after the block."""
+        if self._pipe is None:
+            raise FlowError("the pipeline was never opened")
+        return self._pipe.write_trace(path)
+
+
+def run_flow(
+    flow: Flow,
+    items: Iterable[Mapping[str, Any]],
+    config: PipelineConfig | Mapping[str, Any] | None = None,
+    *,
+    input_fields: Iterable[str] | None = None,
+) -> tuple[list[Sample], PipelineStats]:
+    """One call for scripts: open a pipeline, run ``items`` once, close it."""
+    with Pipeline(flow, config, input_fields=input_fields) as pipe:
+        return pipe.run(items), pipe.stats()

@@ -1,0 +1,135 @@
+"""The ``flowrl`` command (layer 7)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="flowrl", description="flowrl: actor-pool dataflow runtime for RL post-training"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "loadtest", help="run the load-test scenarios (flowrl vs static push vs simulation)", add_help=False
+    )
+    trace = commands.add_parser(
+        "trace",
+        help="summarise a run's timeline and draw its utilisation chart",
+        description="Read RUN_DIR/trace.json (written by an engine with RunConfig.run_dir, or a file from "
+        "write_trace), print busy time per model, trainer and phase, and draw a PNG with a row per replica.",
+    )
+    trace.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or a trace .json file")
+    trace.add_argument("--png", help="where to write the chart (default: timeline.png beside the trace)")
+    trace.add_argument("--no-png", action="store_true", help="print the summary only")
+    run = commands.add_parser(
+        "run",
+        help="run an engine described by a YAML or TOML file",
+        description="Build the engine CONFIG describes (models by import path, dataset, run keys) and run it. "
+        "See docs/cli.md for the file's keys.",
+    )
+    run.add_argument("config", metavar="CONFIG", help="a .yaml, .yml or .toml file")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, e.g. run.num_episode=4 or models.policy.num_replicas=1 (repeatable)",
+    )
+    scale = commands.add_parser(
+        "scale",
+        help="resize inference pools of a running engine",
+        description="Ask the engine writing RUN_DIR (RunConfig.run_dir) to grow or shrink inference models' "
+        "rollout pools; it applies the request within a second and writes RUN_DIR/scale.done.json.",
+    )
+    scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running engine")
+    scale.add_argument("sizes", metavar="MODEL=N", nargs="+", help="replicas each model should have, e.g. policy=4")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "loadtest":
+        from .loadtest import loadtest_main
+
+        return loadtest_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"run": run_main, "trace": trace_main, "scale": scale_main}[args.command](args)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    import logging
+
+    from .._core.errors import FlowError
+    from .run_file import build_engine, load_run_file
+
+    if not logging.getLogger().handlers:  # episode lines when stderr is not a terminal
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        engine = build_engine(load_run_file(args.config, args.overrides))
+        stats = engine.learn()
+    except FlowError as err:
+        print(f"flowrl run: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
+    print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
+    if engine.config.run_dir:
+        print(f"run directory: {engine.config.run_dir} (flowrl trace {engine.config.run_dir})")
+    return 0
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    from .._core.errors import FlowError
+    from .._engine.elastic import request_scale
+
+    sizes = {}
+    for item in args.sizes:
+        name, _, count = item.partition("=")
+        if not name or not count.isdigit() or int(count) < 1:
+            print(f"flowrl scale: {item!r}: expected MODEL=N with N >= 1, e.g. policy=4", file=sys.stderr)
+            return 2
+        sizes[name] = int(count)
+    try:
+        path = request_scale(args.run_dir, sizes)
+    except FlowError as err:
+        print(f"flowrl scale: {err}", file=sys.stderr)
+        return 2
+    print(f"requested {sizes} in {path}; the engine writes scale.done.json (or scale.failed.json) when applied")
+    return 0
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    from .._core.trace import read_chrome_trace
+    from .timeline_view import format_summary, render_png, summary
+
+    source = Path(args.run_dir)
+    path = source / "trace.json" if source.is_dir() else source
+    if not path.is_file():
+        print(f"flowrl trace: no trace at {path} (an engine writes one when RunConfig.run_dir is set)", file=sys.stderr)
+        return 2
+    try:
+        spans = read_chrome_trace(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as err:
+        print(f"flowrl trace: {path} is not a flowrl trace ({type(err).__name__}: {err})", file=sys.stderr)
+        return 2
+    if not spans:
+        print(f"flowrl trace: {path} holds no spans")
+        return 0
+    length = max(s.end for s in spans) - min(s.start for s in spans)
+    print(format_summary(summary(spans), length))
+    if args.no_png:
+        return 0
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "flowrl trace: the chart needs matplotlib (pip install 'flowrl[plot]'); --no-png skips it", file=sys.stderr
+        )
+        return 1
+    png = render_png(spans, args.png or path.with_name("timeline.png"), title=f"{path}: busy time per replica")
+    print(f"chart: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""Load tests (layer 7): synthetic RL-shaped workloads run by flowrl, by a static push
+scheduler as ChatLearn does it, and by Ray Data, side by side with the simulator's
+zero-overhead makespan and the strict lower bound.
+
+Model time is a sleep (standing in for GPU time, so two CPU cores are not the bottleneck):
+a call of n samples sleeps ``call_s + n * per_sample_s + max(tails of its samples)``, the
+same per-sample times the simulator uses (less the OS's measured lateness in waking a
+sleeper, ``sleep_slack``, so that a step lasts its nominal time on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from .._core.model import Model
+from .._core.simulate import INPUT, SimStage, StageCost, Workload, cost_hints, simulate, tails
+from .._pipeline.opening import open_pipeline
+from .baselines import model_sleep, run_push, run_ray_data, sleep_slack, substrate
+
+if TYPE_CHECKING:
+    from .._core.batch import Batch
+    from .._core.stats import StageStats
+
+
+def scenarios() -> dict[str, Workload]:
+    """The scenarios of the performance issue, deterministic from their seeds."""
+    scorer = StageCost(call_s=0.010, per_sample_s=0.002)
+    policy = StageCost(call_s=0.020, tail_median_s=0.020, tail_sigma=0.8)
+
+    def rlhf(
+        samples: int, policy_r: int, policy_b: int, down_r: int, down_b: int, seed: int, cost: StageCost = policy
+    ) -> Workload:
+        wide = dict(replicas=down_r, batch_size=down_b, cost=scorer)
+        return Workload(
+            samples=samples,
+            seed=seed,
+            stages=[
+                SimStage(name="policy", replicas=policy_r, batch_size=policy_b, cost=cost),
+                SimStage(name="reference", inputs=["policy"], **wide),
+                SimStage(name="value", inputs=["policy"], **wide),
+                SimStage(name="reward", inputs=["policy", "reference", "value"], **wide),
+            ],
+        )
+
+    heavy = StageCost(call_s=0.020, tail_median_s=0.030, tail_sigma=1.2)
+    tiny = StageCost(call_s=0.001, per_sample_s=0.0005)
+    heavy_tail = rlhf(256, 4, 16, 8, 8, seed=1, cost=heavy)
+    return {
+        "chatlearn-209": rlhf(16, 2, 4, 8, 2, seed=209),
+        "heavy-tail-256": heavy_tail,
+        # the same, each prompt carrying an estimate of its cost (off by a log-normal factor, sigma 0.5)
+        "heavy-tail-256-hinted": msgspec.structs.replace(heavy_tail, cost_hint_sigma=0.5),
+        "prime-97": Workload(
+            samples=97,
+            seed=7,
+            stages=[
+                SimStage(name="policy", replicas=7, batch_size=5, cost=policy),
+                SimStage(name="reward", inputs=["policy"], replicas=3, batch_size=7, cost=scorer),
+            ],
+        ),
+        "tiny-shards": Workload(
+            samples=400,
+            seed=3,
+            stages=[
+                SimStage(name="a", replicas=4, batch_size=1, cost=tiny),
+                SimStage(name="b", inputs=["a"], replicas=4, batch_size=1, cost=tiny),
+            ],
+        ),
+    }
+
+
+class Sleeper(Model):
+    """A stage of a workload: sleeps its call time; samples are indexed by the input field ``k``."""
+
+    def __init__(self, name: str, config: dict[str, Any], cost: StageCost, tail: np.ndarray) -> None:
+        super().__init__(name, config)
+        self.cost, self.tail = cost, tail
+
+    def setup(self) -> None:
+        sleep_slack()
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        k = np.asarray(batch["k"], dtype=np.int64)
+        model_sleep(self.cost, self.tail, k)
+        return {f"{self.name}_done": [True] * len(k)}
+
+
+def workload_flow(w: Workload) -> Any:
+    tail = tails(w)
+    models = {
+        st.name: Sleeper(
+            st.name,
+            {
+                "num_replicas": st.replicas,
+                "batch_size": st.batch_size,
+                "splitter": st.splitter,
+                "prefetch": st.prefetch,
+                "cpus_per_replica": 0.05,
+            },
+            st.cost,
+            tail[st.name],
+        )
+        for st in w.stages
+    }
+
+    def flow(x: Any) -> Any:
+        nodes = {INPUT: x}
+        for st in w.stages:
+            nodes[st.name] = models[st.name].forward_step(*[nodes[i] for i in st.inputs])
+        return tuple(nodes[st.name] for st in w.stages if not any(st.name in o.inputs for o in w.stages))
+
+    return flow
+
+
+async def run_flowrl(w: Workload) -> dict[str, Any]:
+    """flowrl on the workload (after a warm-up run), with what the harness reports of it."""
+    hints = cost_hints(w, tails(w))
+    items = [{"k": i} if hints is None else {"k": i, "cost": float(hints[i])} for i in range(w.samples)]
+    config = {} if hints is None else {"cost_field": "cost"}
+    async with open_pipeline(workload_flow(w), config) as pipe:
+        await pipe.run(items[: min(8, len(items))])  # warm-up: imports, first calls
+        before = pipe.stats()
+        cpu, start = time.process_time(), time.perf_counter()
+        await pipe.run(items, fields=[f"{w.stages[-1].name}_done"])
+        makespan = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+        after = pipe.stats()
+    stages = {
+        st.name: _stage_report(after[f"{st.name}.forward_step"], before[f"{st.name}.forward_step"], makespan)
+        for st in w.stages
+    }
+    return {
+        "makespan_s": makespan,
+        "replicas_used": {name: r["replicas_used"] for name, r in stages.items()},
+        "stages": stages,
+        "driver_cpu_s": cpu,
+        "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _stage_report(after: StageStats, before: StageStats, makespan: float) -> dict[str, Any]:
+    """One stage's share of one run: the difference of two stats snapshots."""
+    busy = [a.busy_s - b.busy_s for a, b in zip(after.replicas, before.replicas)]
+    samples = [a.samples - b.samples for a, b in zip(after.replicas, before.replicas)]
+    sizes = {k: v - before.shard_sizes.get(k, 0) for k, v in after.shard_sizes.items()}
+    return {
+        "calls": after.calls - before.calls,
+        "replicas_used": sum(1 for n in samples if n),
+        "busy_fraction": sum(busy) / (len(busy) * makespan),
+        "replica_busy_fraction": [round(b / makespan, 3) for b in busy],
+        "shard_sizes": {k: v for k, v in sizes.items() if v},
+        "out_bytes": after.out_bytes - before.out_bytes,
+        "overhead_ms_per_shard": 1e3 * (after.overhead_s - before.overhead_s) / max(1, after.calls - before.calls),
+    }
+
+
+def run_scenario(name: str, w: Workload, raw: dict[str, float]) -> dict[str, Any]:
+    """One scenario run by flowrl and by static push, beside simulations: free, with the
+    substrate's serial shard time as every call's overhead, and with the substrate's measured
+    capacity too (no-op shards a second: ``dispatch_s``; a lone call still takes the serial time)."""
+    zero = simulate(w)
+    overhead_s, dispatch_s = raw["shard_ms"] / 1e3, 1 / raw["flowrl_shards_per_s"]
+    loaded = simulate(msgspec.structs.replace(w, overhead_s=overhead_s))
+    capped = simulate(msgspec.structs.replace(w, overhead_s=max(0.0, overhead_s - dispatch_s), dispatch_s=dispatch_s))
+    flow = asyncio.run(run_flowrl(w))
+    push = asyncio.run(run_push(w))
+    stages = flow["stages"].values()
+    measured = sum(st["overhead_ms_per_shard"] * st["calls"] for st in stages) / sum(st["calls"] for st in stages)
+    fitted = simulate(msgspec.structs.replace(w, overhead_s=measured / 1e3))
+    return {
+        "scenario": name,
+        "samples": w.samples,
+        "lower_bound_s": zero.lower_bound_s,
+        "simulated_s": zero.makespan_s,
+        "simulated_with_overhead_s": loaded.makespan_s,
+        "simulated_with_capacity_s": capped.makespan_s,
+        "run_overhead_ms": measured,
+        "simulated_with_run_overhead_s": fitted.makespan_s,
+        "flowrl": flow,
+        "push": push,
+        "ray_data": None,
+        "flowrl_over_sim": flow["makespan_s"] / zero.makespan_s,
+        "flowrl_over_sim_with_overhead": flow["makespan_s"] / loaded.makespan_s,
+        "flowrl_over_sim_with_capacity": flow["makespan_s"] / capped.makespan_s,
+        "flowrl_over_sim_with_run_overhead": flow["makespan_s"] / fitted.makespan_s,
+        "flowrl_over_bound": flow["makespan_s"] / zero.lower_bound_s,
+        "push_over_flowrl": push["makespan_s"] / flow["makespan_s"],
+        "ray_data_over_flowrl": None,
+    }
+
+
+def with_ray_data(row: dict[str, Any], w: Workload) -> dict[str, Any]:
+    """``row`` with a Ray Data run of the same workload (once per scenario: on this machine its
+    actor pools take about 45 s to start for each execution)."""
+    data = run_ray_data(w)
+    return {**row, "ray_data": data, "ray_data_over_flowrl": data["makespan_s"] / row["flowrl"]["makespan_s"]}
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report_tables(rows: list[dict[str, Any]]) -> str:
+    main = _table(
+        [
+            "scenario",
+            "samples",
+            "bound s",
+            "sim s",
+            "sim+ovh s",
+            "flowrl s",
+            "push s",
+            "Ray Data s",
+            "flowrl/sim",
+            "flowrl/sim+ovh",
+            "flowrl/bound",
+            "push/flowrl",
+            "Ray Data/flowrl",
+        ],
+        [
+            [
+                r["scenario"],
+                r["samples"],
+                _f(r["lower_bound_s"], 3),
+                _f(r["simulated_s"], 3),
+                _f(r["simulated_with_overhead_s"], 3),
+                _f(r["flowrl"]["makespan_s"], 3),
+                _f(r["push"]["makespan_s"], 3),
+                _f((r["ray_data"] or {}).get("makespan_s"), 3),
+                _f(r["flowrl_over_sim"]),
+                _f(r["flowrl_over_sim_with_overhead"]),
+                _f(r["flowrl_over_bound"]),
+                _f(r["push_over_flowrl"]),
+                _f(r["ray_data_over_flowrl"]),
+            ]
+            for r in rows
+        ],
+    )
+    stages = []
+    for r in rows:
+        for stage, st in r["flowrl"]["stages"].items():
+            used = [str(st["replicas_used"]), str(r["push"]["replicas_used"][stage])]
+            used.append(str(r["ray_data"]["replicas_used"][stage]) if r["ray_data"] else "-")
+            sizes = " ".join(f"{k}:{v}" for k, v in sorted(st["shard_sizes"].items()))
+            stages.append(
+                [
+                    r["scenario"],
+                    stage,
+                    " / ".join(used),
+                    f"{100 * st['busy_fraction']:.0f}",
+                    f"{100 * (1 - st['busy_fraction']):.0f}",
+                    st["calls"],
+                    sizes,
+                    f"{st['out_bytes'] / 1024:.1f}",
+                    _f(st["overhead_ms_per_shard"], 1),
+                ]
+            )
+    predicted = _table(
+        [
+            "scenario",
+            "flowrl s",
+            "sim+ovh s",
+            "flowrl/sim+ovh",
+            "sim+cap s",
+            "flowrl/sim+cap",
+            "call overhead in the run ms",
+            "sim with it s",
+            "flowrl/sim with it",
+        ],
+        [
+            [
+                r["scenario"],
+                _f(r["flowrl"]["makespan_s"], 3),
+                _f(r["simulated_with_overhead_s"], 3),
+                _f(r["flowrl_over_sim_with_overhead"]),
+                _f(r["simulated_with_capacity_s"], 3),
+                _f(r["flowrl_over_sim_with_capacity"]),
+                _f(r["run_overhead_ms"]),
+                _f(r["simulated_with_run_overhead_s"], 3),
+                _f(r["flowrl_over_sim_with_run_overhead"]),
+            ]
+            for r in rows
+        ],
+    )
+    detail = _table(
+        [
+            "scenario",
+            "stage",
+            "replicas used (flowrl / push / Ray Data)",
+            "busy %",
+            "starved %",
+            "calls",
+            "shard sizes (size:calls)",
+            "output KiB",
+            "call overhead ms per shard",
+        ],
+        stages,
+    )
+    driver = _table(
+        ["scenario", "driver CPU s", "driver peak RSS MiB", "Ray Data wall s (incl. actor start)"],
+        [
+            [
+                r["scenario"],
+                _f(r["flowrl"]["driver_cpu_s"]),
+                f"{r['flowrl']['driver_peak_rss_mib']:.0f}",
+                _f((r["ray_data"] or {}).get("wall_s"), 1),
+            ]
+            for r in rows
+        ],
+    )
+    return main + "\n" + predicted + "\n" + detail + "\n" + driver
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The run whose flowrl makespan is the median; ratios were measured within each run."""
+    runs = sorted(runs, key=lambda r: r["flowrl"]["makespan_s"])
+    return runs[len(runs) // 2]
+
+
+def _has_ray_data() -> bool:
+    try:
+        import pandas  # noqa: F401  (Ray Data needs it; the `bench` extra installs it)
+        import ray.data  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest") -> int:
+    """``flowrl loadtest``: run the scenarios side by side, write a Markdown report and JSON."""
+    import ray
+
+    parser = argparse.ArgumentParser(prog="flowrl loadtest", description="run the load-test scenarios side by side")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scenario", action="append", help="only these scenarios")
+    parser.add_argument("--out", default="benchmarks.md", help="the Markdown report (a .json lands beside it)")
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--no-ray-data", action="store_true", help="skip the Ray Data baseline")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, w in scenarios().items():
+            print(
+                f"{name}: {w.samples} samples, stages "
+                + ", ".join(f"{s.name}({s.replicas}x{s.batch_size})" for s in w.stages)
+            )
+        return 0
+    unknown = sorted(set(args.scenario or []) - set(scenarios()))
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; expected some of {sorted(scenarios())}")
+    ray_data = not args.no_ray_data and _has_ray_data()
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    try:
+        raw = asyncio.run(substrate())
+        print(json.dumps(raw), flush=True)
+        rows = []
+        for name, w in scenarios().items():
+            if args.scenario and name not in args.scenario:
+                continue
+            row = median_row([run_scenario(name, w, raw) for _ in range(args.repeats)])
+            rows.append(with_ray_data(row, w) if ray_data else row)
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        ray.shutdown()
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out"]
+    text = _report(" ".join([command, *shown]).strip(), raw, rows, ray_data)
+    Path(args.out).write_text(text)
+    Path(args.out).with_suffix(".json").write_text(json.dumps({"raw": raw, "rows": rows}, indent=1))
+    print(text)
+    return 0
+
+
+def _report(command: str, raw: dict[str, float], rows: list[dict[str, Any]], ray_data: bool) -> str:
+    import ray
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, Ray {ray.__version__}"
+    return (
+        "# Benchmarks\n\n"
+        f"Latest run: `{command}` on {machine}. Model time is a sleep (see `flowrl/_tools/loadtest.py`);\n"
+        "each row is the median of the repeats, and every ratio was measured within one run.\n\n"
+        "## The substrate: flowrl against raw Ray calls to the same replica actors\n\n"
+        f"- no-op round trip {raw['round_trip_ms']:.2f} ms; flowrl one-sample shard back to back "
+        f"{raw['shard_ms']:.2f} ms: flowrl's overhead {raw['overhead_ms']:.2f} ms per shard = "
+        f"{raw['overhead_over_round_trip']:.2f}x the round trip (target <= 1.5x)\n"
+        f"- `ray.util.ActorPool` over 8 replica actors {raw['actor_pool_calls_per_s']:.0f} calls/s; flowrl no-op "
+        f"shards over the same actors {raw['flowrl_shards_per_s']:.0f}/s = {raw['throughput_ratio']:.2f}x "
+        "(target >= 0.67x)\n\n"
+        "## Scenarios\n\n"
+        "- bound: the strict lower bound (busiest stage's least work per replica, slowest sample's path).\n"
+        "- sim: the simulator's makespan for the same pull policy with a free runtime; sim+ovh: the same\n"
+        "  with the measured cost of a shard above (`Workload.overhead_s`) added to every call; sim+cap:\n"
+        "  also with the no-op shard rate above as the runtime's capacity (`Workload.dispatch_s`).\n"
+        "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n"
+        + (
+            "- Ray Data: `map_batches` with an actor pool per stage (`concurrency=replicas`), stages chained in\n"
+            "  flow order; timed from its first model call to its last, because its actor pools start with\n"
+            "  each execution (the wall time with actor start is in the last table); run once per scenario.\n"
+            if ray_data
+            else "- Ray Data: not run (`pip install -e .[bench]` installs what it needs).\n"
+        )
+        + "\n"
+        + report_tables(rows)
+        + "\nbusy % / starved %: the stage's replicas' time inside calls / outside them, over the makespan\n"
+        "(flowrl replicas never block on a full downstream queue: outputs go to the object store and\n"
+        "admission is bounded at the source, so there is no blocked time to report). Call overhead: a\n"
+        "call's time seen from the driver beyond its time inside the replica's step (Ray's round trip,\n"
+        "gathering the shard, flowrl's dispatch, waiting for a CPU); \"sim with it\" feeds the run's own\n"
+        "mean call overhead to the simulator.\n\n"
+        "What the numbers say, and what was tried, is at the end of this page (`benchmarks/run.py` writes it\n"
+        "all; `flowrl loadtest` alone writes these tables).\n"
+    )
