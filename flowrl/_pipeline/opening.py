@@ -84,11 +84,11 @@ async def running(
         handles = await backend.start(replica_specs(graph, make_spec))
         pipe = AsyncPipeline(graph, backend, config, handles)
         pipe.grow_spec = make_spec
-        pipe._start(tg)
+        pipe.start(tg)
         try:
             yield pipe
         finally:
-            pipe._close()
+            pipe.close()
             tg.cancel_scope.cancel()
 
 
@@ -153,7 +153,7 @@ class Pipeline:
         stack, self._stack = self._stack, None
         if stack is None:
             return
-        failure = self._pipe._error if self._pipe is not None else None
+        failure = self._pipe.failure if self._pipe is not None else None
         try:
             stack.__exit__(*exc_info)
         except BaseException as err:

@@ -1,4 +1,4 @@
-"""Progress (layer 5): a live view on a terminal, log lines elsewhere, for an engine's
+"""Progress: a live view on a terminal, log lines elsewhere, for an engine's
 episodes and a pipeline's runs.
 
 ``RunConfig.progress`` / ``PipelineConfig.progress``: ``"auto"`` draws a live table (rich)
@@ -13,16 +13,24 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 if TYPE_CHECKING:
-    from .pipeline import AsyncPipeline
+    from .._core.stats import PipelineStats
     from .runs import Run
 
 log = logging.getLogger("flowrl")
 TICK_S = 0.25
+
+
+class Watched(Protocol):
+    """What a view reads of a pipeline."""
+
+    def stats(self) -> PipelineStats: ...
+
+    def busy(self) -> dict[str, tuple[int, int]]: ...
 
 
 def mode(setting: str | bool) -> str:
@@ -53,7 +61,7 @@ class Progress:
         self.base: dict[str, int] = {}
         self._live: Any = None
 
-    def episode_done(self, stats: Any, pipe: AsyncPipeline | None) -> None:
+    def episode_done(self, stats: Any, pipe: Watched | None) -> None:
         self.episode = stats.episode + 1
         if pipe is not None:
             self.base = {name: s.samples for name, s in pipe.stats().stages.items()}
@@ -62,7 +70,7 @@ class Progress:
         elif self.mode == "live" and self._live is not None:
             self._live.console.print(episode_line(stats, self.total))
 
-    async def watch(self, pipe: AsyncPipeline, per_episode: int) -> None:
+    async def watch(self, pipe: Watched, per_episode: int) -> None:
         """Redraw the live table until cancelled."""
         if self.mode != "live":
             return
@@ -92,7 +100,7 @@ async def live_view(render: Any, owner: Any = None) -> None:
                 owner._live = None
 
 
-def stage_table(pipe: AsyncPipeline, title: str, base: dict[str, int], of: int | None) -> Any:
+def stage_table(pipe: Watched, title: str, base: dict[str, int], of: int | None) -> Any:
     """A row per stage: samples done since ``base`` (of ``of``), replicas busy, queue."""
     from rich.table import Table
 
@@ -107,7 +115,7 @@ def stage_table(pipe: AsyncPipeline, title: str, base: dict[str, int], of: int |
     return table
 
 
-async def watch_run(pipe: AsyncPipeline, run: Run, base: dict[str, int], scope: anyio.CancelScope) -> None:
+async def watch_run(pipe: Watched, run: Run, base: dict[str, int], scope: anyio.CancelScope) -> None:
     """A pipeline run's live view (until ``scope`` is cancelled)."""
 
     def render() -> Any:
@@ -119,6 +127,6 @@ async def watch_run(pipe: AsyncPipeline, run: Run, base: dict[str, int], scope: 
         await live_view(render)
 
 
-def run_line(pipe: AsyncPipeline, run: Run, base: dict[str, int]) -> str:
+def run_line(pipe: Watched, run: Run, base: dict[str, int]) -> str:
     stages = ", ".join(f"{n} {s.samples - base.get(n, 0)}" for n, s in pipe.stats().stages.items())
     return f"run {run.index}: {run.finished} samples in {time.perf_counter() - run.started:.2f} s ({stages})"

@@ -1,14 +1,15 @@
-"""Streaming runs (layer 5): admission of input items, ordered delivery, early exit.
+"""Runs: one stream of items through the flow at a time, delivered in input order.
 
-A run admits items into the in-flight window, chunk by chunk, and delivers finished
-samples in input order (or as completed). One run is active at a time; a new one
-supersedes a run whose consumer left early. Mixed into ``AsyncPipeline``.
+A run's items are admitted into the in-flight window (``admission.py``); its finished samples
+are delivered in input order (or as completed), fetched from the store at the driver. A new
+run supersedes one whose consumer left early: the samples it admitted finish and are counted,
+then dropped.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sized
+from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -16,15 +17,21 @@ import anyio.lowlevel
 
 from .._core.batch import Sample
 from .._core.errors import FlowDefinitionError, InputLostError, PipelineClosedError
+from .ledger import Loc
+
+Items = Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
+    from collections.abc import AsyncIterator, Callable
 
+    from .._backends.abc import ObjectStore
+    from .._core.config import PipelineConfig
+    from .._core.stats import StatsRecorder
+    from .admission import Admission
+    from .ledger import Ledger, SampleState
     from .pools import Window
-
-Loc = tuple[Any, int]  # (object reference, row)
-Items = Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
-Take = Callable[[int], Awaitable[tuple[list[Any], bool]]]
+    from .recovery import Recovery
+    from .supervisor import Supervisor
 
 
 class Run:
@@ -40,10 +47,10 @@ class Run:
         self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc]]](limit)
         self.drained = anyio.Event()
         self.held: dict[int, dict[str, Loc]] = {}
-        self.states: dict[int, Any] = {}  # finished samples not yet delivered: their whole state
+        self.states: dict[int, SampleState] = {}  # finished samples not yet delivered: their whole state
         self.started = time.perf_counter()
         self.active_closed = False
-        self.stop_admission: Any = lambda: None
+        self.stop_admission: Callable[[], None] = lambda: None
 
     def maybe_close(self) -> None:
         if self.admission_done and self.finished == self.admitted:
@@ -86,102 +93,84 @@ async def _next_finished(run: Run) -> tuple[int, dict[str, Loc]] | None:
         return None
 
 
-class StreamingMixin:
-    """``run`` / ``stream`` for ``AsyncPipeline`` (which provides the hooks used here)."""
+class Runs:
+    """The run in progress: its start, its delivery, its end (finished, abandoned, failed)."""
 
-    _window: Window
-    _run: Run | None
-    _runs: int
-    _next_id: int
-    _error: BaseException | None
-    _closed: bool
-    _tg: TaskGroup | None
-    _begin_lock: anyio.Lock
+    def __init__(
+        self,
+        config: PipelineConfig,
+        store: ObjectStore,
+        ledger: Ledger,
+        admission: Admission,
+        window: Window,
+        recovery: Recovery,
+        recorder: StatsRecorder,
+        supervisor: Supervisor,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._ledger = ledger
+        self._admission = admission
+        self._window = window
+        self._recovery = recovery
+        self._recorder = recorder
+        self._supervisor = supervisor
+        self.current: Run | None = None
+        self.count = 0  # runs begun: the next run's number (a step's ``iteration``)
+        self._begin_lock = anyio.Lock()
+        supervisor.on_failure(self._wake)
 
-    async def run(
-        self, items: Items, *, ordered: bool | None = None, fields: Iterable[str] | None = None
-    ) -> list[Sample]:
-        """Run every item through the flow; the finished samples, in input order by default."""
-        stream = self.stream(items, ordered=ordered, fields=fields)
-        try:
-            return [s async for s in stream]
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+    def _wake(self) -> None:
+        """A failure: the consumer of the current run stops waiting."""
+        run = self.current
+        if run is not None:
+            run.send.close()
+            run.drained.set()
 
-    async def stream(
-        self, items: Items, *, ordered: bool | None = None, fields: Iterable[str] | None = None
-    ) -> AsyncIterator[Sample]:
-        """Yield finished samples as the flow produces them (input order unless ``ordered=False``).
+    def running(self) -> bool:
+        return self.current is not None and not self.current.drained.is_set()
 
-        ``fields`` limits what comes back to the driver: only the objects holding those fields
-        are fetched; everything else stays in the object store.
-        """
-        wanted = None if fields is None else frozenset([fields] if isinstance(fields, str) else fields)
-        run = await self._begin(ordered, wanted)
-        assert self._tg is not None
-        self._tg.start_soon(self._admit, run, items)
-        view = self._show(run)
-        try:
-            async for sample in self._deliver(run):
-                yield sample
-        finally:
-            self._abandon(run)
-            self._shown(run, view)
+    def active_now(self) -> float:
+        """Seconds of runs so far, the one in progress included."""
+        return self._recorder.active_s + self.live_s()
 
-    def _show(self, run: Run) -> tuple[str, dict[str, int], anyio.CancelScope | None] | None:
-        """Start the run's progress view (``PipelineConfig.progress``)."""
-        from .progress import mode, watch_run
+    def live_s(self) -> float:
+        """Seconds of the run in progress so far (0 when none is)."""
+        run = self.current
+        return 0.0 if run is None or run.active_closed else time.perf_counter() - run.started
 
-        shown = mode(self.config.progress)  # type: ignore[attr-defined]
-        if shown == "off":
-            return None
-        base = {name: s.samples for name, s in self.stats().stages.items()}  # type: ignore[attr-defined]
-        scope = anyio.CancelScope() if shown == "live" else None
-        if scope is not None and self._tg is not None:
-            self._tg.start_soon(watch_run, self, run, base, scope)
-        return shown, base, scope
-
-    def _shown(self, run: Run, view: tuple[str, dict[str, int], anyio.CancelScope | None] | None) -> None:
-        if view is None:
-            return
-        from .progress import log, run_line
-
-        shown, base, scope = view
-        if scope is not None:
-            scope.cancel()
-        if shown == "log" and run.admission_done and run.finished == run.admitted:
-            log.info(run_line(self, run, base))  # type: ignore[arg-type]
-
-    async def _begin(self, ordered: bool | None, fields: frozenset[str] | None) -> Run:
+    async def begin(self, ordered: bool | None, fields: frozenset[str] | None, items: Any) -> Run:
+        """Start a run over ``items`` (superseding one left unfinished); admission starts too."""
         async with self._begin_lock:
-            self._raise_if_failed()
-            previous = self._run
+            self._supervisor.raise_if_failed()
+            previous = self.current
             if previous is not None and not previous.drained.is_set():
                 # One stream at a time: a new one supersedes a stream left unfinished (e.g. by
                 # `break`); its samples already admitted finish and are counted, then dropped.
-                self._abandon(previous)
+                self.abandon(previous)
                 await previous.drained.wait()  # a failure sets it too
-                self._raise_if_failed()
-            ordered = self.config.ordered if ordered is None else ordered  # type: ignore[attr-defined]
-            run = Run(self._runs, self._next_id, ordered, self._window.limit, fields)
-            self._runs += 1
-            self._run = run
-            return run
+                self._supervisor.raise_if_failed()
+            ordered = self._config.ordered if ordered is None else ordered
+            run = Run(self.count, self._ledger.next_id, ordered, self._window.limit, fields)
+            self.count += 1
+            self.current = run
+        self._supervisor.start_soon(self._admission.admit, run, items)
+        return run
 
     async def settle(self) -> None:
         """Stop the current run's admission and wait until what it admitted has finished (its
-        samples are dropped): then the pipeline can be renumbered (``resume_at``)."""
-        run = self._run
+        samples are dropped)."""
+        run = self.current
         if run is not None and not run.drained.is_set():
-            self._abandon(run)
+            self.abandon(run)
             await run.drained.wait()  # a failure sets it too
-        self._raise_if_failed()
+        self._supervisor.raise_if_failed()
 
-    def _abandon(self, run: Run) -> None:
+    def abandon(self, run: Run) -> None:
         """The consumer stopped: finished samples it never took give their room back."""
         if not run.active_closed:
             run.active_closed = True
-            self._recorder.add_active(time.perf_counter() - run.started)  # type: ignore[attr-defined]
+            self._recorder.add_active(time.perf_counter() - run.started)
         if run.abandoned:
             return
         run.abandoned = True
@@ -198,99 +187,24 @@ class StreamingMixin:
         run.recv.close()
         self._window.release(dropped)
 
-    def _raise_if_failed(self) -> None:
-        if self._closed:
-            raise PipelineClosedError("the pipeline is closed; open a new one")
-        if self._error is not None:
-            raise PipelineClosedError(f"the pipeline failed earlier: {self._error!r}") from self._error
-
-    # ---- admission: items -> input objects -> ready queues ----
-    async def _admit(self, run: Run, items: Any) -> None:
-        with anyio.CancelScope() as scope:
-            run.stop_admission = scope.cancel  # an abandoned run stops reading its input
-            try:
-                await self._admit_all(run, items)
-            except Exception as err:
-                self._fail(err)  # type: ignore[attr-defined]
-                raise
-
-    async def _admit_all(self, run: Run, items: Any) -> None:
-        total = len(items) if isinstance(items, Sized) else None
-        if total:
-            self._expect(total)  # type: ignore[attr-defined]
-        take, close = self._taker(items)
-        exhausted = False
-        try:
-            while not exhausted and not run.abandoned:
-                waiting = time.perf_counter()
-                room = await self._window.acquire(self.config.input_chunk)  # type: ignore[attr-defined]
-                self._recorder.blocked_s += time.perf_counter() - waiting  # type: ignore[attr-defined]
-                chunk: list[Any] = []
-                try:
-                    if not run.abandoned:
-                        chunk, exhausted = await take(room)
-                finally:
-                    self._window.release(room - len(chunk))
-                if chunk:
-                    expected = total is not None and run.admitted + len(chunk) <= total
-                    self._admit_chunk(run, chunk, expected=expected)  # type: ignore[attr-defined]
-        finally:
-            close()  # stops an async source's pump
-            if total is not None and run.admitted < total:
-                self._expect(run.admitted - total)  # type: ignore[attr-defined]  # fewer than len() said
-            run.admission_done = True
+    def finished(self, samples: list[tuple[int, SampleState]]) -> None:
+        """Samples every stage has done go to their run's consumer (or free their room)."""
+        producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
+        for sid, state in samples:
+            run = state.run
+            run.finished += 1
+            if run not in producers:
+                producers[run] = self._ledger.output_producers(run.fields)
+            if run.abandoned:
+                self._window.release(1)
+            else:
+                run.states[sid] = state  # until delivered: an output lost meanwhile is computed again
+                run.send.send_nowait((sid, {p: state.loc[p] for p in producers[run]}))
+        for run in producers:
             run.maybe_close()
 
-    def _taker(self, items: Any) -> tuple[Take, Callable[[], None]]:
-        """``take(room) -> (items, exhausted)``, which never waits for a full chunk, and its closer."""
-        if not isinstance(items, AsyncIterable):
-            iterator = iter(items)
-
-            async def take_sync(room: int) -> tuple[list[Any], bool]:
-                chunk = []
-                for item in iterator:
-                    chunk.append(item)
-                    if len(chunk) == room:
-                        return chunk, False
-                return chunk, True
-
-            return take_sync, lambda: None
-        # An async source may wait for results before it yields more (a feedback loop):
-        # admit what is ready now rather than wait for a full chunk. Unbuffered: at most one
-        # item is drawn ahead of the window.
-        send, recv = anyio.create_memory_object_stream[Any](0)
-        assert self._tg is not None
-        self._tg.start_soon(self._pump_source, items, send)
-
-        async def take_async(room: int) -> tuple[list[Any], bool]:
-            try:
-                chunk = [await recv.receive()]
-            except anyio.EndOfStream:
-                return [], True
-            while len(chunk) < room:
-                try:
-                    chunk.append(recv.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-                except anyio.EndOfStream:
-                    return chunk, True
-            return chunk, False
-
-        return take_async, recv.close
-
-    async def _pump_source(self, items: AsyncIterable[Any], send: Any) -> None:
-        try:
-            async with send:
-                async for item in items:
-                    await send.send(item)
-        except anyio.BrokenResourceError:
-            pass  # the run was abandoned
-        except Exception as err:
-            self._fail(err)  # type: ignore[attr-defined]
-            raise
-
     # ---- delivery: finished samples -> Sample objects, in order ----
-    async def _deliver(self, run: Run) -> AsyncIterator[Sample]:
+    async def deliver(self, run: Run) -> AsyncIterator[Sample]:
         cache: dict[Any, list[Any]] = {}  # ref -> [Batch | None, uses left]
         held = run.held
         next_id = run.first_id
@@ -310,7 +224,7 @@ class StreamingMixin:
                     try:
                         sample = await self._materialize(sid, held[sid], cache, run.fields)
                     except InputLostError:
-                        redone = await self._recompute_lost(run.states)  # type: ignore[attr-defined]
+                        redone = await self._recovery.recompute_lost(run.states)
                         if not _relocate(run, cache) and not redone:
                             raise
                         continue  # the same sample, from the outputs computed again
@@ -321,16 +235,16 @@ class StreamingMixin:
                     yield sample
         except anyio.ClosedResourceError:
             raise PipelineClosedError("this stream was superseded: a newer stream started on the pipeline") from None
-        if self._error is not None:
-            raise self._error  # the failure that stopped the run, as it was raised
-        self._raise_if_failed()
+        if self._supervisor.error is not None:
+            raise self._supervisor.error  # the failure that stopped the run, as it was raised
+        self._supervisor.raise_if_failed()
 
     async def _materialize(
         self, sid: int, loc: dict[str, Loc], cache: dict[Any, list[Any]], wanted: frozenset[str] | None
     ) -> Sample:
         missing = list(dict.fromkeys(ref for ref, _ in loc.values() if cache[ref][0] is None))
         if missing:
-            for ref, obj in zip(missing, await self._backend.fetch(missing)):  # type: ignore[attr-defined]
+            for ref, obj in zip(missing, await self._store.fetch(missing), strict=True):
                 cache[ref][0] = obj
         fields: dict[str, Any] = {}
         for ref, row in loc.values():
@@ -343,7 +257,7 @@ class StreamingMixin:
             if not wanted <= fields.keys():
                 raise FlowDefinitionError(
                     f"requested output field(s) {sorted(wanted - fields.keys())} are not in the flow's output; "
-                    f"it has {self._output_fields()}"  # type: ignore[attr-defined]
+                    f"it has {self._ledger.output_fields()}"
                 )
             fields = {k: v for k, v in fields.items() if k in wanted}
         return Sample(sid, fields)

@@ -1,0 +1,178 @@
+"""Admission: input items into the in-flight window, chunk by chunk.
+
+Items are read only while the window has room (``PipelineConfig.max_inflight``), so every
+queue downstream stays bounded. Each chunk becomes one input object in the store and one
+block of sample ids in the ledger; the stages that read only the flow's input are offered it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sized
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from .._core.batch import Batch
+from .._core.errors import FlowDefinitionError
+from .._core.graph import SOURCE
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream
+
+    from .._backends.abc import ObjectStore
+    from .._core.config import PipelineConfig
+    from .._core.graph import FlowGraph
+    from .._core.stats import StatsRecorder
+    from .ledger import Ledger
+    from .pools import AsyncPool, Window
+    from .runs import Run
+    from .supervisor import Supervisor
+
+Take = Callable[[int], Awaitable[tuple[list[Any], bool]]]
+
+
+class Admission:
+    def __init__(
+        self,
+        graph: FlowGraph,
+        config: PipelineConfig,
+        store: ObjectStore,
+        ledger: Ledger,
+        pools: Mapping[str, AsyncPool],
+        window: Window,
+        recorder: StatsRecorder,
+        supervisor: Supervisor,
+    ) -> None:
+        self._graph = graph
+        self._config = config
+        self._store = store
+        self._ledger = ledger
+        self._pools = pools
+        self._window = window
+        self._recorder = recorder
+        self._supervisor = supervisor
+
+    def expect(self, count: int) -> None:
+        """Tell every stage that ``count`` more samples will come (negative: fewer)."""
+        for spec in self._graph.stages.values():
+            self._pools[spec.model].scheduler.expect(spec.name, count)
+
+    async def admit(self, run: Run, items: Any) -> None:
+        """Admit ``items`` into ``run`` until they end or the run is abandoned."""
+        with anyio.CancelScope() as scope:
+            run.stop_admission = scope.cancel  # an abandoned run stops reading its input
+            try:
+                await self._admit_all(run, items)
+            except Exception as err:
+                self._supervisor.fail(err)
+                raise
+
+    async def _admit_all(self, run: Run, items: Any) -> None:
+        total = len(items) if isinstance(items, Sized) else None
+        if total:
+            self.expect(total)
+        take, close = self._taker(items)
+        exhausted = False
+        try:
+            while not exhausted and not run.abandoned:
+                waiting = time.perf_counter()
+                room = await self._window.acquire(self._config.input_chunk)
+                self._recorder.blocked_s += time.perf_counter() - waiting
+                chunk: list[Any] = []
+                try:
+                    if not run.abandoned:
+                        chunk, exhausted = await take(room)
+                finally:
+                    self._window.release(room - len(chunk))
+                if chunk:
+                    expected = total is not None and run.admitted + len(chunk) <= total
+                    self._admit_chunk(run, chunk, expected=expected)
+        finally:
+            close()  # stops an async source's pump
+            if total is not None and run.admitted < total:
+                self.expect(run.admitted - total)  # fewer than len() said
+            run.admission_done = True
+            run.maybe_close()
+
+    def _admit_chunk(self, run: Run, chunk: list[Any], *, expected: bool) -> None:
+        for pos, item in enumerate(chunk):
+            if not isinstance(item, Mapping):
+                raise FlowDefinitionError(
+                    f"input item {run.admitted + pos} is a {type(item).__name__}; items must be mappings of "
+                    "field -> value, e.g. {'prompt': x}"
+                )
+        costs = self._read_costs(run, chunk)
+        batch = Batch.from_samples(list(range(self._ledger.next_id, self._ledger.next_id + len(chunk))), chunk)
+        self._ledger.note_fields(SOURCE, frozenset(batch.keys()))
+        ids = self._ledger.admit(run, len(chunk), self._store.put(batch), costs)
+        if not expected:
+            self.expect(len(chunk))
+        run.admitted += len(chunk)
+        for spec in self._graph.consumers(SOURCE):
+            if all(i == SOURCE for i in spec.inputs):  # others wait for their upstream stages
+                self._pools[spec.model].ready(spec.name, ids, costs)
+
+    def _read_costs(self, run: Run, chunk: list[Any]) -> list[float] | None:
+        field = self._config.cost_field
+        if field is None:
+            return None
+        costs = []
+        for pos, item in enumerate(chunk):
+            value = item.get(field)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                got = "no such field" if field not in item else f"a {type(value).__name__}"
+                raise FlowDefinitionError(
+                    f"input item {run.admitted + pos}: PipelineConfig.cost_field={field!r} must name a number "
+                    f"in every item (a cost estimate), got {got}"
+                )
+            costs.append(float(value))
+        return costs
+
+    def _taker(self, items: Any) -> tuple[Take, Callable[[], None]]:
+        """``take(room) -> (items, exhausted)``, which never waits for a full chunk, and its closer."""
+        if not isinstance(items, AsyncIterable):
+            iterator = iter(items)
+
+            async def take_sync(room: int) -> tuple[list[Any], bool]:
+                chunk = []
+                for item in iterator:
+                    chunk.append(item)
+                    if len(chunk) == room:
+                        return chunk, False
+                return chunk, True
+
+            return take_sync, lambda: None
+        # An async source may wait for results before it yields more (a feedback loop):
+        # admit what is ready now rather than wait for a full chunk. Unbuffered: at most one
+        # item is drawn ahead of the window.
+        send, recv = anyio.create_memory_object_stream[Any](0)
+        self._supervisor.start_soon(self._pump_source, items, send)
+
+        async def take_async(room: int) -> tuple[list[Any], bool]:
+            try:
+                chunk = [await recv.receive()]
+            except anyio.EndOfStream:
+                return [], True
+            while len(chunk) < room:
+                try:
+                    chunk.append(recv.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+                except anyio.EndOfStream:
+                    return chunk, True
+            return chunk, False
+
+        return take_async, recv.close
+
+    async def _pump_source(self, items: AsyncIterable[Any], send: MemoryObjectSendStream[Any]) -> None:
+        try:
+            async with send:
+                async for item in items:
+                    await send.send(item)
+        except anyio.BrokenResourceError:
+            pass  # the run was abandoned
+        except Exception as err:
+            self._supervisor.fail(err)
+            raise
