@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import FlowDefinitionError
+from .node import Node, StepInfo
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
+
+    from .model import Model
 
 SOURCE = "input"
 
@@ -29,44 +32,20 @@ class StageSpec:
     writes: frozenset[str] | None = None
 
 
-class Node:
-    """A placeholder for the samples that leave a stage (or the flow's input) while tracing."""
-
-    __slots__ = ("_builder", "_name")
-
-    def __init__(self, builder: _Builder, name: str) -> None:
-        self._builder = builder
-        self._name = name
-
-    def __repr__(self) -> str:
-        return f"<flow output of {self._name}>"
-
-    def _misuse(self, *_: Any, **__: Any) -> Any:
-        raise FlowDefinitionError(
-            f"the flow function runs once, at build time, on placeholders: {self!r} cannot be "
-            "used as data here. Do computations inside a model step (mark custom step methods "
-            "with @flowrl.step) and pass stage outputs only to other steps."
-        )
-
-    __getitem__ = __iter__ = __len__ = __bool__ = _misuse
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # protocol probes (copy, pickle, inspect) get the usual answer
-            raise AttributeError(name)
-        return self._misuse()
-
-
 @dataclass
 class _Builder:
     stages: dict[str, StageSpec] = field(default_factory=dict)
-    models: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, Model] = field(default_factory=dict)
 
-    def add_stage(self, model: Any, method: str, args: tuple, kwargs: dict, info: Any) -> Node:
+    def add_stage(
+        self, model: Model, method: str, args: tuple[object, ...], kwargs: dict[str, object], info: StepInfo
+    ) -> Node:
         where = f"{model.name}.{method}"
         if kwargs:
             raise FlowDefinitionError(
                 f"{where}: inside a flow, pass stage outputs positionally; got keyword arguments {sorted(kwargs)}"
             )
+        nodes: list[Node] = []
         for pos, arg in enumerate(args):
             if not isinstance(arg, Node):
                 raise FlowDefinitionError(
@@ -75,6 +54,7 @@ class _Builder:
                 )
             if arg._builder is not self:
                 raise FlowDefinitionError(f"{where}: argument {pos} comes from a different flow")
+            nodes.append(arg)
         known = self.models.setdefault(model.name, model)
         if known is not model:
             raise FlowDefinitionError(
@@ -82,7 +62,7 @@ class _Builder:
             )
         count = sum(1 for s in self.stages.values() if s.model == model.name and s.method == method)
         name = where if count == 0 else f"{where}#{count + 1}"
-        inputs = tuple(dict.fromkeys(a._name for a in args))
+        inputs = tuple(dict.fromkeys(n._name for n in nodes))
         self.stages[name] = StageSpec(name, model.name, method, inputs, info.reads, info.writes)
         return Node(self, name)
 
@@ -90,7 +70,7 @@ class _Builder:
 class FlowGraph:
     """The traced DAG: stages, the models behind them, and the flow's output producers."""
 
-    def __init__(self, stages: Mapping[str, StageSpec], models: Mapping[str, Any], outputs: tuple[str, ...]) -> None:
+    def __init__(self, stages: Mapping[str, StageSpec], models: Mapping[str, Model], outputs: tuple[str, ...]) -> None:
         self.stages = dict(stages)
         self.models = dict(models)
         self.outputs = outputs

@@ -11,23 +11,21 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .config import ModelConfig, to_config
 from .errors import ConfigError, FlowDefinitionError
-from .graph import Node
+from .node import Node, StepInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from .batch import Batch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Methods that are steps without a decorator (ChatLearn's names).
 STEP_NAMES = ("forward_step", "eval_step", "train_step")
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    reads: frozenset[str] | None = None
-    writes: frozenset[str] | None = None
 
 
 def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
@@ -42,7 +40,15 @@ def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
     return names
 
 
-def step(fn: F | None = None, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None) -> Any:
+@overload
+def step(fn: F, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None) -> F: ...
+@overload
+def step(
+    fn: None = None, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None
+) -> Callable[[F], F]: ...
+def step(
+    fn: F | None = None, *, reads: Iterable[str] | None = None, writes: Iterable[str] | None = None
+) -> F | Callable[[F], F]:
     """Mark a method as a step and, optionally, declare the fields it reads and writes.
 
     Declared fields let the flow be checked when it is built: a read nobody writes (when
@@ -60,7 +66,8 @@ def step(fn: F | None = None, *, reads: Iterable[str] | None = None, writes: Ite
 
 
 def step_info(model: Model, method: str) -> StepInfo:
-    return getattr(getattr(type(model), method, None), "__flowrl_step__", StepInfo())
+    info: StepInfo = getattr(getattr(type(model), method, None), "__flowrl_step__", StepInfo())
+    return info
 
 
 def step_target(model: Model, method: str) -> Callable[..., Any]:
@@ -137,7 +144,7 @@ class Model:
                 setattr(cls, attr, _traceable(value, attr))
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         """The ``torch.device`` this replica computes on (imports torch on first use)."""
         import torch
 
@@ -146,18 +153,23 @@ class Model:
     def setup(self) -> None:
         """Runs once inside each replica before its first step."""
 
-    def forward_step(self, batch: Any, iteration: int) -> Mapping[str, Any]:
-        """Return new per-sample fields for ``batch`` (tensors with ``len(batch)`` rows, or lists)."""
+    # A step has two call forms: a flow calls it on stage outputs and gets the new stage's output
+    # (a Node); a replica calls it as (batch, iteration) and gets new fields. Subclasses define
+    # the second form. The base is typed loosely because an overload of both forms here would
+    # make mypy reject every subclass's (narrower) definition.
+    def forward_step(self, *args: Any) -> Any:
+        """``forward_step(self, batch, iteration)``: return new per-sample fields for ``batch``
+        (tensors with ``len(batch)`` rows, or lists)."""
         raise NotImplementedError(f"model {self.name!r} does not implement forward_step")
 
     # ---- training helpers (used inside train_step) ----
-    def micro_batches(self, batch: Any) -> Iterator[Any]:
+    def micro_batches(self, batch: Batch) -> Iterator[Batch]:
         """This rank's shard in micro-batches of ``train_micro_batch_size`` rows."""
         size = self.micro_batch_size or len(batch)
         for start in range(0, len(batch), size):
             yield batch.select(range(start, min(start + size, len(batch))))
 
-    def all_reduce_grads(self, module: Any) -> None:
+    def all_reduce_grads(self, module: torch.nn.Module) -> None:
         """Sum gradients over the data-parallel ranks (one flat all-reduce).
 
         Normalise each loss by ``self.global_batch_size`` (summed over samples, not averaged
@@ -170,16 +182,18 @@ class Model:
         import torch.distributed as dist
 
         # Every rank must join with the same tensor, even one whose shard was empty.
-        params = [p for p in module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = []
+        for p in module.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     # ---- weight hooks (trainer -> inference sync) ----
     def get_weights(self) -> Mapping[str, Any]:
@@ -211,8 +225,8 @@ class Model:
             if attr in state:
                 getattr(self, attr).load_state_dict(state[attr])
 
-    def _module(self, hook: str) -> Any:
-        module = getattr(self, "module", None)
+    def _module(self, hook: str) -> torch.nn.Module:
+        module: torch.nn.Module | None = getattr(self, "module", None)
         if module is None:
             raise NotImplementedError(
                 f"model {self.name!r}: set self.module (a torch.nn.Module) in setup, or override {hook}()"

@@ -13,8 +13,9 @@ from .._backends.select import make_backend
 from .._backends.specs import ReplicaSpec, default_spec
 from .._core.config import PipelineConfig, to_config
 from .._core.errors import FlowError, PipelineClosedError
-from .._core.graph import FlowGraph, Node, trace
+from .._core.graph import FlowGraph, trace
 from .._core.model import Model
+from .._core.node import Node
 from .pipeline import AsyncPipeline
 
 if TYPE_CHECKING:
