@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from .._core.config import PipelineConfig
     from .._core.graph import FlowGraph
     from .._core.stats import StatsRecorder
+    from .inflight import Run
     from .ledger import Ledger
     from .pools import AsyncPool, Window
-    from .runs import Run
     from .supervisor import Supervisor
 
 Take = Callable[[int], Awaitable[tuple[list[Any], bool]]]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .._core.config import Piece
 from .._core.errors import FlowDefinitionError, FlowError, OutputError
 from .._core.graph import SOURCE
+from .inflight import SampleState
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -22,20 +23,7 @@ if TYPE_CHECKING:
     from .._core.config import CallMeta, PipelineConfig
     from .._core.graph import FlowGraph
     from .._core.scheduler import Assignment
-    from .runs import Run
-
-Loc = tuple[Any, int]  # (object reference, row)
-
-
-class SampleState:
-    __slots__ = ("cost", "done", "loc", "node", "run")
-
-    def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
-        self.loc = loc
-        self.node: dict[str, str] = {}  # stage -> the node its output was made on
-        self.done: set[str] = set()
-        self.run = run
-        self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
+    from .inflight import Run
 
 
 class Ledger:

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from .._core.config import PipelineConfig
     from .._core.graph import FlowGraph
     from .._core.model import Model
-    from .runs import Items, Run
+    from .inflight import Run
+    from .runs import Items
 
 View = tuple[str, dict[str, int], anyio.CancelScope | None]
 

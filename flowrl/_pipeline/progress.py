@@ -19,7 +19,7 @@ import anyio
 
 if TYPE_CHECKING:
     from .._core.stats import PipelineStats
-    from .runs import Run
+    from .inflight import Run
 
 log = logging.getLogger("flowrl")
 TICK_S = 0.25

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .._core.graph import FlowGraph
     from .._core.stats import StatsRecorder
     from .calls import ShardCaller
-    from .ledger import Ledger, SampleState
+    from .inflight import SampleState
+    from .ledger import Ledger
     from .pools import AsyncPool
     from .roster import Roster
 

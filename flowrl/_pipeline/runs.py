@@ -17,45 +17,22 @@ import anyio.lowlevel
 
 from .._core.batch import Sample
 from .._core.errors import FlowDefinitionError, InputLostError, PipelineClosedError
-from .ledger import Loc
+from .inflight import Run
 
 Items = Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator
 
     from .._backends.abc import ObjectStore
     from .._core.config import PipelineConfig
     from .._core.stats import StatsRecorder
     from .admission import Admission
-    from .ledger import Ledger, SampleState
+    from .inflight import Loc, SampleState
+    from .ledger import Ledger
     from .pools import Window
     from .recovery import Recovery
     from .supervisor import Supervisor
-
-
-class Run:
-    def __init__(self, index: int, first_id: int, ordered: bool, limit: int, fields: frozenset[str] | None) -> None:
-        self.index = index
-        self.first_id = first_id
-        self.ordered = ordered
-        self.fields = fields  # None: every field of the flow's output
-        self.admitted = 0
-        self.finished = 0
-        self.admission_done = False
-        self.abandoned = False
-        self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc]]](limit)
-        self.drained = anyio.Event()
-        self.held: dict[int, dict[str, Loc]] = {}
-        self.states: dict[int, SampleState] = {}  # finished samples not yet delivered: their whole state
-        self.started = time.perf_counter()
-        self.active_closed = False
-        self.stop_admission: Callable[[], None] = lambda: None
-
-    def maybe_close(self) -> None:
-        if self.admission_done and self.finished == self.admitted:
-            self.send.close()
-            self.drained.set()
 
 
 def _relocate(run: Run, cache: dict[Any, list[Any]]) -> int:

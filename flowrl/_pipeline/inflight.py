@@ -1,0 +1,48 @@
+"""The records of what is in flight: a sample's state, and a run's."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+Loc = tuple[Any, int]  # (object reference, row)
+
+
+class SampleState:
+    __slots__ = ("cost", "done", "loc", "node", "run")
+
+    def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
+        self.loc = loc
+        self.node: dict[str, str] = {}  # stage -> the node its output was made on
+        self.done: set[str] = set()
+        self.run = run
+        self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
+
+
+class Run:
+    def __init__(self, index: int, first_id: int, ordered: bool, limit: int, fields: frozenset[str] | None) -> None:
+        self.index = index
+        self.first_id = first_id
+        self.ordered = ordered
+        self.fields = fields  # None: every field of the flow's output
+        self.admitted = 0
+        self.finished = 0
+        self.admission_done = False
+        self.abandoned = False
+        self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc]]](limit)
+        self.drained = anyio.Event()
+        self.held: dict[int, dict[str, Loc]] = {}
+        self.states: dict[int, SampleState] = {}  # finished samples not yet delivered: their whole state
+        self.started = time.perf_counter()
+        self.active_closed = False
+        self.stop_admission: Callable[[], None] = lambda: None
+
+    def maybe_close(self) -> None:
+        if self.admission_done and self.finished == self.admitted:
+            self.send.close()
+            self.drained.set()
