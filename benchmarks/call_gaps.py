@@ -10,6 +10,7 @@ one ended (queued ahead) or only after it (a gap the driver caused).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
 from typing import Any
@@ -34,7 +35,7 @@ def _report(name: str, makespan: float, rows: list[tuple[str, int, float, float,
         gaps, queued, late = [], 0, 0
         for replica in sorted({r[1] for r in rows if r[0] == stage}):
             calls = sorted((r for r in rows if r[0] == stage and r[1] == replica), key=lambda r: r[4])
-            for prev, nxt in zip(calls, calls[1:]):
+            for prev, nxt in itertools.pairwise(calls):
                 gaps.append(nxt[4] - prev[5])
                 queued += nxt[2] < prev[5]
                 late += nxt[2] >= prev[5]
@@ -73,7 +74,7 @@ async def main(name: str) -> None:
             outputs = await backend[0].fetch([r for *_, r in log])
             rows = [
                 (stage, rid, sent, got, *out[f"{stage.split('.')[0]}_stamp"][0])
-                for (stage, rid, sent, got, _), out in zip(log, outputs)
+                for (stage, rid, sent, got, _), out in zip(log, outputs, strict=True)
             ]
             _report(name, makespan, rows)
 

@@ -125,7 +125,8 @@ def section(sizes: tuple[float, ...] = (0.25, 4.0)) -> str:
         "(a writes the payload, b reads it and writes one as big, c reduces it to a number); MiB/s counts the",
         "payload bytes written per second; plain Ray is the same chain of actor calls with object references.",
         "",
-        "| MiB per sample | flowrl MiB/s | plain Ray MiB/s | flowrl / plain | flowrl driver RSS growth MiB | plain driver RSS growth MiB |",
+        "| MiB per sample | flowrl MiB/s | plain Ray MiB/s | flowrl / plain | flowrl driver RSS growth MiB "
+        "| plain driver RSS growth MiB |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for mib in sizes:

@@ -85,9 +85,11 @@ def check(samples: list[flowrl.Sample], stats: flowrl.PipelineStats) -> list[str
     problems = []
     if [s.id for s in samples] != list(range(SAMPLES_PER_ROUND * ROUNDS)):
         problems.append("outputs are not every sample id in order")
-    for s in samples:  # joined by sample id: (2 + 1 + 3) * query
-        if not np.allclose(s["reward"], 6.0 * s["query"]):
-            problems.append(f"sample {s.id}: reward {s['reward']} != 6 * query")
+    problems.extend(  # joined by sample id: (2 + 1 + 3) * query
+        f"sample {s.id}: reward {s['reward']} != 6 * query"
+        for s in samples
+        if not np.allclose(s["reward"], 6.0 * s["query"])
+    )
     for stage in ("reference", "value", "reward"):
         st = stats[f"{stage}.forward_step"]
         if st.samples != SAMPLES_PER_ROUND * ROUNDS or st.max_shard > 2:

@@ -151,7 +151,7 @@ class Trainer(flowrl.Model):
         self.optimizer.zero_grad()
         total = 0.0
         for mb in self.micro_batches(batch):
-            loss = self.loss(dict(zip(self.fields, on(self.device, mb, *self.fields))))
+            loss = self.loss(dict(zip(self.fields, on(self.device, mb, *self.fields), strict=True)))
             (loss / (self.global_batch_size * LENGTH)).backward()
             total += float(loss.detach())
         self.all_reduce_grads(self.module)

@@ -58,7 +58,7 @@ class Scale(Model):
         total = sum(np.asarray(batch[s], dtype=np.float64) for s in self.srcs)
         self.consumed += len(batch)
         n = len(batch)
-        out = {
+        out: dict[str, Any] = {
             self.dst: total * self.factor,
             f"{self.name}_replica": [self.replica_id] * n,
             f"{self.name}_round": [iteration] * n,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import threading
 
 VOCAB, PROMPT = 8192, 16
-SIZES = {"full": dict(width=768, layers=12, heads=12), "tiny": dict(width=64, layers=2, heads=4)}
+SIZES = {"full": {"width": 768, "layers": 12, "heads": 12}, "tiny": {"width": 64, "layers": 2, "heads": 4}}
 CLIP, KL = 0.2, 0.01
 
 

@@ -198,7 +198,7 @@ def main() -> None:
 
 def report(results: dict[str, list[dict[str, float]]], args: argparse.Namespace, tokens: int, on_gpu: bool) -> None:
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in results.items()}
-    ratios = [b["s"] / a["s"] for a, b in zip(results["pull"], results["push"])]
+    ratios = [b["s"] / a["s"] for a, b in zip(results["pull"], results["push"], strict=True)]
     print(
         f"\n{args.samples} samples, responses {args.lengths} (at most {args.tokens} tokens, {tokens} in all), "
         f"policy {args.policy_replicas} replicas x batch {args.policy_batch}, reference/value/reward "

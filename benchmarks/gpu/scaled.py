@@ -85,7 +85,7 @@ def main() -> None:
 
     models = [
         cls(n, cfg(n), size=size, tokens=args.tokens)
-        for cls, n in zip((Policy, Reference, Reward, Value, PPO, PPOValue), names)
+        for cls, n in zip((Policy, Reference, Reward, Value, PPO, PPOValue), names, strict=True)
     ]
     params = sum(p.numel() for p in build(VOCAB, size, args.tokens).parameters())
     config = {
@@ -148,7 +148,8 @@ def report(
     print(
         f"\n{params / 1e6:.0f}M parameters per model, {args.samples} samples, responses of {args.lengths} length "
         f"(at most {args.tokens} tokens, {tokens} in all), policy shards of {args.policy_batch}, weights by "
-        f"{args.weight_transport}{' (trainers and inference on two GPUs)' if args.apart else ''}, {len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; "
+        f"{args.weight_transport}{' (trainers and inference on two GPUs)' if args.apart else ''}, "
+        f"{len(stats.episodes)} episodes, on {'GPU' if on_gpu else 'CPU'}; "
         "medians of episodes 1.."
     )
     print("| phase | s | samples/s | tokens/s | GPU busy |\n| --- | --- | --- | --- | --- |")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -25,18 +25,19 @@ if TYPE_CHECKING:
     from .._core.config import CallMeta, ShardCall
 
 log = logging.getLogger("flowrl")
+T = TypeVar("T")
 
 
-class LocalRef:
+class LocalRef(Generic[T]):
     """A stand-in for an object reference: holds the value itself."""
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Batch) -> None:
+    def __init__(self, value: T) -> None:
         self.value = value
 
 
-def _fetch(refs: list[Any]) -> list[Batch]:
+def _fetch(refs: list[LocalRef[Batch]]) -> list[Batch]:
     return [r.value for r in refs]
 
 
@@ -44,6 +45,11 @@ class _LocalReplica:
     def __init__(self, runtime: ReplicaRuntime) -> None:
         self.runtime = runtime
         self.lock = anyio.Lock()
+
+
+def _trainer(rank: ReplicaHandle) -> TrainerRuntime:
+    runtime: TrainerRuntime = rank.ref  # what start_trainer put in the handle
+    return runtime
 
 
 class InProcessBackend:
@@ -64,7 +70,7 @@ class InProcessBackend:
             handles.append(ReplicaHandle(spec.model.name, spec.replica_id, "local", replica))
         return handles
 
-    def put(self, batch: Batch) -> LocalRef:
+    def put(self, batch: Batch) -> LocalRef[Batch]:
         return LocalRef(batch)
 
     async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
@@ -97,26 +103,30 @@ class InProcessBackend:
     async def train(
         self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
     ) -> dict[str, Any]:
-        return rank.ref.train(shard.value, step_size, micro_batch, iteration)
+        return _trainer(rank).train(shard.value, step_size, micro_batch, iteration)
 
-    async def get_weights(self, rank: ReplicaHandle) -> Any:
-        runtime = getattr(rank.ref, "runtime", rank.ref)  # a replica's, or a trainer rank's
-        weights = runtime.get_weights()
-        if isinstance(weights, Broadcast):  # one process: the snapshot itself, no broadcast
-            weights = runtime.weight_values(weights.snapshot)
+    async def get_weights(self, rank: ReplicaHandle) -> LocalRef[object]:
+        holder: _LocalReplica | TrainerRuntime = rank.ref  # a replica's, or a trainer rank's
+        weights: object
+        if isinstance(holder, _LocalReplica):
+            weights = holder.runtime.get_weights()
+        else:
+            weights = holder.get_weights()
+            if isinstance(weights, Broadcast):  # one process: the snapshot itself, no broadcast
+                weights = holder.weight_values(weights.snapshot)
         # a copy: the arrays may be views of the live parameters, which training goes on changing
-        return LocalRef(copy.deepcopy(weights))  # type: ignore[arg-type]
+        return LocalRef(copy.deepcopy(weights))
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
-        return rank.ref.save_state()
+        return _trainer(rank).save_state()
 
     async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:
-        rank.ref.load_state(model, rng)
+        _trainer(rank).load_state(model, rng)
 
     async def value(self, ref: Any) -> Any:
         return ref.value
 
-    def share(self, value: Any) -> Any:
+    def share(self, value: T) -> LocalRef[T]:
         return LocalRef(value)
 
     def stored(self, ref: Any) -> bool:

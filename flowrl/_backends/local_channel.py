@@ -24,7 +24,7 @@ import tempfile
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple
 
 from .._core.errors import PipelineClosedError
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 OK, ERR = b"\x00", b"\x01"
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
 class ChannelLost(Exception):
@@ -63,6 +66,23 @@ def _nothing() -> None:
     pass
 
 
+class _Job(Generic[T]):
+    """A submitted call and the future its submitter waits on (failed if the worker stops)."""
+
+    __slots__ = ("_call", "future")
+
+    def __init__(self, call: Callable[[], T]) -> None:
+        self._call = call
+        self.future: Future[T] = Future()
+
+    def __call__(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self._call())
+            except BaseException as err:  # the submitter raises it
+                self.future.set_exception(err)
+
+
 class ReplicaWorker:
     """The one thread that runs a replica's user code (the worker), fed in order by its
     channel and by the jobs that Ray calls submit (setup, weights, shards that read stored
@@ -82,19 +102,10 @@ class ReplicaWorker:
         self.thread = threading.Thread(target=self._work, name="flowrl-replica", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, first: bool = False) -> Future[Any]:
+    def submit(self, fn: Callable[[*Ts], T], *args: *Ts, first: bool = False) -> Future[T]:
         """Run ``fn(*args)`` on the worker after the jobs queued before it, or with ``first``
         right after the job running now (weights load before the shards queued ahead)."""
-        future: Future[Any] = Future()
-
-        def job() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as err:  # the submitter raises it
-                    future.set_exception(err)
-
-        job.future = future  # type: ignore[attr-defined]  # failed if the worker has stopped
+        job = _Job(functools.partial(fn, *args))
         if first:
             self._urgent.append(job)
             self._jobs.put(_nothing)  # wakes an idle worker
@@ -102,7 +113,7 @@ class ReplicaWorker:
             self._jobs.put(job)
         if self._dead:
             self._fail_jobs()
-        return future
+        return job.future
 
     def connect(
         self, path: str, token: str, answer: Callable[[int, Any], bytes], prepare: Callable[[int, bytes], Any] = _as_is
@@ -140,9 +151,8 @@ class ReplicaWorker:
                 job = self._urgent.popleft() if self._urgent else self._jobs.get_nowait()
             except queue.Empty:
                 return
-            future = getattr(job, "future", None)
-            if future is not None and future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError("the replica's worker thread stopped"))
+            if isinstance(job, _Job) and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("the replica's worker thread stopped"))
 
     def _read(
         self, sock: socket.socket, answer: Callable[[int, Any], bytes], prepare: Callable[[int, bytes], Any]

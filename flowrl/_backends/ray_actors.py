@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from .._core.model import Model
 
 
+def _node_ip() -> str:
+    ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # ray leaves it unannotated
+    return ip
+
+
 @ray.remote
 class ReplicaActor:
     def __init__(self, model: Model, replica_id: int) -> None:
@@ -78,7 +83,7 @@ class ReplicaActor:
         return True
 
 
-@ray.remote(concurrency_groups={"control": 1, "weights": 1})
+@ray.remote(concurrency_groups={"control": 1, "weights": 1})  # type: ignore[call-overload]  # ray's overloads omit it
 class TrainerActor:
     def __init__(self, model: Model, rank: int, world_size: int) -> None:
         self.runtime = TrainerRuntime(model, rank, world_size)
@@ -87,7 +92,7 @@ class TrainerActor:
         with socket.socket() as sock:  # a free port on this node, for the process group
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{_node_ip()}:{port}"
 
     def setup(self, init_method: str | None, timeout_s: float) -> str:
         gpu_ids = [int(g) for g in ray.get_gpu_ids()]
@@ -105,7 +110,7 @@ class TrainerActor:
     # train steps go on meanwhile (its snapshot is memory of its own)
     @ray.method(concurrency_group="weights")
     def serve_weights(self, world: int, backend: str, timeout_s: float) -> Any:
-        return self.runtime.serve_weights(ray.util.get_node_ip_address(), world, backend, timeout_s)
+        return self.runtime.serve_weights(_node_ip(), world, backend, timeout_s)
 
     @ray.method(concurrency_group="weights")
     def send_weights(self, group: Any, snapshot: int, keep: list[str]) -> None:

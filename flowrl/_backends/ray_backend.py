@@ -78,7 +78,7 @@ def _ship_by_value(model: Model) -> None:
         if module is None or not path or cls.__module__ == "__main__" or getattr(module, "__package__", None):
             continue  # builtins, __main__ (already by value) and modules inside packages
         if not path.startswith((sys.prefix, sys.base_prefix)):
-            ray.cloudpickle.register_pickle_by_value(module)
+            ray.cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]  # cloudpickle's is unannotated
 
 
 # Pipelines of this process that use a cluster flowrl started; the last one to close stops it.
@@ -92,6 +92,11 @@ _GAUGES: dict[str, Gauge] = {}  # one per metric name for the process: Ray regis
 def live_actor_names() -> list[str]:
     """Names of the live Ray actors flowrl started (empty when every pipeline is closed)."""
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("flowrl-"))
+
+
+def _ray_nodes() -> list[dict[str, Any]]:
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]  # ray leaves it unannotated
+    return nodes
 
 
 async def _ask(handle: ReplicaHandle, method: str, stage: str, *args: Any) -> Any:
@@ -157,8 +162,9 @@ class RayBackend:
 
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
         await anyio.to_thread.run_sync(self._connect, specs)
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        check_capacity(specs, ray.cluster_resources(), nodes)
+        nodes = [n.get("Resources", {}) for n in _ray_nodes() if n.get("Alive")]
+        total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]  # ray leaves it unannotated
+        check_capacity(specs, total, nodes)
 
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         await self.prepare(specs)
@@ -200,8 +206,10 @@ class RayBackend:
         try:
             with anyio.fail_after(self.config.setup_timeout_s):
                 # A replica connects before its call returns; its end is ready once the loop accepts.
-                await asyncio.gather(*(h.ref.open_channel.remote(self._server.path, t) for h, t in zip(near, tokens)))
-                for h, end in zip(near, ends):
+                await asyncio.gather(
+                    *(h.ref.open_channel.remote(self._server.path, t) for h, t in zip(near, tokens, strict=True))
+                )
+                for h, end in zip(near, ends, strict=True):
                     self._channels[h.ref] = await end
         except (TimeoutError, OSError, RayTaskError, RayActorError) as err:
             reason = err.cause if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException) else err
@@ -244,7 +252,9 @@ class RayBackend:
         try:
             with anyio.fail_after(self.config.setup_timeout_s):
                 init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
-                return list(await asyncio.gather(*(_setup(s, r, init, timeout_s) for s, r in zip(specs, ranks))))
+                return list(
+                    await asyncio.gather(*(_setup(s, r, init, timeout_s) for s, r in zip(specs, ranks, strict=True)))
+                )
         except TimeoutError as err:
             raise ClusterError(
                 f"trainer {specs[0].model.name!r}: its {len(specs)} ranks did not start within "
@@ -258,7 +268,8 @@ class RayBackend:
         self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
     ) -> dict[str, Any]:
         try:  # the shard reference is resolved by Ray inside the rank's process
-            return await rank.ref.train.remote(by_value(shard), step_size, micro_batch, iteration)
+            metrics: dict[str, Any] = await rank.ref.train.remote(by_value(shard), step_size, micro_batch, iteration)
+            return metrics
         except (RayTaskError, RayActorError) as err:
             raise _translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
 
@@ -270,13 +281,15 @@ class RayBackend:
         await _ask(replica, "load_weights", "set_weights", version, weights)
 
     async def serve_weights(self, rank: ReplicaHandle, world: int, backend: str, timeout_s: float) -> Group:
-        return await _ask(rank, "serve_weights", "weight broadcast", world, backend, timeout_s)
+        group: Group = await _ask(rank, "serve_weights", "weight broadcast", world, backend, timeout_s)
+        return group
 
     async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int, keep: list[str]) -> None:
         await _ask(rank, "send_weights", "weight broadcast", group, snapshot, keep)
 
     async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
-        return await _ask(rank, "save_state", "checkpoint_state")
+        state: tuple[bytes | None, bytes] = await _ask(rank, "save_state", "checkpoint_state")
+        return state
 
     async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:
         await _ask(rank, "load_state", "restore_state", model, rng)
@@ -298,12 +311,13 @@ class RayBackend:
             gauge.set(value, tags=tags)
 
     def dead_nodes(self) -> set[str]:
-        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+        return {n["NodeID"] for n in _ray_nodes() if not n.get("Alive")}
 
     async def alive(self, handle: ReplicaHandle) -> bool:
         try:  # a trainer rank answers on its control thread, even while blocked in a collective
             with anyio.fail_after(ALIVE_TIMEOUT_S):
-                return await handle.ref.ping.remote()
+                answered: bool = await handle.ref.ping.remote()
+                return answered
         except (RayActorError, TimeoutError):
             return False
 
@@ -355,7 +369,7 @@ class RayBackend:
     async def fetch(self, refs: list[Any]) -> list[Batch]:
         stored = [r for r in refs if not isinstance(r, (Inline, Reply))]
         try:
-            fetched = dict(zip(stored, await asyncio.gather(*stored))) if stored else {}
+            fetched = dict(zip(stored, await asyncio.gather(*stored), strict=True)) if stored else {}
         except ObjectLostError as err:
             raise InputLostError(
                 f"an output to deliver was lost with the node that stored it ({type(err).__name__})"

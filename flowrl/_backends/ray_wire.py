@@ -49,7 +49,8 @@ class Inline:
     @property
     def batch(self) -> Batch:
         if self._batch is None:
-            self._batch = pickle.loads(self.blob)  # type: ignore[arg-type]
+            assert self.blob is not None  # an Inline is built with a batch or its pickle
+            self._batch = pickle.loads(self.blob)
         return self._batch
 
     def pickled(self, rows: list[int]) -> bytes:
@@ -85,10 +86,15 @@ def dumps(obj: Any) -> bytes:
     try:
         data = pickle.dumps(obj, protocol=5)
     except (pickle.PicklingError, AttributeError, TypeError):
-        return ray.cloudpickle.dumps(obj)
+        return _cloudpickle_dumps(obj)
     by_value_modules = _cloudpickle._PICKLE_BY_VALUE_MODULES
     if b"__main__" in data or any(m.encode() in data for m in by_value_modules):
-        return ray.cloudpickle.dumps(obj)
+        return _cloudpickle_dumps(obj)
+    return data
+
+
+def _cloudpickle_dumps(obj: object) -> bytes:
+    data: bytes = ray.cloudpickle.dumps(obj)  # type: ignore[no-untyped-call]  # cloudpickle is unannotated
     return data
 
 
@@ -97,7 +103,7 @@ def frame(head: bytes, body: bytes) -> bytes:
     return len(head).to_bytes(4, "little") + head + body
 
 
-def unframe(blob: bytes) -> tuple[memoryview, memoryview]:
+def unframe(blob: bytes | memoryview) -> tuple[memoryview, memoryview]:
     n = int.from_bytes(blob[:4], "little")
     view = memoryview(blob)
     return view[4 : 4 + n], view[4 + n :]
@@ -109,9 +115,8 @@ def local(ref: Inline | Reply) -> Batch:
 
 def open_stored(stored: Any) -> Batch:
     """A shard's output as stored: a reply with the rows inside, or a Batch object."""
-    if isinstance(stored, bytes):
-        return pickle.loads(unframe(stored)[1])
-    return stored
+    batch: Batch = pickle.loads(unframe(stored)[1]) if isinstance(stored, bytes) else stored
+    return batch
 
 
 def prepare_call(runtime: ReplicaRuntime, blob: bytes, stored: tuple[Any, ...]) -> tuple[ShardCall, Batch, float]:
@@ -177,6 +182,10 @@ def call_args(call: ShardCall) -> tuple[list[Any], bytes, list[Piece]]:
             refs.append(ref)
         pieces.append(msgspec.structs.replace(p, ref=index[ref]))
     return refs, pickle.dumps(parts, protocol=5) if parts else b"", pieces
+
+
+# a reply's future and what to settle it with: its value, or the error to raise instead
+_Settled = tuple[asyncio.Future[Any], Any, BaseException | None]
 
 
 class Replies:
@@ -247,7 +256,7 @@ class Replies:
                 self._settle(ready)
 
     def _settle(self, ready: list[Any]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Settled]] = {}
         for ref in ready:
             try:
                 value, error = ray.get(ref), None
@@ -263,11 +272,12 @@ class Replies:
 
 def _fail(left: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]], error: BaseException) -> None:
     for loop, future in left.values():
+        settled: list[_Settled] = [(future, None, error)]
         with contextlib.suppress(RuntimeError):  # that loop has closed: nobody awaits
-            loop.call_soon_threadsafe(_set_all, [(future, None, error)])
+            loop.call_soon_threadsafe(_set_all, settled)
 
 
-def _set_all(settled: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+def _set_all(settled: list[_Settled]) -> None:
     for future, value, error in settled:
         if future.done():  # its caller was cancelled
             continue

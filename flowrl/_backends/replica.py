@@ -236,7 +236,7 @@ class TrainerRuntime:
         m.global_batch_size, m.micro_batch_size = step_size, micro_batch
         start, started = time.perf_counter(), time.time()
         try:
-            out = m.train_step(batch, iteration)  # type: ignore[attr-defined]
+            out = m.train_step(batch, iteration)
         except Exception as err:
             raise StageError(
                 f"{type(err).__name__}: {err}", f"{m.name}.train_step", m.rank, batch.ids.tolist()

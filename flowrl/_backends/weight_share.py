@@ -73,7 +73,8 @@ class CudaShare:
         device = next(iter(self._keep.values())).device
         torch.cuda.synchronize(device)  # the snapshot is complete before anyone maps it
         self.uuid = str(torch.cuda.get_device_properties(device).uuid)
-        self.handles = {dtype: reduce_tensor(flat) for dtype, flat in self._keep.items()}
+        # torch leaves reduce_tensor unannotated
+        self.handles = {dtype: reduce_tensor(flat) for dtype, flat in self._keep.items()}  # type: ignore[no-untyped-call]
 
     def __getstate__(self) -> dict[str, Any]:
         return {"layout": self.layout, "uuid": self.uuid, "handles": self.handles}  # not the buffers
@@ -152,9 +153,10 @@ class Groups:
         """A new group whose store this process (rank 0) serves on ``address``."""
         import uuid
 
-        import torch.distributed as dist
+        # torch.distributed re-exports it without naming it in __all__
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-        store = dist.TCPStore(address, 0, world, True, timeout=_delta(timeout_s), wait_for_workers=False)
+        store = TCPStore(address, 0, world, True, timeout=_delta(timeout_s), wait_for_workers=False)
         group = Group(
             id=uuid.uuid4().hex, address=address, port=store.port, world=world, backend=backend, timeout_s=timeout_s
         )
@@ -178,12 +180,15 @@ class Groups:
         import torch
         import torch.distributed as dist
 
+        # torch.distributed re-exports them without naming them in __all__
+        from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
         store, pg = self._open.get(group.id, (None, None))
         if pg is not None:
             return pg
         if store is None:
-            store = dist.TCPStore(group.address, group.port, group.world, False, timeout=_delta(group.timeout_s))
-        prefixed = dist.PrefixStore(f"flowrl-weights-{group.id}", store)
+            store = TCPStore(group.address, group.port, group.world, False, timeout=_delta(group.timeout_s))
+        prefixed = PrefixStore(f"flowrl-weights-{group.id}", store)
         if group.backend == "nccl":
             index = torch.device(device).index  # a replica's is often just "cuda": its current GPU
             index = torch.cuda.current_device() if index is None else index

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
 from .errors import FlowDefinitionError, FlowError
 
-Column = Any  # torch.Tensor | np.ndarray | list
+if TYPE_CHECKING:
+    import torch
+
+# torch.Tensor | np.ndarray | list; Any, not that union, so that a step's ``batch["x"] * 2``
+# needs no isinstance first.
+Column = Any
 
 
-def _is_tensor(value: Any) -> bool:
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     # torch is imported lazily: if nobody imported it, nothing here can be a tensor, and a
     # replica that never touches torch starts without paying for its import.
     torch = sys.modules.get("torch")
@@ -87,8 +92,11 @@ def _nbytes(value: Any) -> int | None:
 
 SMALL_ARRAY = 64 << 10  # bytes; a smaller array pickles as its raw bytes
 
+# ("raw" | "torch", array) or ("raw" | "torch", dtype, shape, bytes): see _pack
+_Packed = tuple[Any, ...]
 
-def _encode(value: Column) -> Any:
+
+def _encode(value: Column) -> _Packed:
     # numpy buffers are read zero-copy from Ray's shared memory; torch tensors are pickled.
     if _is_tensor(value) and value.device.type == "cpu":
         try:
@@ -98,7 +106,7 @@ def _encode(value: Column) -> Any:
     return _pack("raw", value) if type(value) is np.ndarray else ("raw", value)
 
 
-def _pack(kind: str, array: np.ndarray) -> tuple[Any, ...]:
+def _pack(kind: str, array: np.ndarray) -> _Packed:
     # numpy's own pickling costs ~10 us an array, most of a small shard's cost; a big array
     # keeps it, for pickle 5's out-of-band buffers (zero-copy reads from shared memory).
     if array.nbytes <= SMALL_ARRAY and array.dtype.fields is None and not array.dtype.hasobject:
@@ -106,7 +114,7 @@ def _pack(kind: str, array: np.ndarray) -> tuple[Any, ...]:
     return (kind, array)
 
 
-def _decode(tagged: tuple[Any, ...]) -> Column:
+def _decode(tagged: _Packed) -> Column:
     if len(tagged) == 4:
         kind, dtype, shape, data = tagged
         value = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)  # writable, as unpickled
@@ -123,7 +131,7 @@ def _decode(tagged: tuple[Any, ...]) -> Column:
     return value
 
 
-def _rebuild(ids: tuple[Any, ...], fields: dict[str, Any]) -> Batch:
+def _rebuild(ids: _Packed, fields: dict[str, _Packed]) -> Batch:
     batch = Batch.__new__(Batch)  # the pickled ids are int64 and flat already: no checks
     batch.ids = _decode(ids)
     batch._fields = {k: _decode(v) for k, v in fields.items()}
@@ -231,7 +239,7 @@ class Batch:
     def row(self, i: int) -> dict[str, Any]:
         return {n: v[i] for n, v in self._fields.items()}
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[_Packed, dict[str, _Packed]], Batch], tuple[_Packed, dict[str, _Packed]]]:
         return (_rebuild, (_pack("raw", self.ids), {k: _encode(v) for k, v in self._fields.items()}))
 
     def __repr__(self) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -12,6 +12,7 @@ from .errors import ConfigError
 SplitterName = Literal["guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
 WeightTransport = Literal["host", "cuda_ipc", "nccl"]
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
@@ -232,7 +233,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         check_progress("PipelineConfig", self.progress)
 
 
-def to_config(cls: type[msgspec.Struct], value: Any, where: str) -> Any:
+def to_config(cls: type[S], value: object, where: str) -> S:
     """Accept a config Struct or a plain mapping; unknown keys and wrong types are errors."""
     if value is None:
         return cls()
@@ -289,9 +290,9 @@ def encode_message(message: ShardCall | CallMeta) -> bytes:
     return _ENCODER.encode(message)
 
 
-def decode_call(data: bytes) -> ShardCall:
+def decode_call(data: bytes | memoryview) -> ShardCall:
     return _CALL_DECODER.decode(data)
 
 
-def decode_meta(data: bytes) -> CallMeta:
+def decode_meta(data: bytes | memoryview) -> CallMeta:
     return _META_DECODER.decode(data)

@@ -52,7 +52,8 @@ class StageError(FlowError):
         self.sample_ids = [int(i) for i in sample_ids]
         super().__init__(f"stage {stage!r}, replica {replica}, samples {_shorten(self.sample_ids)}: {message}")
 
-    def __reduce__(self):  # keeps the fields when Ray pickles the error across processes
+    # keeps the fields when Ray pickles the error across processes
+    def __reduce__(self) -> tuple[type[StageError], tuple[str, str, int, list[int]]]:
         return (type(self), (self.message, self.stage, self.replica, self.sample_ids))
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 from .splitter import ShardFloor, shard_size
@@ -43,6 +42,13 @@ class _StageQueue:
 
     def __post_init__(self) -> None:
         self.fit = ShardFloor(self.batch_size)
+
+    def push(self, ids: list[int], costs: Sequence[float] | None) -> None:
+        """Samples ``ids`` are pending, costliest first; ``costs`` has one per sample (strict:
+        a short list fails instead of leaving samples out)."""
+        pairs = ((i, 0.0) for i in ids) if costs is None else zip(ids, costs, strict=True)
+        for i, cost in pairs:
+            heapq.heappush(self.heap, (-cost, i))
 
     @property
     def remaining(self) -> int:
@@ -99,8 +105,7 @@ class PoolScheduler:
         q = self._stages[stage]
         if q.dispatched + len(q.heap) + len(ids) > q.expected:
             raise ValueError(f"stage {stage!r}: more samples ready than expected ({q.expected})")
-        for i, cost in zip(ids, repeat(0.0) if costs is None else costs):
-            heapq.heappush(q.heap, (-cost, i))
+        q.push(ids, costs)
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
@@ -141,8 +146,7 @@ class PoolScheduler:
         self.in_flight[r] -= 1
         self._held_add(r, q, -len(assignment.ids))
         q.dispatched -= len(assignment.ids)
-        for i, cost in zip(assignment.ids, repeat(0.0) if costs is None else costs):
-            heapq.heappush(q.heap, (-cost, i))
+        q.push(assignment.ids, costs)
         self._changed(r)
 
     @property

@@ -176,7 +176,7 @@ class _Sim:
         self.done = {name: np.zeros(w.samples, dtype=bool) for name in self.stage}
         self.free_at = {st.name: [0.0] * st.replicas for st in w.stages}
         self.busy = {st.name: [0.0] * st.replicas for st in w.stages}
-        self.sizes = {st.name: Counter() for st in w.stages}
+        self.sizes: dict[str, Counter[int]] = {st.name: Counter() for st in w.stages}
         # (end, seq, stage, shard, duration, overhead seen)
         self.events: list[tuple[float, int, str, Assignment, float, float | None]] = []
         self.seq = itertools.count()

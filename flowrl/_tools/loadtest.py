@@ -30,7 +30,10 @@ from .._pipeline.opening import open_pipeline
 from .baselines import model_sleep, run_push, run_ray_data, sleep_slack, substrate
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._core.batch import Batch
+    from .._core.node import Node
     from .._core.stats import StageStats
 
 
@@ -42,15 +45,17 @@ def scenarios() -> dict[str, Workload]:
     def rlhf(
         samples: int, policy_r: int, policy_b: int, down_r: int, down_b: int, seed: int, cost: StageCost = policy
     ) -> Workload:
-        wide = dict(replicas=down_r, batch_size=down_b, cost=scorer)
+        def wide(name: str, inputs: list[str]) -> SimStage:
+            return SimStage(name=name, inputs=inputs, replicas=down_r, batch_size=down_b, cost=scorer)
+
         return Workload(
             samples=samples,
             seed=seed,
             stages=[
                 SimStage(name="policy", replicas=policy_r, batch_size=policy_b, cost=cost),
-                SimStage(name="reference", inputs=["policy"], **wide),
-                SimStage(name="value", inputs=["policy"], **wide),
-                SimStage(name="reward", inputs=["policy", "reference", "value"], **wide),
+                wide("reference", ["policy"]),
+                wide("value", ["policy"]),
+                wide("reward", ["policy", "reference", "value"]),
             ],
         )
 
@@ -97,9 +102,9 @@ class Sleeper(Model):
         return {f"{self.name}_done": [True] * len(k)}
 
 
-def workload_flow(w: Workload) -> Any:
+def workload_flow(w: Workload) -> Callable[[Node], tuple[Node, ...]]:
     tail = tails(w)
-    models = {
+    models: dict[str, Model] = {
         st.name: Sleeper(
             st.name,
             {
@@ -115,7 +120,7 @@ def workload_flow(w: Workload) -> Any:
         for st in w.stages
     }
 
-    def flow(x: Any) -> Any:
+    def flow(x: Node) -> tuple[Node, ...]:
         nodes = {INPUT: x}
         for st in w.stages:
             nodes[st.name] = models[st.name].forward_step(*[nodes[i] for i in st.inputs])
@@ -152,8 +157,8 @@ async def run_flowrl(w: Workload) -> dict[str, Any]:
 
 def _stage_report(after: StageStats, before: StageStats, makespan: float) -> dict[str, Any]:
     """One stage's share of one run: the difference of two stats snapshots."""
-    busy = [a.busy_s - b.busy_s for a, b in zip(after.replicas, before.replicas)]
-    samples = [a.samples - b.samples for a, b in zip(after.replicas, before.replicas)]
+    busy = [a.busy_s - b.busy_s for a, b in zip(after.replicas, before.replicas, strict=True)]
+    samples = [a.samples - b.samples for a, b in zip(after.replicas, before.replicas, strict=True)]
     sizes = {k: v - before.shard_sizes.get(k, 0) for k, v in after.shard_sizes.items()}
     return {
         "calls": after.calls - before.calls,
@@ -329,7 +334,7 @@ def report_tables(rows: list[dict[str, Any]]) -> str:
     return main + "\n" + predicted + "\n" + detail + "\n" + driver
 
 
-def median_row(runs: list[dict]) -> dict:
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run whose flowrl makespan is the median; ratios were measured within each run."""
     runs = sorted(runs, key=lambda r: r["flowrl"]["makespan_s"])
     return runs[len(runs) // 2]

@@ -9,14 +9,14 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-from typing import Any, Literal, get_args, get_origin
+from typing import Literal, get_args, get_origin
 
 import msgspec
 
 from .._core.config import Autoscale, ModelConfig, PipelineConfig
 from .._core.run_config import RunConfig
 
-MEANING: dict[type, dict[str, str]] = {
+MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
     ModelConfig: {
         "num_replicas": "number of replicas; 1 when neither this nor `num_gpu` is given",
         "num_gpu": "ChatLearn style: total GPUs of the model; replicas = `num_gpu / (tensor_parallel_size * "
@@ -103,7 +103,7 @@ MEANING[Autoscale] = {
     "every_s": "seconds between readings, while a run is active",
 }
 
-WHERE = {
+WHERE: dict[type[msgspec.Struct], str] = {
     ModelConfig: "`Model(name, config)`, `RunConfig.models.<name>`, a run file's `models.<name>`",
     PipelineConfig: "`open_pipeline(flow, config)`, `Pipeline`, `RunConfig.pipeline`",
     RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`",
@@ -111,7 +111,7 @@ WHERE = {
 }
 
 
-def _type(t: Any) -> str:
+def _type(t: object) -> str:
     """Markdown for a field's type (no ``|``: it would split a table cell)."""
     if get_origin(t) is Literal:
         return "one of " + ", ".join(f'`"{a}"`' for a in get_args(t))
@@ -134,7 +134,7 @@ def _default(field: msgspec.structs.FieldInfo) -> str:
     return "required"
 
 
-def section(cls: type) -> str:
+def section(cls: type[msgspec.Struct]) -> str:
     fields = msgspec.structs.fields(cls)
     meanings = MEANING[cls]
     missing = [f.name for f in fields if f.name not in meanings]

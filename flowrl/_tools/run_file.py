@@ -85,7 +85,7 @@ def resolve(target: str, where: str) -> Any:
 
 
 def build_models(spec: RunFile) -> dict[str, Model]:
-    models = {}
+    models: dict[str, Model] = {}
     for name, entry in spec.models.items():
         where = f"models.{name}"
         if not isinstance(entry, Mapping) or "class" not in entry:
@@ -108,7 +108,8 @@ def build_engine(spec: RunFile) -> Engine:
         missing = [r for r in RLHF_ROLES if r not in models]
         if missing or len(models) != len(RLHF_ROLES):
             raise ConfigError(f"flow: rlhf needs exactly the models {list(RLHF_ROLES)}; got {sorted(models)}")
-        engine: Engine = RLHFEngine(*(models[r] for r in RLHF_ROLES), config)
+        policy, reference, reward, value, ppo_policy, ppo_value = (models[r] for r in RLHF_ROLES)
+        engine: Engine = RLHFEngine(policy, reference, reward, value, ppo_policy, ppo_value, config)
     else:
         engine = _custom_engine(spec, models, config)
     items = resolve(spec.dataset, "dataset")

@@ -51,7 +51,7 @@ def format_summary(rows: list[dict[str, object]], length_s: float) -> str:
     cols = ("group", "lanes", "spans", "samples", "busy_s", "busy")
     table = [cols] + [tuple(str(r[c]) for c in cols) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in table]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in table]
     return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
@@ -61,6 +61,7 @@ def render_png(spans: list[Span], path: str | Path, title: str = "") -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     origin = min(s.start for s in spans)
     tracks = sorted({(s.group, s.lane) for s in spans}, key=lambda t: (t[0] != ENGINE, t[0], t[1]))
@@ -84,7 +85,7 @@ def render_png(spans: list[Span], path: str | Path, title: str = "") -> Path:
     ax.set_xlabel("seconds")
     ax.set_xlim(0, max(s.end for s in spans) - origin)
     handles = [
-        plt.Rectangle((0, 0), 1, 1, color=colour[n])
+        Rectangle((0, 0), 1, 1, color=colour[n])
         for n in [*names, *(p for p in PHASE_COLOURS if any(s.name == p for s in spans))]
     ]
     labels = [*names, *(p for p in PHASE_COLOURS if any(s.name == p for s in spans))]
