@@ -302,7 +302,7 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
     async def main():
         async with engine:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(engine._watch_requests, tmp_path)
+                tg.start_soon(engine._session.elasticity.watch_requests, tmp_path)
                 out = await anyio.to_thread.run_sync(
                     lambda: subprocess.run(
                         [sys.executable, "-m", "flowrl", "scale", str(tmp_path), "policy=3"],
@@ -320,7 +320,7 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
                     while not (tmp_path / FAILED).exists():
                         await anyio.sleep(0.05)
                 tg.cancel_scope.cancel()
-            return engine._live.rollout.serving("policy")
+            return engine._session.deployment.rollout.serving("policy")
 
     assert anyio.run(main) == [0, 1, 2]
     assert b'"changed":{"policy":[2]}' in (tmp_path / DONE).read_bytes()

@@ -11,16 +11,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
-from .._core.errors import ConfigError, FlowError, PipelineClosedError
+from .._core.errors import ConfigError, FlowError
 
 if TYPE_CHECKING:
-    from .._core.model import Model
-    from .parts import Live
+    from .._pipeline.pipeline import AsyncPipeline
 
 log = logging.getLogger("flowrl")
 REQUEST, DONE, FAILED = "scale.json", "scale.done.json", "scale.failed.json"
@@ -38,47 +37,38 @@ def request_scale(run_dir: str | Path, sizes: dict[str, int]) -> Path:
     return folder / REQUEST
 
 
-class Elastic:
-    """The resize half of ``Engine``."""
+class Elasticity:
+    """Resizes the rollout pools of a running engine: on request, and from the requests
+    ``flowrl scale`` leaves in the run directory."""
 
-    trainers: list[Model]
-    _live: Live | None
-    _portal: Any
+    def __init__(self, trainers: list[str], rollout: AsyncPipeline) -> None:
+        self.trainers = trainers
+        self.rollout = rollout
 
-    def resize(self, model: str, replicas: int) -> list[int]:
-        """Grow or shrink inference model ``model``'s rollout pool to ``replicas`` while the
-        engine runs (call it from another thread during ``learn()``, or between calls); the
-        replica ids added or removed. A replica removed finishes the shards it holds first;
-        one added gets the weights the others hold before its first shard."""
-        if self._portal is None:
-            raise PipelineClosedError("resize() needs an engine open with `with engine:` (async: await aresize())")
-        return self._portal.call(self.aresize, model, replicas)
-
-    async def aresize(self, model: str, replicas: int) -> list[int]:
-        live = self._live
-        if live is None or live.rollout is None:
-            raise PipelineClosedError("the engine is not running: resize it inside `with engine:`")
-        if any(m.name == model for m in self.trainers):
+    async def resize(self, model: str, replicas: int) -> list[int]:
+        if model in self.trainers:
             raise ConfigError(
                 f"{model!r} is a trainer: a data-parallel group keeps its world size; resize "
                 "inference models of the rollout flow"
             )
-        return await live.rollout.resize(model, replicas)
+        return await self.rollout.resize(model, replicas)
 
-    async def _watch_requests(self, folder: Path) -> None:
+    async def watch_requests(self, folder: Path) -> None:
         """Apply the resize requests ``flowrl scale`` leaves in ``folder``."""
         while True:
             await anyio.sleep(POLL_S)  # a control loop's period
             path = folder / REQUEST
-            if not path.exists():
-                continue
-            raw = path.read_bytes()
-            path.unlink()
-            try:
-                sizes = msgspec.json.decode(raw, type=dict[str, int])
-                done = {name: await self.aresize(name, n) for name, n in sizes.items()}
-            except (FlowError, msgspec.DecodeError, msgspec.ValidationError) as err:
-                log.warning("resize request %r failed: %s", raw.decode(errors="replace"), err)
-                (folder / FAILED).write_text(f"{type(err).__name__}: {err}\n")
-                continue
-            (folder / DONE).write_bytes(msgspec.json.encode({"requested": sizes, "changed": done}))
+            if path.exists():
+                raw = path.read_bytes()
+                path.unlink()
+                await self._apply(folder, raw)
+
+    async def _apply(self, folder: Path, raw: bytes) -> None:
+        try:
+            sizes = msgspec.json.decode(raw, type=dict[str, int])
+            done = {name: await self.resize(name, n) for name, n in sizes.items()}
+        except (FlowError, msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.warning("resize request %r failed: %s", raw.decode(errors="replace"), err)
+            (folder / FAILED).write_text(f"{type(err).__name__}: {err}\n")
+            return
+        (folder / DONE).write_bytes(msgspec.json.encode({"requested": sizes, "changed": done}))

@@ -3,7 +3,7 @@
 A rollout task produces episodes in order and hands them to the training loop through a
 bounded stream (``max_staleness + 1`` episodes). Before episode ``e``'s rollout starts it waits
 at the gate until enough episodes are trained and synced that every replica of every synced
-model holds a version within the bound (``_staleness.rollout_needs``); a sync loads weights
+model holds a version within the bound (``_core.staleness.rollout_needs``); a sync loads weights
 between two shards of a replica, never in one. With ``on_stale="drop"`` or ``"regenerate"`` the
 rollout starts one version earlier, and the samples that would train more than
 ``max_staleness`` versions behind are dropped, or generated again once the bound holds.
@@ -20,19 +20,21 @@ import anyio
 from .._core.batch import Sample
 from .._core.errors import FlowDefinitionError, FlowError
 from .._core.staleness import lags, rollout_needs, staleness_field, too_stale, train_version
-from .._core.trace import ENGINE, Timeline
+from .._core.trace import ENGINE
 from .._pipeline.opening import plain_errors
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from anyio.abc import TaskGroup
+    from anyio.streams.memory import MemoryObjectSendStream
 
     from .._core.run_config import RunConfig
-    from .._core.sampler import EpisodeSampler
-    from .._pipeline.progress import Progress
-    from .checkpoints import Checkpoints
-    from .parts import Live
+    from .._core.trace import Timeline
+    from .._pipeline.pipeline import AsyncPipeline
+    from .checkpoint_files import CheckpointFiles
+    from .learning import LearningState
+    from .weight_sync import Snapshots, WeightSync
 
 
 @dataclass
@@ -68,90 +70,79 @@ class Gate:
             await self._moved.wait()
 
 
+def overlapped(config: RunConfig) -> bool:
+    """Whether rollouts run ahead of training (``max_staleness`` > 0, or a drop/regenerate policy)."""
+    return config.max_staleness > 0 or config.on_stale != "wait"
+
+
 class Overlap:
-    """The asynchronous half of ``Engine``."""
+    """When rollouts and weight syncs run relative to training. Synchronous (``overlapped``
+    false): one episode's rollout, then its training, then the sync. Asynchronous: rollouts
+    run ahead under the staleness bound, and a sync runs in the background while the next
+    episode trains. Owns the gate and the background sync in flight."""
 
-    config: RunConfig
-    _episode: int
-    _sampler: EpisodeSampler | None
-    _versions: dict[str, int]
-    _marks: dict[int, tuple[int, int]]
-    _gate: Gate
-    _progress: Progress
-    _ckpt: Checkpoints
-    timeline: Timeline
-    _background: TaskGroup | None = None  # while rollouts run ahead: where background syncs run
-    _synced: anyio.Event | None = None  # set when the sync in the background has landed
+    def __init__(
+        self,
+        config: RunConfig,
+        learning: LearningState,
+        rollout: AsyncPipeline,
+        weights: WeightSync,
+        checkpoints: CheckpointFiles,
+        timeline: Timeline,
+    ) -> None:
+        self.config = config
+        self.enabled = overlapped(config)
+        self.learning = learning
+        self.rollout = rollout
+        self.weights = weights
+        self.checkpoints = checkpoints
+        self.timeline = timeline
+        self._gate = Gate(0)  # episodes trained and synced: rollouts ahead of training wait on it
+        self._background: TaskGroup | None = None  # while rollouts run ahead: where background syncs run
+        self._synced: anyio.Event | None = None  # set when the sync in the background has landed
 
-    async def _snapshots(self, live: Live) -> list[tuple[str, Any]]:
-        raise NotImplementedError
-
-    async def _send(self, live: Live, name: str, version: int, weights: Any) -> None:
-        raise NotImplementedError
-
-    async def _sync(self, live: Live) -> None:
-        raise NotImplementedError
-
-    def _episode_items(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    async def _train_episode(self, live: Live, rollout: Rollout) -> None:
-        raise NotImplementedError
-
-    async def _or_rebuild(self, live: Live, step: Callable[[Live, int], Awaitable[None]], target: int) -> None:
-        raise NotImplementedError
-
-    @property
-    def overlapped(self) -> bool:
-        """Whether rollouts run ahead of training (``max_staleness`` > 0, or a drop/regenerate policy)."""
-        return self.config.max_staleness > 0 or self.config.on_stale != "wait"
-
-    async def _roll_one(self, live: Live, episode: int) -> tuple[Rollout, list[dict[str, Any]]]:
-        assert self._sampler is not None and live.rollout is not None
-        # where this episode starts: a checkpoint taken while it runs resumes from here
-        self._marks[episode] = (self._sampler.position, live.rollout.numbering()[0])
-        items = self._episode_items()
+    async def roll(self, episode: int) -> tuple[Rollout, list[dict[str, Any]]]:
+        """``episode``'s rollout, and the items drawn for it."""
+        pipe = self.rollout
+        items = self.learning.draw(episode, pipe.numbering()[0])
         started = time.perf_counter()
-        samples = await live.rollout.run(items)
+        samples = await pipe.run(items)
         return Rollout(episode, samples, started, time.perf_counter()), items
 
-    async def _learn_overlapped(self, live: Live, target: int) -> None:
-        while self._episode < target:  # once more after each trainer rebuild
-            await self._or_rebuild(live, self._overlap, target)
-
-    async def _overlap(self, live: Live, target: int) -> None:
-        self._gate, self._synced = Gate(self._episode), None
+    async def run(self, target: int, train: Callable[[Rollout], Awaitable[None]]) -> None:
+        """Roll out episodes up to ``target`` ahead of training, and ``train`` each in order."""
+        self._gate, self._synced = Gate(self.learning.episode), None
         send, recv = anyio.create_memory_object_stream[Rollout](self.config.max_staleness + 1)
         try:
             async with plain_errors(), anyio.create_task_group() as tg:
                 self._background = tg  # weight syncs sent while the next episode trains
-                tg.start_soon(self._roll_ahead, live, target, send)
+                tg.start_soon(self._roll_ahead, target, send)
                 async with recv:
                     waiting = time.perf_counter()
                     async for rollout in recv:
                         rollout.waited = time.perf_counter() - waiting
-                        await self._train_episode(live, rollout)
+                        await train(rollout)
                         waiting = time.perf_counter()
         finally:
             self._background = self._synced = None
 
-    async def _roll_ahead(self, live: Live, target: int, send: Any) -> None:
+    async def _roll_ahead(self, target: int, send: MemoryObjectSendStream[Rollout]) -> None:
         cfg = self.config
         slack = 0 if cfg.on_stale == "wait" else 1
         async with send:
-            for e in range(self._episode, target):
+            for e in range(self.learning.episode, target):
                 await self._gate.reach(
                     rollout_needs(e, max_staleness=cfg.max_staleness, sync_every=cfg.sync_every, slack=slack)
                 )
-                rollout, items = await self._roll_one(live, e)
+                rollout, items = await self.roll(e)
                 if slack:
-                    await self._refresh(live, rollout, items)
+                    await self._refresh(rollout, items)
                 await send.send(rollout)
 
-    async def _refresh(self, live: Live, rollout: Rollout, items: list[dict[str, Any]]) -> None:
+    async def _refresh(self, rollout: Rollout, items: list[dict[str, Any]]) -> None:
         """Drop, or generate again, the samples that would train more than the bound behind."""
         cfg, e = self.config, rollout.episode
-        at_train = {m: train_version(e, cfg.sync_every) for m in self._versions}
+        at_train = {m: train_version(e, cfg.sync_every) for m in self.weights.versions}
         stale = too_stale(rollout.samples, at_train, cfg.max_staleness)
         if not stale:
             return
@@ -161,23 +152,23 @@ class Overlap:
             rollout.dropped = len(stale)
             return
         await self._gate.reach(rollout_needs(e, max_staleness=cfg.max_staleness, sync_every=cfg.sync_every))
-        assert live.rollout is not None
+        pipe = self.rollout
         # the samples generated again belong to episode e: its run number, then the next one's
-        live.rollout.resume_at(live.rollout.numbering()[0], e)
-        again = await live.rollout.run([items[i] for i in stale])
-        live.rollout.resume_at(live.rollout.numbering()[0], e + 1)
-        for i, sample in zip(stale, again):
+        pipe.resume_at(pipe.numbering()[0], e)
+        again = await pipe.run([items[i] for i in stale])
+        pipe.resume_at(pipe.numbering()[0], e + 1)
+        for i, sample in zip(stale, again, strict=True):
             rollout.samples[i] = sample
         rollout.regenerated = len(stale)
 
-    def _train_versions(self, episode: int) -> dict[str, int]:
+    def train_versions(self, episode: int) -> dict[str, int]:
         """The versions synced models hold while ``episode`` trains. Asynchronous: the ones its
         trainer's weights stand for, whether or not a sync in the background has landed yet."""
-        if not self.overlapped:
-            return dict(self._versions)
-        return {m: train_version(episode, self.config.sync_every) for m in self._versions}
+        if not self.enabled:
+            return self.weights.versions
+        return {m: train_version(episode, self.config.sync_every) for m in self.weights.versions}
 
-    async def _after_training(self, live: Live, e: int, due: bool) -> None:
+    async def after_training(self, e: int, due: bool) -> None:
         """Sync after episode ``e`` trained, if ``due``, and open the gate for the rollouts that
         wait for it. Asynchronous, the weights are read now and sent in the background while
         the next episode trains (one sync at a time), unless an eval or checkpoint needs them."""
@@ -186,22 +177,22 @@ class Overlap:
         background = (
             self._background is not None
             and not (cfg.eval_every and (e + 1) % cfg.eval_every == 0)
-            and not self._ckpt.due(e + 1)
+            and not self.checkpoints.due(e + 1)
         )
         if not due or not background:
             if due:
-                await self._sync(live)
+                await self.weights.sync()
             self._gate.set(e + 1)
             return
-        snapshots = await self._snapshots(live)
+        snapshots = await self.weights.snapshots()
         self._synced = anyio.Event()
         assert self._background is not None
-        self._background.start_soon(self._push, live, snapshots, e, self._synced)
+        self._background.start_soon(self._push, snapshots, e, self._synced)
 
-    async def _push(self, live: Live, snapshots: list[tuple[str, Any]], e: int, done: anyio.Event) -> None:
+    async def _push(self, snapshots: Snapshots, e: int, done: anyio.Event) -> None:
         started = time.time()
         for name, weights in snapshots:
-            await self._send(live, name, train_version(e + 1, self.config.sync_every), weights)
+            await self.weights.send(name, train_version(e + 1, self.config.sync_every), weights)
         self._gate.set(e + 1)
         done.set()
         self.timeline.add(ENGINE, 2, "sync", started, time.time(), episode=e)  # in the background: a lane of its own
@@ -211,7 +202,9 @@ class Overlap:
             await self._synced.wait()
             self._synced = None
 
-    def _bounded(self, samples: list[Sample], train: list[Sample], versions: dict[str, int]) -> list[Sample]:
+    def bounded(
+        self, episode: int, samples: list[Sample], train: list[Sample], versions: dict[str, int]
+    ) -> list[Sample]:
         """``train`` with each sample's staleness per synced model (``<model>_staleness``), after
         checking that the episode's own samples are within the bound."""
         bound = self.config.max_staleness
@@ -219,18 +212,19 @@ class Overlap:
         if over:
             s = samples[over[0]]
             raise FlowError(
-                f"internal: sample {s.id} of episode {self._episode} is {lags(s, versions)} versions behind, "
+                f"internal: sample {s.id} of episode {episode} is {lags(s, versions)} versions behind, "
                 f"over RunConfig.max_staleness={bound}"
             )
-        out = []
-        for s in train:
-            fields = dict(s)
-            for model, lag in lags(s, versions).items():
-                if staleness_field(model) in fields:
-                    raise FlowDefinitionError(
-                        f"sample {s.id} has a field {staleness_field(model)!r}: that name is reserved for "
-                        "the staleness the engine adds in asynchronous training"
-                    )
-                fields[staleness_field(model)] = lag
-            out.append(Sample(s.id, fields))
-        return out
+        return [_with_staleness(s, versions) for s in train]
+
+
+def _with_staleness(sample: Sample, versions: dict[str, int]) -> Sample:
+    fields = dict(sample)
+    for model, lag in lags(sample, versions).items():
+        if staleness_field(model) in fields:
+            raise FlowDefinitionError(
+                f"sample {sample.id} has a field {staleness_field(model)!r}: that name is reserved for "
+                "the staleness the engine adds in asynchronous training"
+            )
+        fields[staleness_field(model)] = lag
+    return Sample(sample.id, fields)

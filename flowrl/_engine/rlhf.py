@@ -30,11 +30,15 @@ class RLHFEngine(Engine):
         *,
         eval_flow: Flow | None = None,
     ) -> None:
+        # a flow calls steps on its nodes, not with the arguments a replica's step takes
+        stages: list[Any] = [policy, reference, value, reward]
+
         def rollout(prompts: Any) -> Any:
-            out = policy.forward_step(prompts)
-            ref = reference.forward_step(out)
-            val = value.forward_step(out)
-            return reward.forward_step(out, ref, val)
+            policy_, reference_, value_, reward_ = stages
+            out = policy_.forward_step(prompts)
+            ref = reference_.forward_step(out)
+            val = value_.forward_step(out)
+            return reward_.forward_step(out, ref, val)
 
         super().__init__(
             rollout=rollout,

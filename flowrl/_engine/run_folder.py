@@ -18,7 +18,8 @@ import msgspec
 from .._core.trace import Span, chrome_trace, write_json
 
 if TYPE_CHECKING:
-    from .parts import EngineStats
+    from .._core.stats import PipelineStats
+    from .stats import EngineStats, EpisodeStats, TrainerStats
 
 METRICS, TRACE = "metrics.jsonl", "trace.json"
 
@@ -50,67 +51,58 @@ Metric = tuple[str, str, dict[str, str], float]  # name, description, tags, valu
 
 def metric_values(stats: EngineStats) -> list[Metric]:
     """The engine's counters after its last episode, as gauges."""
-    out: list[Metric] = []
     if not stats.episodes:
-        return out
+        return []
     last = stats.episodes[-1]
-    out.append(("flowrl_episodes", "episodes done", {}, float(last.episode + 1)))
-    for phase in ("rollout", "train", "sync", "eval"):
-        out.append(
-            (
-                "flowrl_phase_seconds",
-                "seconds of each phase in the last episode",
-                {"phase": phase},
-                float(getattr(last, f"{phase}_s")),
-            )
-        )
-    for model, version in last.weight_versions.items():
-        out.append(
-            ("flowrl_weight_version", "weight version an inference model runs", {"model": model}, float(version))
-        )
-    for model, lags in last.staleness.items():
-        out.append(
-            (
-                "flowrl_staleness_max",
-                "most versions behind of a sample trained in the last episode",
-                {"model": model},
-                float(max(lags)),
-            )
-        )
-    for name, trainer in stats.trainers.items():
+    out = _episode_gauges(last) + _trainer_gauges(stats.trainers) + _stale_gauges(last)
+    return out + (_rollout_gauges(stats.rollout) if stats.rollout is not None else [])
+
+
+def _episode_gauges(last: EpisodeStats) -> list[Metric]:
+    phase = "seconds of each phase in the last episode"
+    out: list[Metric] = [("flowrl_episodes", "episodes done", {}, float(last.episode + 1))]
+    out += [
+        ("flowrl_phase_seconds", phase, {"phase": p}, float(getattr(last, f"{p}_s")))
+        for p in ("rollout", "train", "sync", "eval")
+    ]
+    version = "weight version an inference model runs"
+    out += [("flowrl_weight_version", version, {"model": m}, float(v)) for m, v in last.weight_versions.items()]
+    lag = "most versions behind of a sample trained in the last episode"
+    out += [("flowrl_staleness_max", lag, {"model": m}, float(max(lags))) for m, lags in last.staleness.items()]
+    return out
+
+
+def _trainer_gauges(trainers: dict[str, TrainerStats]) -> list[Metric]:
+    out: list[Metric] = []
+    for name, trainer in trainers.items():
         out.append(("flowrl_trainer_steps", "optimizer steps of a trainer", {"trainer": name}, float(trainer.steps)))
         out.append(
             ("flowrl_trainer_samples", "samples a trainer trained on", {"trainer": name}, float(trainer.samples))
         )
-    out.append(
+    return out
+
+
+def _stale_gauges(last: EpisodeStats) -> list[Metric]:
+    wait = "seconds training waited for the last episode's rollout"
+    out: list[Metric] = [("flowrl_rollout_wait_seconds", wait, {}, float(last.wait_s))]
+    out += [
         (
-            "flowrl_rollout_wait_seconds",
-            "seconds training waited for the last episode's rollout",
+            f"flowrl_stale_{kind}",
+            f"samples over the staleness bound {kind} in the last episode",
             {},
-            float(last.wait_s),
+            float(getattr(last, kind)),
         )
-    )
-    for kind in ("dropped", "regenerated"):
-        out.append(
-            (
-                f"flowrl_stale_{kind}",
-                f"samples over the staleness bound {kind} in the last episode",
-                {},
-                float(getattr(last, kind)),
-            )
-        )
-    for model, replicas in stats.rollout.serving.items() if stats.rollout is not None else ():
-        out.append(("flowrl_pool_replicas", "replicas serving in a rollout pool", {"model": model}, float(replicas)))
-    if stats.rollout is not None:
-        out.append(
-            (
-                "flowrl_rollout_blocked_seconds",
-                "seconds admission waited for room in the in-flight window",
-                {},
-                stats.rollout.blocked_s,
-            )
-        )
-    for stage, s in stats.rollout.stages.items() if stats.rollout is not None else ():
+        for kind in ("dropped", "regenerated")
+    ]
+    return out
+
+
+def _rollout_gauges(rollout: PipelineStats) -> list[Metric]:
+    serving = "replicas serving in a rollout pool"
+    out: list[Metric] = [("flowrl_pool_replicas", serving, {"model": m}, float(n)) for m, n in rollout.serving.items()]
+    blocked = "seconds admission waited for room in the in-flight window"
+    out.append(("flowrl_rollout_blocked_seconds", blocked, {}, rollout.blocked_s))
+    for stage, s in rollout.stages.items():
         tags = {"stage": stage, "model": s.model}
         out.append(("flowrl_stage_samples", "samples a rollout stage completed", tags, float(s.samples)))
         out.append(("flowrl_stage_busy_seconds", "seconds a stage's replicas were busy", tags, s.busy_s))
@@ -121,12 +113,6 @@ def metric_values(stats: EngineStats) -> list[Metric]:
             rtags = {**tags, "replica": str(r.replica)}
             out.append(("flowrl_replica_busy_seconds", "seconds a replica was busy on a stage", rtags, r.busy_s))
             out.append(("flowrl_replica_idle_seconds", "seconds a replica ran no stage", rtags, r.idle_s))
-            out.append(
-                (
-                    "flowrl_replica_starved_seconds",
-                    "seconds a replica had no shard and waited for one",
-                    rtags,
-                    r.starved_s,
-                )
-            )
+            starved = "seconds a replica had no shard and waited for one"
+            out.append(("flowrl_replica_starved_seconds", starved, rtags, r.starved_s))
     return out

@@ -1,0 +1,127 @@
+"""What an engine has started (layer 6): the backend, the trainer groups, the rollout and
+evaluation pipelines; from ``deploy`` to ``Deployment.stop``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from .._backends.select import make_backend
+from .._core.stats import PipelineStats
+from .._pipeline.opening import plain_errors, running
+
+if TYPE_CHECKING:
+    from .._backends.abc import Backend
+    from .._backends.specs import ReplicaHandle, ReplicaSpec
+    from .._core.graph import FlowGraph
+    from .._core.model import Model
+    from .._core.run_config import RunConfig
+    from .._pipeline.pipeline import AsyncPipeline
+    from .placement import Placement
+
+# the rollout pipeline's stats, the evaluation one's
+PipelineStatsPair = tuple[PipelineStats | None, PipelineStats | None]
+
+
+class Deployment:
+    """The engine's models at work on a backend: trainer groups (rank handles by trainer name),
+    the rollout pipeline and the evaluation one (if any). ``members`` is one lock for all the
+    pools: a weight sync and a pool's change of members exclude each other."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        placement: Placement,
+        backend: Backend,
+        stack: contextlib.AsyncExitStack,
+        trainers: dict[str, list[ReplicaHandle]],
+        rollout: AsyncPipeline,
+        evaluation: AsyncPipeline | None,
+    ) -> None:
+        self.config = config
+        self.placement = placement
+        self.backend = backend
+        self.trainers = trainers
+        self.rollout = rollout
+        self.evaluation = evaluation
+        self.members = anyio.Lock()
+        self._stack = stack
+        self._stopped: PipelineStatsPair | None = None  # the pipelines' last stats, once stopped
+        for pipe in self.pipelines():
+            pipe.members_lock, pipe.grow_spec = self.members, placement.grown
+
+    @property
+    def running(self) -> bool:
+        return self._stopped is None
+
+    def pipelines(self) -> list[AsyncPipeline]:
+        return [self.rollout] if self.evaluation is None else [self.rollout, self.evaluation]
+
+    def replicas_of(self, model: str) -> list[ReplicaHandle]:
+        """Every replica of ``model``, in the rollout and the evaluation pools."""
+        return [h for pipe in self.pipelines() for h in pipe.replicas_of(model)]
+
+    async def restart_trainer(self, model: Model) -> None:
+        """Stop every rank of trainer ``model`` (some may wait in a collective) and start new ones."""
+        await self.backend.stop(self.trainers.pop(model.name))
+        self.trainers[model.name] = await _start_trainer(self.backend, self.config, self.placement, model)
+
+    def stats(self) -> PipelineStatsPair:
+        if self._stopped is not None:
+            return self._stopped
+        return self.rollout.stats(), self.evaluation.stats() if self.evaluation is not None else None
+
+    async def stop(self) -> None:
+        self._stopped = self.stats()
+        await _close(self._stack, self.backend)
+
+
+async def deploy(
+    config: RunConfig, placement: Placement, trainers: list[Model], rollout: FlowGraph, evaluation: FlowGraph | None
+) -> Deployment:
+    """Start the trainer groups and the pipelines; on a failure, stop what started."""
+    backend = make_backend(config.pipeline)
+    stack = contextlib.AsyncExitStack()
+    try:
+        async with plain_errors():
+            specs = [placement.spec(m, r) for m in trainers for r in range(m.config.replicas)]
+            specs += _pool_specs(placement, rollout, "") + _pool_specs(placement, evaluation, "-eval")
+            await backend.prepare(specs)  # an embedded cluster is sized for all pools
+            groups = {m.name: await _start_trainer(backend, config, placement, m) for m in trainers}
+            # the engine's own progress view covers the pipelines
+            cfg = msgspec.structs.replace(config.pipeline, progress="off")
+            pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec))
+            evaluating = None
+            if evaluation is not None:
+                evaluating = await stack.enter_async_context(
+                    running(evaluation, backend, cfg, lambda m, r: placement.spec(m, r, "-eval"))
+                )
+            return Deployment(config, placement, backend, stack, groups, pipe, evaluating)
+    except BaseException:
+        await _close(stack, backend)
+        raise
+
+
+def _pool_specs(placement: Placement, graph: FlowGraph | None, pool: str) -> list[ReplicaSpec]:
+    if graph is None:
+        return []
+    return [placement.spec(m, r, pool) for m in graph.models.values() for r in range(m.config.replicas)]
+
+
+async def _start_trainer(
+    backend: Backend, config: RunConfig, placement: Placement, model: Model
+) -> list[ReplicaHandle]:
+    specs = [placement.spec(model, r) for r in range(model.config.replicas)]
+    return await backend.start_trainer(specs, timeout_s=config.collective_timeout_s)
+
+
+async def _close(stack: contextlib.AsyncExitStack, backend: Backend) -> None:
+    try:
+        async with plain_errors():
+            await stack.aclose()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await backend.close()

@@ -1,0 +1,150 @@
+"""The episode loop (layer 6): per episode, its rollout, the relay buffer, training, the weight
+sync, evaluation, then the episode's stats, metrics and checkpoint."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._core.staleness import histogram
+from .._core.trace import ENGINE
+from .._pipeline.progress import Progress
+from .run_folder import metric_values
+from .stats import EpisodeStats, mean_metrics
+
+if TYPE_CHECKING:
+    from .._core.batch import Sample
+    from .._core.run_config import RunConfig
+    from .._core.trace import Timeline
+    from .checkpoints import Checkpoints
+    from .deployment import Deployment
+    from .elastic import Elasticity
+    from .learning import LearningState
+    from .overlap import Overlap, Rollout
+    from .run_folder import RunDir
+    from .training import Trainers
+
+
+class EpisodeLoop:
+    """Runs episodes until ``learn(target)``'s target, rebuilding a trainer whose rank died; owns
+    the progress view of the ``learn()`` under way."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        learning: LearningState,
+        deployment: Deployment,
+        trainers: Trainers,
+        overlap: Overlap,
+        checkpoints: Checkpoints,
+        elasticity: Elasticity,
+        run_dir: RunDir | None,
+        timeline: Timeline,
+        *,
+        syncing: bool,
+    ) -> None:
+        self.config = config
+        self.learning = learning
+        self.deployment = deployment
+        self.trainers = trainers
+        self.overlap = overlap
+        self.checkpoints = checkpoints
+        self.elasticity = elasticity
+        self.run_dir = run_dir
+        self.timeline = timeline
+        self.syncing = syncing  # any trainer sends its weights to a model: a sync phase to show
+        self._progress = Progress("off", 0)
+
+    async def learn(self, target: int) -> None:
+        """Episodes up to ``target`` episodes done (a resumed run starts after its checkpoint's)."""
+        await self.checkpoints.begin()
+        learning, cfg = self.learning, self.config
+        self._progress = Progress(cfg.progress, target, learning.episode)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._progress.watch, self.deployment.rollout, cfg.sample_per_episode)
+            if self.run_dir is not None:
+                tg.start_soon(self.elasticity.watch_requests, self.run_dir.path)
+            if self.overlap.enabled:
+                while learning.episode < target:  # once more after each trainer rebuild
+                    await self.checkpoints.rebuilding(lambda: self.overlap.run(target, self._train_episode))
+            while learning.episode < target:
+                await self.checkpoints.rebuilding(self._one_episode)
+            tg.cancel_scope.cancel()
+
+    async def _one_episode(self) -> None:
+        rollout, _ = await self.overlap.roll(self.learning.episode)
+        rollout.waited = rollout.ended - rollout.started
+        await self._train_episode(rollout)
+
+    async def _train_episode(self, rollout: Rollout) -> None:
+        e, learning = self.learning.episode, self.learning
+        offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, for the timeline
+        t1 = time.perf_counter()
+        train, lags = self._samples_to_train(e, rollout)
+        results = await self.trainers.train(train, e)
+        t2 = time.perf_counter()
+        synced = (e + 1) % self.config.sync_every == 0
+        await self.overlap.after_training(e, synced)  # the sync, or its start; then the gate
+        t3 = time.perf_counter()
+        evaluated = await self._evaluate(e)
+        t4 = time.perf_counter()
+        phases = (
+            ("rollout", rollout.started, rollout.ended, True),
+            ("train", t1, t2, bool(train)),
+            ("sync", t2, t3, synced and self.syncing),
+            ("eval", t3, t4, evaluated),
+        )
+        self._trace(e, offset, phases)
+        stats = EpisodeStats(
+            episode=e,
+            samples=len(rollout.samples),
+            rollout_s=rollout.ended - rollout.started,
+            train_s=t2 - t1,
+            sync_s=t3 - t2,
+            eval_s=t4 - t3,
+            wait_s=rollout.waited,
+            dropped=rollout.dropped,
+            regenerated=rollout.regenerated,
+            metrics={k: mean_metrics(v) for k, v in results.items()},
+            staleness=lags,
+            weight_versions=self.overlap.train_versions(e + 1),
+        )
+        learning.episode_done(stats, results)
+        await self._episode_end()
+
+    def _samples_to_train(self, e: int, rollout: Rollout) -> tuple[list[Sample], dict[str, dict[int, int]]]:
+        """What episode ``e`` trains on (through the relay buffer), and their staleness."""
+        train = self.learning.relay_samples(e, rollout.samples)
+        versions = self.overlap.train_versions(e)
+        lags = histogram(train, versions)
+        if self.overlap.enabled:
+            train = self.overlap.bounded(e, rollout.samples, train, versions)
+        return train, lags
+
+    async def _evaluate(self, e: int) -> bool:
+        """Run the evaluation flow if one is due after episode ``e``; whether it ran."""
+        evaluation, dataset = self.deployment.evaluation, self.learning.eval_dataset
+        if not self.learning.eval_due(e) or evaluation is None or dataset is None:
+            return False
+        self.learning.eval_results.append(await evaluation.run(dataset))
+        return True
+
+    def _trace(self, e: int, offset: float, phases: tuple[tuple[str, float, float, bool], ...]) -> None:
+        """The phases that ran on the timeline, by the wall clock (``offset`` from ``perf_counter``)."""
+        for phase, start, end, ran in phases:
+            if ran:  # overlapped rollouts get a lane of their own
+                lane = int(phase == "rollout" and self.overlap.enabled)
+                self.timeline.add(ENGINE, lane, phase, offset + start, offset + end, episode=e)
+
+    async def _episode_end(self) -> None:
+        learning = self.learning
+        stats = learning.stats(self.deployment.stats())
+        if self.run_dir is not None:
+            self.run_dir.episode(stats)
+        self.deployment.backend.export_metrics(metric_values(stats))
+        learning.episode += 1
+        if self.checkpoints.due(learning.episode):
+            await self.checkpoints.save()
+        self._progress.episode_done(learning.episodes[-1], self.deployment.rollout)

@@ -1,0 +1,166 @@
+"""Where learning stands (layer 6): the dataset and its sampler, the relay buffer, episodes done
+and their stats, the trainers' counters and results; ``snapshot``/``restore`` for checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._core.batch import Sample
+from .._core.errors import ConfigError, FlowDefinitionError
+from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
+from .checkpoint_files import EngineState, sampling
+from .stats import EngineStats, TrainCounters
+
+if TYPE_CHECKING:
+    from .._core.run_config import RunConfig
+    from .deployment import PipelineStatsPair
+    from .stats import EpisodeStats
+
+RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
+GROUP_FIELDS = ("prompt_index", "copy_index")
+TrainResults = dict[str, list[list[dict[str, Any]]]]  # trainer -> step -> rank -> its result
+
+
+class LearningState:
+    """Everything the driver knows of a run's progress; a checkpoint holds it (``EngineState``).
+
+    ``episode``: episodes done. ``train_results``: per episode, per trainer, per step, per rank,
+    what ``train_step`` returned; ``eval_results``: the samples of each evaluation.
+    """
+
+    def __init__(self, config: RunConfig, trainers: Sequence[str]) -> None:
+        self.config = config
+        self.dataset: list[Mapping[str, Any]] | None = None
+        self.eval_dataset: list[Mapping[str, Any]] | None = None
+        self.relay_fn: RelayFn | None = None
+        self.sampler: EpisodeSampler | None = None
+        self.relay = RelayBuffer(config.max_relay_episode)
+        self.episode = 0
+        self.episodes: list[EpisodeStats] = []
+        self.counters = TrainCounters(trainers)
+        self.train_results: list[TrainResults] = []
+        self.eval_results: list[list[Sample]] = []
+        # episode -> (sampler position, next sample id) at its rollout's start: a rollout
+        # running ahead of training has drawn past the episode a checkpoint resumes from
+        self._marks: dict[int, tuple[int, int]] = {}
+
+    def set_dataset(self, items: Sequence[Mapping[str, Any]]) -> None:
+        items = list(items)
+        bad = next((i for i, item in enumerate(items) if not isinstance(item, Mapping)), None)
+        if bad is not None:
+            raise ConfigError(
+                f"dataset item {bad} is a {type(items[bad]).__name__}; items must be mappings of field -> value, "
+                "e.g. {'prompt': x}"
+            )
+        cfg = self.config
+        if cfg.num_samples_per_prompt > 1 and any(f in item for item in items for f in GROUP_FIELDS):
+            raise ConfigError(
+                f"dataset items must not have fields {list(GROUP_FIELDS)}: the engine adds them for groups"
+            )
+        self.sampler = EpisodeSampler(
+            len(items), cfg.sample_per_episode, cfg.num_samples_per_prompt, cfg.shuffle, cfg.seed
+        )
+        self.dataset = items
+
+    def draw(self, episode: int, next_sample_id: int) -> list[dict[str, Any]]:
+        """The items of ``episode``'s rollout, whose first sample will be ``next_sample_id``."""
+        assert self.sampler is not None and self.dataset is not None, "draw() before set_dataset()"
+        self._marks[episode] = (self.sampler.position, next_sample_id)
+        grouped = self.config.num_samples_per_prompt > 1
+        items = []
+        for prompt, copy in self.sampler.next_episode():
+            item = dict(self.dataset[prompt])
+            if grouped:  # GRPO groups: which prompt, which copy
+                item.update(prompt_index=prompt, copy_index=copy)
+            items.append(item)
+        return items
+
+    def relay_samples(self, episode: int, samples: list[Sample]) -> list[Sample]:
+        """Add ``episode``'s samples to the relay buffer; the samples to train on."""
+        self.relay.add(EpisodeBuffer(episode, samples))
+        # an episode whose samples were all dropped (on_stale="drop") trains nothing
+        if self.relay_fn is None or not samples:
+            return samples
+        return relayed(self.relay_fn, list(self.relay.episodes))
+
+    def eval_due(self, episode: int) -> bool:
+        """Whether an evaluation runs after ``episode`` trained."""
+        every = self.config.eval_every
+        return bool(every and (episode + 1) % every == 0 and self.eval_dataset)
+
+    def episode_done(self, stats: EpisodeStats, results: TrainResults) -> None:
+        self.episodes.append(stats)
+        self.train_results.append(results)  # with the episode's end: a rebuild undoes whole episodes
+
+    def undo(self, redone: range) -> None:
+        """Forget the results of episodes ``redone``, which run again after a rebuild."""
+        del self.train_results[len(self.train_results) - len(redone) :]
+        every = self.config.eval_every
+        evals = sum(1 for e in redone if every and (e + 1) % every == 0)
+        del self.eval_results[len(self.eval_results) - evals :]
+
+    def stats(self, pipelines: PipelineStatsPair) -> EngineStats:
+        rollout, evaluation = pipelines
+        return EngineStats(
+            rollout=rollout, evaluation=evaluation, trainers=self.counters.stats(), episodes=list(self.episodes)
+        )
+
+    def snapshot(
+        self,
+        *,
+        next_sample_id: int,
+        eval_numbering: tuple[int, int],
+        trainer_ranks: dict[str, int],
+        weight_versions: dict[str, int],
+        synced: list[str],
+    ) -> EngineState:
+        """The state a checkpoint after the episodes done holds, with what the caller knows of
+        the pipelines (their numbering now), the trainer groups and the synced weights."""
+        assert self.sampler is not None and self.dataset is not None, "snapshot() before set_dataset()"
+        position, next_id = self._marks.get(self.episode, (self.sampler.position, next_sample_id))
+        # no later checkpoint resumes from an episode before this one
+        self._marks = {e: m for e, m in self._marks.items() if e >= self.episode}
+        return EngineState(
+            episode=self.episode,
+            next_sample_id=next_id,
+            eval_next_id=eval_numbering[0],
+            eval_runs=eval_numbering[1],
+            sampler_position=position,
+            weight_versions=weight_versions,
+            trainer_ranks=trainer_ranks,
+            trainer_counts=self.counters.snapshot(),
+            synced=synced,
+            episodes=list(self.episodes),
+            **sampling(self.config, len(self.dataset)),
+        )
+
+    def restore(self, state: EngineState, relay: list[EpisodeBuffer]) -> None:
+        assert self.sampler is not None, "restore() before set_dataset()"
+        self.episode, self.sampler.position = state.episode, state.sampler_position
+        self.relay.episodes = relay
+        self.counters.restore(state.trainer_counts)
+        self.episodes = list(state.episodes)
+        self._marks = {}
+
+
+def relayed(fn: RelayFn, episodes: list[EpisodeBuffer]) -> list[Sample]:
+    """The relay function's training samples, checked: a list of samples, not empty."""
+    name = getattr(fn, "__name__", "the relay function")
+    out: Any = fn(episodes)
+    if out is None or isinstance(out, (Mapping, str, bytes)) or not hasattr(out, "__iter__"):
+        raise FlowDefinitionError(
+            f"relay function {name} returned {type(out).__name__}; it must return the samples to train on "
+            "(a list of flowrl.Sample, e.g. drawn from its episodes' .samples)"
+        )
+    items = list(out)
+    if not items:
+        raise FlowDefinitionError(f"relay function {name} returned no samples; it must return at least one to train on")
+    samples = [x for x in items if isinstance(x, Sample)]
+    if len(samples) < len(items):
+        bad = next(x for x in items if not isinstance(x, Sample))
+        raise FlowDefinitionError(
+            f"relay function {name} returned a {type(bad).__name__} among its samples; every item must be a "
+            "flowrl.Sample (from its episodes' .samples)"
+        )
+    return samples

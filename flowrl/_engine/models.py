@@ -1,0 +1,92 @@
+"""An engine's models and its set-up checks (layer 6), all done before anything starts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._core.errors import ConfigError, FlowDefinitionError
+from .._core.model import Model
+from .._core.sampler import EpisodeSampler, check_train_sizes
+from .._pipeline.opening import Flow, build_flow
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .._core.graph import FlowGraph
+    from .._core.run_config import RunConfig
+
+
+def trainer_models(train: Sequence[Model] | Flow) -> list[Model]:
+    """The trainers of ``Engine(train=...)``: models, or a flow that calls their ``train_step``."""
+    if callable(train) and not isinstance(train, Model):
+        graph = build_flow(train)
+        bad = [s.name for s in graph.stages.values() if s.method != "train_step"]
+        if bad:
+            raise FlowDefinitionError(f"a train flow calls train_step only; it calls {bad}")
+        return list(dict.fromkeys(graph.models[s.model] for s in graph.stages.values()))
+    models = list(train)
+    for m in models:
+        if not isinstance(m, Model) or getattr(type(m), "train_step", None) is None:
+            raise FlowDefinitionError(f"train: expected models that define train_step, got {m!r}")
+    return models
+
+
+def all_models(rollout: FlowGraph, evaluation: FlowGraph | None, trainers: list[Model]) -> dict[str, Model]:
+    """Every model of the engine by name; two models of one name are refused."""
+    models = dict(rollout.models)
+    for m in [*(evaluation.models.values() if evaluation else ()), *trainers]:
+        if models.setdefault(m.name, m) is not m:
+            raise ConfigError(f"two different models are named {m.name!r}")
+    return models
+
+
+def apply_model_configs(config: RunConfig, models: dict[str, Model]) -> None:
+    """``RunConfig.models`` overrides the configs the models were made with."""
+    unknown = sorted(set(config.models) - models.keys())
+    if unknown:
+        raise ConfigError(f"RunConfig.models names unknown model(s) {unknown}; the models are {sorted(models)}")
+    for name, cfg in config.models.items():
+        models[name].config = cfg
+        models[name].num_replicas = cfg.replicas
+
+
+def check(
+    config: RunConfig,
+    models: dict[str, Model],
+    trainers: list[Model],
+    sync: list[tuple[Model, Model]],
+    rollout: FlowGraph,
+    evaluation: FlowGraph | None,
+) -> None:
+    """What the run settings must agree on with the models and flows."""
+    cfg = config
+    EpisodeSampler(1, cfg.sample_per_episode, cfg.num_samples_per_prompt)  # whole groups per episode
+    for m in trainers:
+        check_train_sizes(
+            global_batch=cfg.global_batch,
+            micro_batch=cfg.micro_batch,
+            dp=m.config.replicas,
+            group=cfg.num_samples_per_prompt,
+        )
+    _check_sync(cfg, trainers, sync, rollout)
+    if cfg.eval_every and evaluation is None:
+        raise ConfigError(f"RunConfig.eval_every={cfg.eval_every} but the engine has no eval_flow")
+    unknown = sorted({n for g in cfg.colocation for n in g} - models.keys())
+    if unknown:
+        raise ConfigError(f"RunConfig.colocation names unknown model(s) {unknown}; the models are {sorted(models)}")
+
+
+def _check_sync(config: RunConfig, trainers: list[Model], sync: list[tuple[Model, Model]], rollout: FlowGraph) -> None:
+    for trainer, target in sync:
+        if trainer not in trainers or target.name not in rollout.models:
+            raise ConfigError(
+                f"sync pair ({trainer.name!r} -> {target.name!r}): the first must be a trainer and the "
+                "second a model of the rollout flow"
+            )
+    direct = [t.name for t, _ in sync if t.config.weight_transport != "host"]
+    if direct and config.checkpoint_every and config.sync_every > 1:
+        raise ConfigError(
+            f"trainer(s) {direct} send weights by CUDA IPC or NCCL, which a checkpoint between two syncs cannot "
+            f"save (RunConfig.sync_every={config.sync_every} with checkpoint_every={config.checkpoint_every}); set "
+            "sync_every=1 or weight_transport='host'"
+        )

@@ -1,0 +1,180 @@
+"""Weight sync (layer 6): each trainer's weights sent to the inference model it feeds, through
+the object store (by host or CUDA IPC handles) or broadcast from the trainer's rank 0 (NCCL)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from .._backends.weight_share import Broadcast, Group
+from .._core.errors import CheckpointError, StageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .._backends.specs import ReplicaHandle
+    from .._core.model import Model
+    from .._core.run_config import RunConfig
+    from .deployment import Deployment
+
+Snapshots = list[tuple[str, Any]]  # (inference model, the weights it is to get)
+
+
+class WeightSync:
+    """Owns what each synced inference model holds: its weight version (-1: unknown, some
+    replicas may hold a newer one), the weights last sent to it, the broadcast group its
+    replicas last formed, and, once a checkpoint exists, its weights from before its first sync."""
+
+    def __init__(self, config: RunConfig, pairs: list[tuple[Model, Model]], deployment: Deployment) -> None:
+        self.config = config
+        self.pairs = pairs
+        self.deployment = deployment
+        self._versions = {target.name: 0 for _, target in pairs}
+        self._sent: dict[str, Any] = {}
+        self.groups: dict[str, tuple[list[Any], Group]] = {}  # model -> (members, group) of its last broadcast
+        self._first: dict[str, Any] = {}  # model -> its weights before the first sync (or the error reading them)
+        self._keep_first = False
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """The weight version every replica of each synced model holds now."""
+        return dict(self._versions)
+
+    def sent(self, model: str) -> Any:
+        """The weights ``model``'s replicas hold (a reference, or a ``Broadcast``)."""
+        return self._sent[model]
+
+    def keep_first_weights(self) -> None:
+        """A checkpoint exists to go back to: from now on, keep each model's weights from before
+        its first sync, which a rebuild back to a checkpoint before that sync gives back."""
+        self._keep_first = True
+
+    async def sync(self) -> None:
+        for name, weights in await self.snapshots():
+            await self.send(name, self._versions[name] + 1, weights)
+
+    async def snapshots(self) -> Snapshots:
+        """Each trainer's weights now (stored: later steps do not change them), per target."""
+        out, read = [], {}
+        for trainer, target in self.pairs:
+            if trainer.name not in read:  # one snapshot per trainer, whatever the models it feeds
+                read[trainer.name] = await self._read(trainer.name)
+            out.append((target.name, read[trainer.name]))
+            if self._keep_first and self._versions[target.name] == 0 and target.name not in self._first:
+                self._first[target.name] = await self._replica_weights(target.name)
+        return out
+
+    async def send(self, name: str, version: int, weights: Any) -> None:
+        # Every replica loads between two of its shards (one worker thread per replica), and
+        # the version counts only once all hold it: the staleness gate reads it.
+        deployment = self.deployment
+        try:
+            async with deployment.members:  # no replica joins or leaves meanwhile
+                await self._deliver(name, version, weights, deployment.replicas_of(name), reuse=True)
+        except BaseException:
+            self._versions[name] = -1  # some replicas may hold it, some not: a restore sends again
+            raise
+        self._versions[name] = version
+        self._sent[name] = weights
+
+    async def join(self, handle: ReplicaHandle) -> None:
+        """A replica added to a pool while the engine runs gets the weights the others hold."""
+        if handle.model in self._sent:  # (called under deployment.members, like send)
+            model = handle.model
+            await self._deliver(model, self._versions[model], self._sent[model], [handle])
+
+    def forget(self, trainer: str) -> None:
+        """``trainer``'s process is gone, and what it sent with it: the models it feeds get their
+        weights again (``restore``) whatever version they hold."""
+        for source, target in self.pairs:
+            if source.name == trainer:
+                self._versions[target.name] = -1
+
+    async def restore(self, trainer: str, target: str, want: int, saved: Callable[[], Any] | None) -> None:
+        """Give ``target``'s replicas the weights of version ``want``, held at a checkpoint:
+        ``saved`` reads them from it when it has them (it falls between two syncs)."""
+        # a broadcast's snapshot was the old trainer's: a replica joining later needs one of the new
+        rebuilt = isinstance(self._sent.get(target), Broadcast)
+        if want == self._versions[target] and not rebuilt:
+            return  # they hold them already (a fresh start, or no sync since the checkpoint)
+        if saved is not None:
+            weights = self.deployment.backend.share(saved())
+        elif want:  # written right after a sync: the restored trainer's weights are the ones sent
+            weights = await self._read(trainer)
+        else:
+            weights = self._first_weights(target)
+        await self.send(target, want, weights)
+
+    def _first_weights(self, target: str) -> Any:
+        weights = self._first.get(target)
+        if weights is None or isinstance(weights, StageError):
+            why = (
+                "they were not read"
+                if weights is None
+                else f"reading them failed ({weights}); define get_weights on it"
+            )
+            raise CheckpointError(
+                f"cannot give model {target!r} back the weights it started with (the checkpoint predates its "
+                f"first sync): {why}"
+            ) from weights
+        return weights
+
+    async def _replica_weights(self, name: str) -> Any:
+        """``name``'s weights now, read from a replica; the error, if it cannot give them."""
+        try:
+            return await self.deployment.backend.get_weights(self.deployment.replicas_of(name)[0])
+        except StageError as err:
+            return err
+
+    async def _read(self, trainer: str) -> Any:
+        """What ``trainer``'s rank 0 sends: a reference to its weights, or (``"nccl"``) the
+        ``Broadcast`` itself, which the driver addresses to each replica."""
+        backend = self.deployment.backend
+        weights = await backend.get_weights(self.deployment.trainers[trainer][0])
+        if next(t for t, _ in self.pairs if t.name == trainer).config.weight_transport == "nccl":
+            value = await backend.value(weights)  # small: the layout (in one process: the values)
+            weights = value if isinstance(value, Broadcast) else weights
+        return weights
+
+    async def _deliver(
+        self, name: str, version: int, weights: Any, handles: list[ReplicaHandle], reuse: bool = False
+    ) -> None:
+        """``weights`` to each of ``handles``: a reference they read, or (``Broadcast``) a
+        broadcast from the trainer's rank 0 in a process group with them."""
+        backend = self.deployment.backend
+        if not isinstance(weights, Broadcast):
+            async with anyio.create_task_group() as tg:
+                for handle in handles:
+                    tg.start_soon(backend.load_weights, handle, version, weights)
+            return
+        rank0 = self.deployment.trainers[weights.trainer][0]
+        group = await self._group(rank0, name, handles, weights.backend, reuse)
+        keep = [g.id for _, g in self.groups.values()]  # those a later sync may use again
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(backend.send_weights, rank0, group, weights.snapshot, keep)
+                for i, handle in enumerate(handles):
+                    addressed = msgspec.structs.replace(weights, group=group, rank=i + 1)
+                    tg.start_soon(backend.load_weights, handle, version, addressed)
+        except BaseException:
+            # some ranks may not have joined this broadcast: the next one forms a new group
+            if reuse and self.groups.get(name, (None, None))[1] is group:
+                del self.groups[name]
+            raise
+
+    async def _group(
+        self, rank0: ReplicaHandle, name: str, handles: list[ReplicaHandle], backend: str, reuse: bool
+    ) -> Group:
+        """The process group of a broadcast: the last one, when the same ranks make it (forming
+        one costs a rendezvous and, with NCCL, a communicator), else a new one."""
+        members = [backend, rank0.ref, *(h.ref for h in handles)]
+        last = self.groups.get(name)
+        if reuse and last is not None and last[0] == members:  # (list equality tries identity first)
+            return last[1]
+        timeout = self.config.collective_timeout_s
+        group = await self.deployment.backend.serve_weights(rank0, len(handles) + 1, backend, timeout)
+        if reuse:  # a joining replica's own group does not replace the pool's
+            self.groups[name] = members, group
+        return group
