@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys as _sys
+from types import FunctionType as _FunctionType
+
+from msgspec import Struct as _Struct
+
 from ._core.autoscale import ScaleEvent
 from ._core.batch import Batch, Sample
 from ._core.config import Autoscale, ModelConfig, PipelineConfig
@@ -25,7 +30,7 @@ from ._core.simulate import SimResult, SimStage, StageCost, Workload, simulate
 from ._core.splitter import POLICIES as SPLITTERS
 from ._core.stats import PipelineStats, ReplicaStats, StageStats
 from ._engine.engine import Engine
-from ._engine.stats import EngineStats, EpisodeStats, RankStats, TrainerStats
+from ._engine.parts import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._engine.rlhf import RLHFEngine
 from ._pipeline.opening import Pipeline, build_flow, open_pipeline, run_flow
 from ._pipeline.pipeline import AsyncPipeline
@@ -34,44 +39,70 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncPipeline",
+    "Autoscale",
     "Batch",
+    "CheckpointError",
+    "ClusterError",
+    "ConfigError",
     "Engine",
     "EngineStats",
     "EpisodeBuffer",
     "EpisodeStats",
-    "RLHFEngine",
-    "RankStats",
-    "RunConfig",
-    "TrainerStats",
-    "CheckpointError",
-    "ClusterError",
-    "ConfigError",
     "FlowDefinitionError",
     "FlowError",
     "FlowGraph",
     "InputLostError",
     "Model",
     "ModelConfig",
-    "Autoscale",
-    "ScaleEvent",
     "OutputError",
     "Pipeline",
     "PipelineClosedError",
     "PipelineConfig",
     "PipelineStats",
+    "RLHFEngine",
+    "RankStats",
     "ReplicaDiedError",
     "ReplicaStats",
+    "RunConfig",
     "SPLITTERS",
+    "Sample",
+    "ScaleEvent",
     "SimResult",
     "SimStage",
     "StageCost",
-    "Workload",
-    "simulate",
-    "Sample",
     "StageError",
     "StageStats",
+    "TrainerStats",
+    "Workload",
     "build_flow",
     "open_pipeline",
     "run_flow",
+    "simulate",
     "step",
 ]
+
+
+def _rehome(namespace: dict[str, object]) -> None:
+    """Every exported class and function says ``flowrl`` is its module, as trio's are: reprs,
+    tracebacks, pickles and docs name ``flowrl.Batch``, not the private module that defines it
+    (pickles stay loadable: ``flowrl.<name>`` is the object itself).
+
+    msgspec resolves a Struct's string annotations lazily, in the globals of
+    ``sys.modules[cls.__module__]``; they are resolved here first, while the defining module
+    is still the one named, so decoding, converting and ``msgspec.structs.fields`` see the same
+    types after the move.
+    """
+    for name in __all__:
+        obj = namespace[name]
+        if not isinstance(obj, type) and not isinstance(obj, _FunctionType):
+            continue  # SPLITTERS, a dict
+        if isinstance(obj, type) and issubclass(obj, _Struct):
+            where, own = vars(_sys.modules[obj.__module__]), vars(obj).get("__annotations__", {})
+            obj.__annotations__ = {
+                k: eval(v, where, dict(vars(obj))) if isinstance(v, str) else v for k, v in own.items()
+            }
+        obj.__module__ = __name__
+
+
+_rehome(globals())
+del _rehome

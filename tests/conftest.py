@@ -1,8 +1,23 @@
+"""The session's Ray cluster, and the shared helpers (``tests/helpers``) made importable from
+every folder of tests.
+
+The test folders mirror the package's wings (core, backends, pipeline, engine, tools) plus
+``api`` for the public surface. They have no ``__init__.py``: pytest imports each test module as
+a top-level module (rootdir import mode "prepend"), so basenames are unique across folders, and
+flowrl ships the models a test module defines to Ray workers by value.
+"""
+
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+HELPERS = Path(__file__).parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
 
 
 @pytest.fixture(scope="session")

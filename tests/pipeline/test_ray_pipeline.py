@@ -66,44 +66,47 @@ async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backe
 
 
 class LastOne(flowrl.Model):
-    """Sample ``k == 0`` finishes only after ``others`` marks ``<wait_on>-<iteration>-*`` exist in
-    ``marks`` (a directory all replicas of this one-node cluster see). Replicas leave a ``done``
-    mark per sample they processed; a test leaves ``delivered`` marks as samples reach it."""
+    """Sample ``k == 0`` finishes only after ``others`` marks have come through ``wait_on`` (a
+    ``ray.util.queue.Queue``, which every replica and the test reach); with ``done``, replicas put
+    a mark there per other sample they processed."""
 
-    def __init__(self, name, config, marks, others, wait_on="done"):
+    def __init__(self, name, config, others, wait_on, done=None):
         super().__init__(name, config)
-        self.marks, self.others, self.wait_on = marks, others, wait_on
+        self.others, self.wait_on, self.done = others, wait_on, done
 
     def forward_step(self, batch, iteration):
-        import time
-        from pathlib import Path
-
         keys = [int(k) for k in batch["k"]]
-        if 0 in keys:  # wait (bounded) for the others: real synchronisation, not a guessed delay
-            deadline = time.monotonic() + 60
-            pattern = f"{self.wait_on}-{iteration}-*"
-            while len(list(Path(self.marks).glob(pattern))) < self.others and time.monotonic() < deadline:
-                time.sleep(0.005)
-        for k in keys:
-            (Path(self.marks) / f"done-{iteration}-{k}").touch()
+        if 0 in keys:  # wait for the others: real synchronisation, not a guessed delay
+            for _ in range(self.others):
+                self.wait_on.get(timeout=120)  # the bound only keeps a lost mark from hanging the run
+        if self.done is not None:
+            for k in keys:
+                self.done.put(k)
         return {"waited": [True] * len(keys)}
 
 
-async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster, tmp_path):
+async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster):
+    from ray.util.queue import Queue
+
     # prefetch=1: no second shard waits inside the replica that holds sample 0
     config = {"num_replicas": 3, "batch_size": 1, "prefetch": 1, **CPU}
     keyed = [{"k": i} for i in range(6)]
-    last = LastOne("last", config, str(tmp_path), others=5)
-    async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
-        ordered = [s.id for s in await pipe.run(keyed)]
-    assert ordered == list(range(6))  # sample 0 finished last, yet comes first
-    # As completed: sample 0 finishes only once the five others have reached this loop.
-    last = LastOne("last", config, str(tmp_path), others=5, wait_on="delivered")
-    completed = []
-    async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
-        async for s in pipe.stream(keyed, ordered=False):
-            completed.append(s.id)
-            (tmp_path / f"delivered-0-{s.id}").touch()
+    done, delivered = Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0})
+    try:
+        last = LastOne("last", config, others=5, wait_on=done, done=done)
+        async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
+            ordered = [s.id for s in await pipe.run(keyed)]
+        assert ordered == list(range(6))  # sample 0 finished last, yet comes first
+        # As completed: sample 0 finishes only once the five others have reached this loop.
+        last = LastOne("last", config, others=5, wait_on=delivered)
+        completed = []
+        async with flowrl.open_pipeline(lambda x: last.forward_step(x)) as pipe:
+            async for s in pipe.stream(keyed, ordered=False):
+                completed.append(s.id)
+                await delivered.put_async(s.id)
+    finally:
+        done.shutdown()
+        delivered.shutdown()
     assert sorted(completed) == list(range(6)) and completed[-1] == 0
 
 

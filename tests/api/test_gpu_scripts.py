@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_a_shard_generates_until_its_longest_response_ends_and_pads_after_each_e
     seq = out["seq"]
     assert seq.shape == (3, gpt.PROMPT + 8) and out["old_logprobs"].shape == (3, 8)
     assert torch.equal(seq[:, : gpt.PROMPT], batch["prompt"])
-    for row, n in zip(seq, lengths):
+    for row, n in zip(seq, lengths, strict=True):
         assert torch.all(row[gpt.PROMPT + n :] == 0)  # padding after the response's end
 
 

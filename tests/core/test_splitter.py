@@ -163,7 +163,7 @@ def test_drain_hands_every_sample_out_exactly_once(policy):
 def test_drain_shards_are_non_increasing(policy):
     for replicas, samples, batch in DRAIN_GRID:
         sizes = [len(ids) for _, ids in drain(policy, samples, replicas, batch)]
-        assert all(a >= b for a, b in zip(sizes, sizes[1:])), (replicas, samples, batch, sizes)
+        assert all(a >= b for a, b in itertools.pairwise(sizes)), (replicas, samples, batch, sizes)
 
 
 @pytest.mark.parametrize("policy", ADAPTIVE)
@@ -224,7 +224,7 @@ def test_shard_floor_follows_recent_calls():
 
 @pytest.mark.parametrize("policy", ["guided", "factoring"])
 def test_a_floor_raises_small_shards_while_enough_is_pending(policy):
-    kw = dict(pending=6, remaining=6, replicas=6, batch_size=4)
+    kw = {"pending": 6, "remaining": 6, "replicas": 6, "batch_size": 4}
     assert shard_size(policy, **kw) == 1  # spread over six idle replicas
     assert shard_size(policy, **kw, floor=3) == 3
     assert shard_size(policy, **{**kw, "pending": 2, "remaining": 2}, floor=3) == 2  # only 2 pending

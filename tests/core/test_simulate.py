@@ -12,7 +12,7 @@ from flowrl._core.simulate import SimStage, StageCost, Workload, simulate
 
 
 def seed_209(splitter: str = "guided", rounds: int = 1) -> Workload:
-    wide = dict(replicas=8, batch_size=2, cost=StageCost(call_s=0.01, per_sample_s=0.001), splitter=splitter)
+    wide = {"replicas": 8, "batch_size": 2, "cost": StageCost(call_s=0.01, per_sample_s=0.001), "splitter": splitter}
     return Workload(
         samples=16 * rounds,
         stages=[

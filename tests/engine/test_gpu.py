@@ -1,8 +1,9 @@
 """On a real CUDA GPU (marked ``gpu``, skipped without one): models placed on cuda, tensors
-through the object store between actors on one GPU, weight sync trainer -> policy on the GPU (through host memory, and by CUDA IPC),
-and all six PPO models colocated on one GPU with fractional GPU resources.
+through the object store between actors on one GPU, weight sync trainer -> policy on the GPU
+(through host memory, and by CUDA IPC), and all six PPO models colocated on one GPU with
+fractional GPU resources.
 
-    python -m pytest -q -m gpu tests/test_gpu.py        # benchmarks/gpu/run.sh runs it
+    python -m pytest -q -m gpu tests/engine/test_gpu.py        # benchmarks/gpu/run.sh runs it
 
 These tests start their own Ray cluster with the machine's real GPUs, so run them in a pytest
 session of their own (the default session's cluster has 8 logical GPUs)."""
@@ -124,7 +125,7 @@ def sync_and_probe(policy: Policy, trainer: Trainer, **config: Any) -> tuple[flo
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
     with engine:
         engine.learn()
-        after = engine._session.deployment.rollout  # the engine's own pool, for a direct check
+        after = engine._live.rollout  # the engine's own pool, for a direct check
         samples = engine._portal.call(after.run, [{"x": np.ones(4, dtype=np.float32)} for _ in range(8)])
     return engine, samples
 

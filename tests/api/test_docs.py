@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
@@ -26,7 +26,7 @@ def test_docs_code_block_runs(code):
 def test_the_configuration_reference_is_generated_from_the_structs():
     from flowrl._tools.reference import config_reference
 
-    page = Path(__file__).parent.parent / "docs" / "config.md"
+    page = ROOT / "docs" / "config.md"
     assert page.read_text() == config_reference(), "regenerate: python -m flowrl._tools.reference > docs/config.md"
 
 

@@ -1,4 +1,4 @@
-"""Run by test_faults.py: a synchronous learn() on its own Ray cluster, writing a checkpoint
+"""Run by test_interrupt.py: a synchronous learn() on its own Ray cluster, writing a checkpoint
 after every episode into argv[1], interrupted with SIGINT (Ctrl-C) once the third episode's
 rollout is done. Prints what was left after the interrupt: actors, and the last checkpoint."""
 

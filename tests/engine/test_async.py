@@ -1,5 +1,6 @@
-"""Asynchronous, staleness-bounded training: the gate (sans-IO), then the engine on a real local
-Ray cluster with rollouts running ahead of a trainer that takes real time."""
+"""Asynchronous, staleness-bounded training: the engine on a real local Ray cluster with
+rollouts running ahead of a trainer that takes real time (the gate alone, sans-IO, is in
+core/test_staleness.py)."""
 
 from __future__ import annotations
 
@@ -11,57 +12,13 @@ from _resume_models import make_engine, trained
 
 import flowrl
 from flowrl._core.sampler import EpisodeSampler
-from flowrl._core.staleness import histogram, lags, rollout_needs, too_stale, train_version
+from flowrl._core.staleness import histogram, train_version
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}
 EPISODES, PER_EPISODE = 6, 8
 
 
-# ---- the gate, sans-IO ----
-@pytest.mark.parametrize("slack", [0, 1])
-@pytest.mark.parametrize("sync_every", [1, 2, 3])
-@pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_the_gate_keeps_every_episode_within_the_bound_and_waits_no_longer(k, sync_every, slack):
-    for e in range(40):
-        needed = rollout_needs(e, max_staleness=k, sync_every=sync_every, slack=slack)
-        # once `needed` episodes are trained and synced, replicas hold version needed // sync_every
-        assert train_version(e, sync_every) - train_version(needed, sync_every) <= k + slack
-        if needed:  # one episode fewer would break the bound
-            assert train_version(e, sync_every) - train_version(needed - 1, sync_every) > k + slack
-        assert needed <= e  # never waits for its own training
-
-
-@pytest.mark.parametrize(
-    "e, k, s, needed",
-    [(5, 0, 1, 5), (5, 1, 1, 4), (1, 0, 2, 0), (2, 0, 2, 2), (5, 1, 2, 2), (7, 2, 1, 5), (0, 0, 1, 0)],
-)
-def test_rollout_needs_examples(e, k, s, needed):
-    assert rollout_needs(e, max_staleness=k, sync_every=s) == needed
-
-
-def test_lags_histogram_and_too_stale():
-    samples = [{"p_version": 3, "v_version": 1}, {"p_version": 1}, {"x": 0}]
-    versions = {"p": 3, "v": 2}
-    assert lags(samples[0], versions) == {"p": 0, "v": 1} and lags(samples[2], versions) == {}
-    assert histogram(samples, versions) == {"p": {0: 1, 2: 1}, "v": {1: 1}}
-    assert too_stale(samples, versions, 0) == [0, 1] and too_stale(samples, versions, 1) == [1]
-    assert too_stale(samples, versions, 2) == []
-
-
-@pytest.mark.parametrize(
-    "bad, message",
-    [
-        ({"max_staleness": -1}, "max_staleness must be >= 0"),
-        ({"on_stale": "skip"}, "on_stale must be one of"),
-    ],
-)
-def test_bad_async_settings_are_named(bad, message):
-    with pytest.raises(flowrl.ConfigError, match=message):
-        flowrl.RunConfig(sample_per_episode=8, **bad)
-
-
-# ---- the engine ----
 def seen_staleness(engine: flowrl.Engine) -> list[list[tuple[int, int, int]]]:
     """Per episode: (sample id, version it was generated with, staleness the trainer saw)."""
     out = []
@@ -70,7 +27,9 @@ def seen_staleness(engine: flowrl.Engine) -> list[list[tuple[int, int, int]]]:
             (i, v, s)
             for step in episode["learner"]
             for r in step
-            for i, v, s in zip(r["ids"], r["policy_version"], r.get("policy_staleness", [0] * len(r["ids"])))
+            for i, v, s in zip(
+                r["ids"], r["policy_version"], r.get("policy_staleness", [0] * len(r["ids"])), strict=True
+            )
         ]
         out.append(rows)
     return out
@@ -99,7 +58,8 @@ def test_max_staleness_zero_is_the_synchronous_loop(ray_cluster):
     assert trained(explicit) == trained(sync)  # same batches, losses, weights
     assert all(e.staleness == {"policy": {0: PER_EPISODE}} for e in stats.episodes)
     rollouts, syncs = phases(explicit, "rollout"), phases(explicit, "sync")
-    for (_, _, synced), (_, started, _) in zip(syncs, rollouts[1:]):
+    # the last sync has no rollout after it
+    for (_, _, synced), (_, started, _) in zip(syncs, rollouts[1:], strict=False):
         assert started >= synced  # each rollout began after the previous episode's weights arrived
     assert all(e.wait_s == e.rollout_s for e in stats.episodes)
 
@@ -119,7 +79,7 @@ def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cl
     assert flowrl_actor_names() == []
     rows = seen_staleness(engine)
     for e, episode in enumerate(rows):
-        for sid, version, seen in episode:
+        for _, version, seen in episode:
             assert seen == train_version(e, 1) - version <= k  # checked on every trained sample
     assert max(s for episode in rows for _, _, s in episode) >= 1  # rollouts did run ahead of training
     ids = [sid for episode in rows for sid, _, _ in episode]
@@ -240,7 +200,11 @@ class SeenTrainer(CountingTrainer):
         out = super().train_step(batch, iteration)
         for model in ("policy", "value"):
             out[model] = list(
-                zip(np.asarray(batch[f"{model}_version"]).tolist(), np.asarray(batch[f"{model}_staleness"]).tolist())
+                zip(
+                    np.asarray(batch[f"{model}_version"]).tolist(),
+                    np.asarray(batch[f"{model}_staleness"]).tolist(),
+                    strict=True,
+                )
             )
         return out
 

@@ -1,11 +1,12 @@
-"""Deterministic models for the checkpoint tests (imported by test_checkpoint.py and by the
-killed-run script): a numpy policy fed by a torch trainer with Adam, whose loss draws from the
-rank's torch generator, so only an exact restore of weights, optimiser state, generators, relay
-buffer and sampler reproduces the uninterrupted run."""
+"""Deterministic models for the engine tests (imported by engine/test_checkpoint.py,
+test_async.py, test_engine_resize.py and by the killed-run script): a numpy policy fed by a torch
+trainer with Adam, whose loss draws from the rank's torch generator, so only an exact restore of
+weights, optimiser state, generators, relay buffer and sampler reproduces the uninterrupted run."""
 
 from __future__ import annotations
 
 import os
+import select
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ CPU = {"cpus_per_replica": 0.1}
 
 
 class Policy(flowrl.Model):
-    def __init__(self, name: str, config: Any = None, *, sleep_s: float = 0.0) -> None:
+    def __init__(self, name: str, config: Any = None, *, sleep_s: float = 0.0, report: Any = None) -> None:
         super().__init__(name, config)
         self.sleep_s = sleep_s  # per shard: a rollout that takes time
+        self.report = report  # a ray.util.queue.Queue: (replica, samples) put after each shard
 
     def setup(self) -> None:
         self.w = np.full(4, 0.5, dtype=np.float32)
@@ -29,7 +31,10 @@ class Policy(flowrl.Model):
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         time.sleep(self.sleep_s)
         x = np.asarray(batch["prompt"], dtype=np.float32)
-        return {"action": x @ self.w + self.b[0] + np.float32(iteration)}
+        out = {"action": x @ self.w + self.b[0] + np.float32(iteration)}
+        if self.report is not None:  # the test awaits these instead of polling the engine's counters
+            self.report.put((self.replica_id, len(batch)))
+        return out
 
     def get_weights(self) -> dict[str, Any]:
         return {"weight": self.w[None, :].copy(), "bias": self.b.copy()}
@@ -61,6 +66,8 @@ class Learner(flowrl.Model):
     def setup(self) -> None:
         import torch
 
+        if self.die_at and self.die_at[1] == self.rank and not Path(self.marker).exists():
+            Path(self.marker + ".pid").write_text(str(os.getpid()))  # the peer waits for this process to end
         torch.manual_seed(0)
         self.module = torch.nn.Linear(4, 1)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.05)
@@ -73,9 +80,7 @@ class Learner(flowrl.Model):
             os._exit(1)  # the rank's process dies; its peer waits in the all-reduce
         peer = Path(self.marker + ".peer")
         if self.peer_first and self.die_at and self.die_at[0] == iteration and not peer.exists():
-            deadline = time.monotonic() + 60
-            while not Path(self.marker).exists() and time.monotonic() < deadline:  # until the rank dies
-                time.sleep(0.005)
+            wait_for_exit(int(Path(self.marker + ".pid").read_text()))  # until the rank dies
             peer.touch()
             raise RuntimeError("[gloo] Connection closed by peer")  # what a collective raises then
         time.sleep(self.sleep_s)
@@ -96,6 +101,21 @@ class Learner(flowrl.Model):
         }
 
 
+def wait_for_exit(pid: int, bound_s: float = 120.0) -> None:
+    """Until process ``pid`` has ended: its pidfd turns readable then (an event, not a poll);
+    ``bound_s`` only keeps a lost process from hanging the test."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # ended already
+    try:
+        ended, _, _ = select.select([fd], [], [], bound_s)
+    finally:
+        os.close(fd)
+    if not ended:
+        raise TimeoutError(f"process {pid} still runs after {bound_s} s")
+
+
 def dataset() -> list[dict[str, Any]]:
     return [{"idx": i, "prompt": np.arange(4, dtype=np.float32) * (i % 7) / 7 + i / 20} for i in range(20)]
 
@@ -109,11 +129,15 @@ def make_engine(
     peer_first: bool = False,
     rollout_s: float = 0.0,
     train_s: float = 0.0,
+    report: Any = None,
     **config: Any,
 ) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
     """The engine and the list its relay function appends each episode's samples to
-    (``rollout_s`` / ``train_s``: seconds each policy shard / train step sleeps)."""
-    policy = Policy("policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU}, sleep_s=rollout_s)
+    (``rollout_s`` / ``train_s``: seconds each policy shard / train step sleeps; ``report``: a
+    ``ray.util.queue.Queue`` the policy replicas put ``(replica, samples)`` into per shard)."""
+    policy = Policy(
+        "policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU}, sleep_s=rollout_s, report=report
+    )
     learner = Learner(
         "learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first, sleep_s=train_s
     )

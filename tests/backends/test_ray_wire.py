@@ -127,7 +127,7 @@ def test_a_shard_of_inline_rows_and_stored_objects_reaches_the_step_joined_in_it
 
     class Score(Model):
         def forward_step(self, batch: Batch, iteration: int) -> dict:
-            return {"s": [f"{q}:{r:g}" for q, r in zip(batch["q"], batch["r"])]}
+            return {"s": [f"{q}:{r:g}" for q, r in zip(batch["q"], batch["r"], strict=True)]}
 
     blob = frame(encode_message(msgspec.structs.replace(call, pieces=sent)), body)
     reply, big = run_call(ReplicaRuntime(Score("score", {}), 0), blob, (policy,) if stored else ())

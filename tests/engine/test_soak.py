@@ -1,7 +1,7 @@
 """Soak (slow, not in the default run): 200 small episodes of an engine on the local cluster.
 Driver memory and object-store use stay flat; no actor or placement group outlives the engine.
 
-    python -m pytest -q -m slow tests/test_soak.py -s     # prints the figures of docs/reliability.md
+    python -m pytest -q -m slow tests/engine/test_soak.py -s     # prints the figures of docs/reliability.md
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def test_512_prompts_each_trained_once_over_two_ranks(ray_cluster):
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(512)])
     engine.learn()
     seen = Counter()
-    for episode, results in enumerate(engine.train_results):
+    for results in engine.train_results:
         steps = results["trainer"]
         assert len(steps) == 16  # 256 / 16 steps per episode
         for step in steps:

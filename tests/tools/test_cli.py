@@ -1,0 +1,94 @@
+"""The flowrl command: `flowrl run` on a config file end to end and its errors; the mistakes of
+`flowrl scale` (the progress views are in pipeline/test_progress.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowrl._tools.cli import main
+
+FAST = ["--set", "run.pipeline.backend=inprocess", "--set", "models.ppo_policy.num_replicas=1"]
+
+
+def test_flowrl_run_trains_the_ppo_example_from_its_yaml(tmp_path, capsys):
+    code = main(
+        ["run", "examples/ppo_tiny.yaml", "--set", "run.num_episode=2", "--set", f"run.run_dir={tmp_path}", *FAST]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # 64 samples an episode, global batch 32 over 4 epochs: 8 steps an episode per trainer
+    assert (
+        "done: 2 episodes in all (resumed ones included); ppo_policy: 16 steps, 512 samples, ppo_value: 16 steps, "
+        "512 samples" in out
+    )
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["episode"] for line in lines] == [0, 1] and all(line["samples"] == 64 for line in lines)
+    assert (tmp_path / "trace.json").is_file() and f"flowrl trace {tmp_path}" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--set", "modles.policy.num_replicas=1"], "examples/ppo_tiny.yaml: Object contains unknown field `modles`"),
+        (
+            ["--set", "models.policy.class=examples.ppo_tiny:Polcy"],
+            "models.policy.class: module 'examples.ppo_tiny' has no 'Polcy'",
+        ),
+        (["--set", "models.policy.batchsize=4"], "models.policy: Object contains unknown field `batchsize`"),
+        (
+            ["--set", "models.policy.class=numpy:ndarray"],
+            "models.policy.class: 'numpy:ndarray' is not a flowrl.Model subclass",
+        ),
+        (["--set", "run.num_episode=0"], "RunConfig.num_episode must be > 0, got 0"),
+        (["--set", "run.progres=log"], "run: Object contains unknown field `progres`"),
+        (["--set", "flow=examples.nowhere:rollout"], "flow: cannot import module 'examples.nowhere'"),
+        (["--set", "num_episode"], "override 'num_episode': expected key=value"),
+    ],
+)
+def test_flowrl_run_names_the_bad_key(capsys, overrides, message):
+    assert main(["run", "examples/ppo_tiny.yaml", *overrides, *FAST]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flowrl_run_refuses_a_missing_or_unknown_file(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("models: [unclosed\n")
+    assert main(["run", str(tmp_path / "bad.yaml")]) == 2
+    assert "bad.yaml: not valid YAML" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml: no such file" in capsys.readouterr().err
+    (tmp_path / "run.json").write_text("{}")
+    assert main(["run", str(tmp_path / "run.json")]) == 2
+    assert "expected a .yaml, .yml or .toml file" in capsys.readouterr().err
+
+
+def test_the_custom_flow_of_the_cli_page_runs_from_its_toml(tmp_path, capsys, monkeypatch):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    (toml,) = re.findall(r"^```toml\n(.*?)^```", page, re.S | re.M)  # the page's example, as written
+    (tmp_path / "myflow.py").write_text(  # the module its comments describe
+        "import numpy as np\n"
+        "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
+        "def items():\n    return [{'x': np.full(1, float(i))} for i in range(12)]\n"
+    )
+    (tmp_path / "run.toml").write_text(toml)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "run.toml", "--set", "run.pipeline.backend=inprocess"]) == 0
+    assert "done: 2 episodes in all (resumed ones included); trainer: 2 steps, 12 samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["policy=0"], "expected MODEL=N with N >= 1"),
+        (["policy"], "expected MODEL=N"),
+        (["missing-dir", "policy=2"], "not a folder"),
+    ],
+)
+def test_flowrl_scale_mistakes_exit_2_with_a_message(tmp_path, capsys, args, message):
+    where = [str(tmp_path)] if args[0] != "missing-dir" else [str(tmp_path / "missing")]
+    assert main(["scale", *where, *args[-1:]]) == 2
+    assert message in capsys.readouterr().err
