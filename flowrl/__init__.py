@@ -30,8 +30,8 @@ from ._core.simulate import SimResult, SimStage, StageCost, Workload, simulate
 from ._core.splitter import POLICIES as SPLITTERS
 from ._core.stats import PipelineStats, ReplicaStats, StageStats
 from ._engine.engine import Engine
-from ._engine.parts import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._engine.rlhf import RLHFEngine
+from ._engine.stats import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._pipeline.opening import Pipeline, build_flow, open_pipeline, run_flow
 from ._pipeline.pipeline import AsyncPipeline
 

@@ -16,7 +16,7 @@ def main() -> None:
     address, folder, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ray.init(address=address, log_to_driver=False)
     engine, seen = make_engine(checkpoint_every=1, checkpoint_dir=folder, keep_checkpoints=0)
-    relay = engine._relay_fn
+    relay = engine._learning.relay_fn
 
     def relay_then_die(episodes):
         out = relay(episodes)

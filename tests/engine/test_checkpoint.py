@@ -90,7 +90,7 @@ def test_resume_refuses_another_dataset_or_sampling(tmp_path):
     first, _ = make_engine(num_episode=1, checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
     first.learn()
     other, _ = make_engine(checkpoint_dir=str(tmp_path), **INPROCESS)
-    other.set_dataset(other._dataset[:10])
+    other.set_dataset(other._learning.dataset[:10])
     with pytest.raises(
         flowrl.CheckpointError, match=r"dataset_size=20, this run has dataset_size=10 \(the dataset's length\)"
     ):

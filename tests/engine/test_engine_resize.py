@@ -74,7 +74,7 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
 
     async def main():
         async with engine:
-            rollout = engine._live.rollout
+            rollout = engine._session.deployment.rollout
             resize, (tell, handled) = rollout.resize, anyio.create_memory_object_stream[str](4)
 
             async def resize_and_tell(model: str, replicas: int, **kw: Any) -> list[int]:
@@ -87,7 +87,7 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
 
             rollout.resize = resize_and_tell
             async with anyio.create_task_group() as tg:
-                tg.start_soon(engine._watch_requests, tmp_path)
+                tg.start_soon(engine._session.elasticity.watch_requests, tmp_path)
                 out = await anyio.to_thread.run_sync(
                     lambda: subprocess.run(
                         [sys.executable, "-m", "flowrl", "scale", str(tmp_path), "policy=3"],

@@ -125,7 +125,7 @@ def sync_and_probe(policy: Policy, trainer: Trainer, **config: Any) -> tuple[flo
     engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
     with engine:
         engine.learn()
-        after = engine._live.rollout  # the engine's own pool, for a direct check
+        after = engine._session.deployment.rollout  # the engine's own pool, for a direct check
         samples = engine._portal.call(after.run, [{"x": np.ones(4, dtype=np.float32)} for _ in range(8)])
     return engine, samples
 

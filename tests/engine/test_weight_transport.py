@@ -60,11 +60,13 @@ def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, b
         stats = engine.learn()
         trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
         # one more rollout: every replica holds the weights the trainer had after episode 3
-        before = engine._portal.call(engine._live.rollout.run, probe)
+        before = engine._portal.call(engine._session.deployment.rollout.run, probe)
         assert engine.resize("policy", 3) == [2]  # joins with the weights the others hold
-        after = engine._portal.call(engine._live.rollout.run, probe)
+        after = engine._portal.call(engine._session.deployment.rollout.run, probe)
     assert [e.weight_versions["policy"] for e in stats.episodes] == [1, 2, 3]
-    assert ("policy" in engine._groups) == (backend == "ray")  # broadcast on Ray; one process hands values over
+    assert ("policy" in engine._session.weights.groups) == (
+        backend == "ray"
+    )  # broadcast on Ray; one process hands values over
     for e, episode in enumerate(engine.train_results[:-1]):  # episode e+1 generated with e+1's weights
         assert stats.episodes[e + 1].staleness == {"policy": {0: 8}}
         assert episode["trainer"][-1][0]["w_sum"] != trained
@@ -92,7 +94,7 @@ def test_one_trainer_feeding_two_models_broadcasts_one_snapshot_that_a_later_joi
         engine.learn()
         trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
         assert engine.resize("critic", 2) == [1] and engine.resize("policy", 2) == [1]
-        after = engine._portal.call(engine._live.rollout.run, probe)
+        after = engine._portal.call(engine._session.deployment.rollout.run, probe)
     for model in ("policy", "critic"):
         assert {s[f"{model}_replica"] for s in after} == {0, 1}, model  # the joined replicas worked
         assert {round(s[f"{model}_w"], 5) for s in after} == {round(trained, 5)}, model
