@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys as _sys
+import inspect as _inspect
 from types import FunctionType as _FunctionType
 
 from msgspec import Struct as _Struct
@@ -97,10 +97,7 @@ def _rehome(namespace: dict[str, object]) -> None:
         if not isinstance(obj, type) and not isinstance(obj, _FunctionType):
             continue  # SPLITTERS, a dict
         if isinstance(obj, type) and issubclass(obj, _Struct):
-            where, own = vars(_sys.modules[obj.__module__]), vars(obj).get("__annotations__", {})
-            obj.__annotations__ = {
-                k: eval(v, where, dict(vars(obj))) if isinstance(v, str) else v for k, v in own.items()
-            }
+            obj.__annotations__ = _inspect.get_annotations(obj, eval_str=True)
         obj.__module__ = __name__
 
 

@@ -121,7 +121,7 @@ def _type(t: object) -> str:
         return "`None`"
     if isinstance(t, type) and not get_args(t):
         return f"`{t.__name__}`"
-    return "`" + str(t).replace("flowrl._core.config.", "") + "`"
+    return "`" + str(t).replace("flowrl._core.config.", "").replace("flowrl.", "") + "`"
 
 
 def _default(field: msgspec.structs.FieldInfo) -> str:
