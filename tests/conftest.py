@@ -22,11 +22,12 @@ if str(HELPERS) not in sys.path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One real local Ray cluster per test session: 16 logical CPUs, 8 logical GPUs."""
+    """One real local Ray cluster per test session: 16 logical CPUs, 8 logical GPUs. Always a new
+    one (``address="local"``): never a cluster someone else started on this machine."""
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
