@@ -183,7 +183,7 @@ class DriverEnd(asyncio.Protocol):
     def __init__(self, server: ChannelServer) -> None:
         self.loop = asyncio.get_running_loop()
         self._server = server
-        self._transport: asyncio.Transport | None = None
+        self._transport: asyncio.WriteTransport | None = None
         self._buffer = bytearray()
         self._named = False
         self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
@@ -204,7 +204,8 @@ class DriverEnd(asyncio.Protocol):
         return self._sent - 1, future
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        assert isinstance(transport, asyncio.WriteTransport)  # a Unix stream socket's is one
+        self._transport = transport
 
     def data_received(self, data: bytes) -> None:
         for frame in _frames(self._buffer, data):

@@ -178,11 +178,11 @@ class RayBackend:
         )
         for fut in pending:
             fut.cancel()
-        failed = [f for f in done if f.exception() is not None]
+        failed = [err for f in done if (err := f.exception()) is not None]
         if failed or pending:  # none of this call's actors is left holding resources
             await self.stop([ReplicaHandle(s.model.name, s.replica_id, "", actors[f]) for f, s in waits.items()])
         if failed:
-            raise failed[0].exception()  # type: ignore[misc]
+            raise failed[0]
         if pending:
             late = ", ".join(sorted(f"{waits[f].model.name}[{waits[f].replica_id}]" for f in pending))
             raise ClusterError(
