@@ -1,4 +1,4 @@
-"""The in-process backend (layer 4): same semantics as Ray, one process, breakpoints work.
+"""The in-process backend: same semantics as Ray, one process, breakpoints work.
 
 Each replica is a deep copy of the driver's model instance. Calls run inline on the event
 loop (``threads=False``, the debugging mode: ``breakpoint()`` in a step just works) or in

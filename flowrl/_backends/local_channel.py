@@ -1,4 +1,4 @@
-"""A channel per replica on the driver's node (layer 4, for the Ray backend; no ray import).
+"""A channel per replica on the driver's node (for the Ray backend; no ray import).
 
 A Ray actor call costs both sides far more CPU than its bytes do (on 2 cores a no-op call
 takes ~1.6 ms of CPU, submission alone 0.3-0.4 ms), so a runtime that sends many small

@@ -1,8 +1,8 @@
-"""The Ray actors (layer 4): what runs in a replica's or a trainer rank's process.
+"""The Ray actors: what runs in a replica's or a trainer rank's process.
 
 A replica actor runs one shard at a time on its one worker thread (a second shard sent ahead
 waits, and weights load between shards, before the shards waiting), whether the shard came as a Ray call or over the
-replica's Unix socket (``_ray_channel``). It has no extra concurrency group: one costs every
+replica's Unix socket (``local_channel``). It has no extra concurrency group: one costs every
 call about a quarter of its throughput, and closing needs none (a killed actor fails its pings).
 """
 

@@ -1,7 +1,7 @@
-"""The Ray backend (layer 4): one Ray actor per replica (``_ray_actors``). It, the actors and
-``_ray_wire`` (how shard data and replies travel) are the only modules that import ray.
+"""The Ray backend: one Ray actor per replica (``ray_actors``). It, the actors and
+``ray_wire`` (how shard data and replies travel) are the only modules that import ray.
 
-Replicas on the driver's node also read shards from a Unix socket (``_ray_channel``), which
+Replicas on the driver's node also read shards from a Unix socket (``local_channel``), which
 costs far less than a Ray call.
 """
 

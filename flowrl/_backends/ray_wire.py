@@ -1,4 +1,4 @@
-"""How shard data travels in the Ray backend (layer 4, with ``_ray_backend``).
+"""How shard data travels in the Ray backend (with ``ray_backend``).
 
 Shard data rides inside the calls while it is small. An object in Ray's shared memory costs
 its reader a trip through the raylet (~2 ms of CPU on 2 cores), and an object Ray pickles

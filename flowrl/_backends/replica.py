@@ -1,4 +1,4 @@
-"""What runs inside a replica, whatever the backend (layer 4, shared by both backends).
+"""What runs inside a replica, whatever the backend (shared by both backends).
 
 A replica receives a ``ShardCall``: the shard's sample ids and, per producer, the object
 references and rows that hold their fields. It fetches each object once, gathers and merges

@@ -1,4 +1,4 @@
-"""Weights sent without their values going through Ray's object store (layer 4; torch is
+"""Weights sent without their values going through Ray's object store (torch is
 imported lazily). A trainer picks the transport with ``ModelConfig.weight_transport``:
 
 - ``"cuda_ipc"``: ``CudaShare``. The trainer copies its weights into one flat GPU buffer per

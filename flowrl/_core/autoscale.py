@@ -1,4 +1,4 @@
-"""The autoscaling policy (layer 3, sans-IO: no Ray, no event loop).
+"""The autoscaling policy (sans-IO: no Ray, no event loop).
 
 Fed one ``Reading`` per autoscaled model at every tick of an active run, it answers with the
 pools to grow or shrink. A pool grows when its queue stays long (every serving replica has at

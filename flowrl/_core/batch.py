@@ -1,4 +1,4 @@
-"""Columnar samples (layer 2): ``ids`` plus field -> tensor (dim 0 = sample), array or list."""
+"""Columnar samples: ``ids`` plus field -> tensor (dim 0 = sample), array or list."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Configuration and control messages (layer 1): frozen, keyword-only msgspec Structs."""
+"""Configuration and control messages: frozen, keyword-only msgspec Structs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one exception tree of flowrl (layer 1: imports nothing from flowrl)."""
+"""The one exception tree of flowrl (imports nothing from flowrl)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flow tracing and validation (layer 3, sans-IO).
+"""Flow tracing and validation (sans-IO).
 
 A flow is a plain function over model handles. It is called once with a placeholder
 ``Node`` for the input; every step call on a placeholder records a stage instead of running.

@@ -1,4 +1,4 @@
-"""The run configuration of an RL engine (layer 1), loadable from YAML or TOML with overrides."""
+"""The run configuration of an RL engine, loadable from YAML or TOML with overrides."""
 
 from __future__ import annotations
 

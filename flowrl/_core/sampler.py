@@ -1,4 +1,4 @@
-"""Episode sampling, relay buffer and train-step planning (layer 3, sans-IO).
+"""Episode sampling, relay buffer and train-step planning (sans-IO).
 
 - ``EpisodeSampler``: ChatLearn's semantics. Episodes draw consecutive prompts and wrap
   around the dataset; the position carries over from one ``learn`` to the next; an optional

@@ -1,4 +1,4 @@
-"""The pull matchmaker of one pool (layer 3, sans-IO: no Ray, no event loop).
+"""The pull matchmaker of one pool (sans-IO: no Ray, no event loop).
 
 Replicas ask for work one *slot* at a time (a slot is one shard in flight; ``prefetch`` slots
 per replica). Samples become ready per stage. ``poll`` pairs waiting slots with shards cut by

@@ -1,4 +1,4 @@
-"""A virtual-clock simulator of flowrl's scheduling (layer 3, sans-IO: no Ray, no sleeping).
+"""A virtual-clock simulator of flowrl's scheduling (sans-IO: no Ray, no sleeping).
 
 It drives the same ``PoolScheduler`` and splitter as the runtime, with simulated replicas
 whose call times come from a workload description, so makespan, idle time and shard sizes

@@ -1,4 +1,4 @@
-"""Splitter policies (layer 3, sans-IO): how many pending samples an idle replica takes.
+"""Splitter policies (sans-IO): how many pending samples an idle replica takes.
 
 Every policy is work-conserving (a replica asking while samples are pending always gets at
 least one) and never exceeds the stage's ``batch_size``. The adaptive policies also bound what

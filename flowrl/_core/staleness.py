@@ -1,4 +1,4 @@
-"""The staleness bound of asynchronous training (layer 3, sans-IO: no Ray, no event loop).
+"""The staleness bound of asynchronous training (sans-IO: no Ray, no event loop).
 
 Weight versions count syncs: an inference model fed by a trainer starts at version 0 and
 each sync (after every ``sync_every``-th episode) adds one. Episode ``e`` trains while the

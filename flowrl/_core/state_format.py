@@ -1,4 +1,4 @@
-"""Checkpoint files (layer 2): a safe state format and a directory of atomic checkpoints.
+"""Checkpoint files: a safe state format and a directory of atomic checkpoints.
 
 State format: msgpack, with numpy arrays and torch tensors as typed extensions (dtype name,
 shape, raw bytes). Reading one never runs code from the file (no pickle), and a dtype name is

@@ -1,4 +1,4 @@
-"""Exact per-stage and per-replica accounting (layer 3, sans-IO)."""
+"""Exact per-stage and per-replica accounting (sans-IO)."""
 
 from __future__ import annotations
 

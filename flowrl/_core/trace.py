@@ -1,4 +1,4 @@
-"""Timelines (layer 3, sans-IO): spans of replicas, trainer ranks and episode phases, written
+"""Timelines (sans-IO): spans of replicas, trainer ranks and episode phases, written
 as a Chrome trace (``chrome://tracing`` and https://ui.perfetto.dev open it).
 
 A shard's span is its step as the replica timed it (wall clock, in the replica's process):

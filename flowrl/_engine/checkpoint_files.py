@@ -1,4 +1,4 @@
-"""Checkpoint files of an RL engine (layer 6): what one holds, writing it, reading it back.
+"""Checkpoint files of an RL engine: what one holds, writing it, reading it back.
 
 A checkpoint after episode k holds everything the next episode depends on: the driver's
 state (``engine.json``: episode and sample counters, the sampler's position, weight versions,

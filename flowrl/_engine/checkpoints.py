@@ -1,4 +1,4 @@
-"""Checkpoints of a running engine (layer 6): write one, resume from one, and rebuild a trainer
+"""Checkpoints of a running engine: write one, resume from one, and rebuild a trainer
 group whose rank died from the last one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What an engine has started (layer 6): the backend, the trainer groups, the rollout and
+"""What an engine has started: the backend, the trainer groups, the rollout and
 evaluation pipelines; from ``deploy`` to ``Deployment.stop``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Resizing an engine's inference pools while it runs (layer 6): the API, and the requests
+"""Resizing an engine's inference pools while it runs: the API, and the requests
 ``flowrl scale RUN_DIR model=N`` leaves in the run directory.
 
 A request file (``scale.json``: model -> replicas) is picked up within a second while

@@ -1,4 +1,4 @@
-"""The RL engine (layer 6): episodes, relay buffer, data-parallel trainers, weight sync.
+"""The RL engine: episodes, relay buffer, data-parallel trainers, weight sync.
 
 One episode: draw ``sample_per_episode`` samples from the dataset (ChatLearn's sampler),
 stream them through the rollout flow, add them to the relay buffer, train every trainer on

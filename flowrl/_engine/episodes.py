@@ -1,4 +1,4 @@
-"""The episode loop (layer 6): per episode, its rollout, the relay buffer, training, the weight
+"""The episode loop: per episode, its rollout, the relay buffer, training, the weight
 sync, evaluation, then the episode's stats, metrics and checkpoint."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where learning stands (layer 6): the dataset and its sampler, the relay buffer, episodes done
+"""Where learning stands: the dataset and its sampler, the relay buffer, episodes done
 and their stats, the trainers' counters and results; ``snapshot``/``restore`` for checkpoints."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An engine's models and its set-up checks (layer 6), all done before anything starts."""
+"""An engine's models and its set-up checks, all done before anything starts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Asynchronous training (layer 6): rollouts that run ahead of training under a staleness bound.
+"""Asynchronous training: rollouts that run ahead of training under a staleness bound.
 
 A rollout task produces episodes in order and hands them to the training loop through a
 bounded stream (``max_staleness + 1`` episodes). Before episode ``e``'s rollout starts it waits

@@ -1,4 +1,4 @@
-"""Where an engine's replicas go (layer 6): placement groups for GPU replicas, colocation."""
+"""Where an engine's replicas go: placement groups for GPU replicas, colocation."""
 
 from __future__ import annotations
 

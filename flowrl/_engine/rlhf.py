@@ -1,4 +1,4 @@
-"""The standard six-model PPO engine, in ChatLearn's argument order (layer 6)."""
+"""The standard six-model PPO engine, in ChatLearn's argument order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What an engine reports (layer 6): its run directory, and metrics for Ray's Prometheus export.
+"""What an engine reports: its run directory, and metrics for Ray's Prometheus export.
 
 ``metrics.jsonl``: one JSON object per episode (its ``EpisodeStats``, the trainers' and the
 rollout pipeline's counters so far, the wall-clock time); ``trace.json``: the timeline of every

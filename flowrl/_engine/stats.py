@@ -1,4 +1,4 @@
-"""What an engine counts (layer 6): the stats Structs ``learn()`` returns, and the trainers'
+"""What an engine counts: the stats Structs ``learn()`` returns, and the trainers'
 per-rank counters behind them."""
 
 from __future__ import annotations

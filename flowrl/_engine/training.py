@@ -1,4 +1,4 @@
-"""Training (layer 6): every trainer's steps over an episode's samples, each global batch split
+"""Training: every trainer's steps over an episode's samples, each global batch split
 over the trainer group's data-parallel ranks."""
 
 from __future__ import annotations

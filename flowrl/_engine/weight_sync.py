@@ -1,4 +1,4 @@
-"""Weight sync (layer 6): each trainer's weights sent to the inference model it feeds, through
+"""Weight sync: each trainer's weights sent to the inference model it feeds, through
 the object store (by host or CUDA IPC handles) or broadcast from the trainer's rank 0 (NCCL)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Opening and closing pipelines (layer 5): the async context manager and the sync wrapper."""
+"""Opening and closing pipelines: the async context manager and the sync wrapper."""
 
 from __future__ import annotations
 

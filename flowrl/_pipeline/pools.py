@@ -1,4 +1,4 @@
-"""Async wrappers of the sans-IO scheduler (layer 5): waiting slots and the in-flight window."""
+"""Async wrappers of the sans-IO scheduler: waiting slots and the in-flight window."""
 
 from __future__ import annotations
 

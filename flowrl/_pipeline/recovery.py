@@ -1,4 +1,4 @@
-"""What a pipeline does when replicas or stored outputs are lost (layer 5).
+"""What a pipeline does when replicas or stored outputs are lost.
 
 - A replica that dies holding shards is retired; its shards go back to their stage's queue
   and are cut again for the replicas left (``lost``).

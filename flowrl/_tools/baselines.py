@@ -1,4 +1,4 @@
-"""What a user would otherwise run, on the load test's workloads (layer 7): ChatLearn's static
+"""What a user would otherwise run, on the load test's workloads: ChatLearn's static
 push, Ray Data's streaming executor with actor pools, and the raw Ray substrate measured over
 flowrl's own replica actors. Like the backend, these are Ray programs.
 """

@@ -1,4 +1,4 @@
-"""The ``flowrl`` command (layer 7)."""
+"""The ``flowrl`` command."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Load tests (layer 7): synthetic RL-shaped workloads run by flowrl, by a static push
+"""Load tests: synthetic RL-shaped workloads run by flowrl, by a static push
 scheduler as ChatLearn does it, and by Ray Data, side by side with the simulator's
 zero-overhead makespan and the strict lower bound.
 

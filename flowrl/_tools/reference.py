@@ -1,4 +1,4 @@
-"""The configuration reference (layer 7), generated from the config Structs themselves.
+"""The configuration reference, generated from the config Structs themselves.
 
 ``python -m flowrl._tools.reference > docs/config.md`` writes it; a test fails when the page and the
 Structs differ, or when a field has no description here, so the page cannot drift.

@@ -1,4 +1,4 @@
-"""``flowrl run CONFIG``: an engine described by a YAML or TOML file (layer 7).
+"""``flowrl run CONFIG``: an engine described by a YAML or TOML file.
 
     flow: rlhf                      # ChatLearn's six-model PPO flow, or "module:function"
     dataset: examples.ppo_tiny:dataset

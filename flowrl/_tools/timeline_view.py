@@ -1,4 +1,4 @@
-"""Reading a timeline (layer 7): the summary table and the utilisation chart of ``flowrl trace``.
+"""Reading a timeline: the summary table and the utilisation chart of ``flowrl trace``.
 
 The chart has a row per replica (and trainer rank), time across, a bar per shard coloured by
 stage; the engine's phases run along the top. Idle time is the white between bars. It needs
