@@ -5,8 +5,6 @@ from __future__ import annotations
 import inspect as _inspect
 from types import FunctionType as _FunctionType
 
-from msgspec import Struct as _Struct
-
 from ._core.autoscale import ScaleEvent
 from ._core.batch import Batch, Sample
 from ._core.config import Autoscale, ModelConfig, PipelineConfig
@@ -87,16 +85,16 @@ def _rehome(namespace: dict[str, object]) -> None:
     tracebacks, pickles and docs name ``flowrl.Batch``, not the private module that defines it
     (pickles stay loadable: ``flowrl.<name>`` is the object itself).
 
-    msgspec resolves a Struct's string annotations lazily, in the globals of
-    ``sys.modules[cls.__module__]``; they are resolved here first, while the defining module
-    is still the one named, so decoding, converting and ``msgspec.structs.fields`` see the same
-    types after the move.
+    msgspec (and ``typing.get_type_hints``) resolve a class's string annotations lazily, in the
+    globals of ``sys.modules[cls.__module__]``; a class's own annotations (Structs, dataclasses)
+    are resolved here first, while the defining module is still the one named, so decoding,
+    converting and type hints see the same types after the move.
     """
     for name in __all__:
         obj = namespace[name]
         if not isinstance(obj, type) and not isinstance(obj, _FunctionType):
             continue  # SPLITTERS, a dict
-        if isinstance(obj, type) and issubclass(obj, _Struct):
+        if isinstance(obj, type) and "__annotations__" in vars(obj):
             obj.__annotations__ = _inspect.get_annotations(obj, eval_str=True)
         obj.__module__ = __name__
 

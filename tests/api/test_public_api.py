@@ -10,6 +10,7 @@ import inspect
 import pickle
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import msgspec
@@ -59,6 +60,18 @@ def test_a_public_class_or_function_says_flowrl_is_its_module(name):
     assert obj.__module__ == "flowrl"
     assert getattr(flowrl, obj.__qualname__) is obj  # the name a pickle looks up
     assert pickle.loads(pickle.dumps(obj)) is obj
+
+
+@pytest.mark.parametrize("name", [n for n in flowrl.__all__ if isinstance(getattr(flowrl, n), type)])
+def test_a_public_class_s_type_hints_resolve_under_its_public_module(name):
+    cls = getattr(flowrl, name)
+    hints = typing.get_type_hints(cls)  # a string annotation left unresolved would fail here
+    assert set(vars(cls).get("__annotations__", {})) <= set(hints)
+
+
+def test_a_relay_episode_converts_with_msgspec_under_its_public_name():
+    episode = msgspec.convert({"episode_id": 3, "buffer": [1, "a"]}, flowrl.EpisodeBuffer)
+    assert episode == flowrl.EpisodeBuffer(episode_id=3, buffer=[1, "a"])
 
 
 def test_the_public_names_that_are_not_code_are_data():
