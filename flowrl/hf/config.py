@@ -1,0 +1,170 @@
+"""What the Hugging Face models are built from and how they sample and train (frozen Structs;
+a run file gives them as mappings under a model's ``args``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .._core.config import _check_types, _non_negative, _one_of, _positive
+from .._core.errors import ConfigError
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Schedule = Literal["constant", "linear", "cosine"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k2", "k3", "abs"]
+
+
+class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where a model's weights and tokenizer come from.
+
+    ``path``: a local folder (or hub-style name already in the local cache) that
+    ``from_pretrained`` reads; with ``gguf_file`` a GGUF file in that folder (de-quantised on
+    load; needs the ``gguf`` package). ``config``: instead of weights, a ``transformers``
+    config as a mapping (with ``model_type``), built with random weights from ``seed`` (for
+    throughput runs and tests); the tokenizer then comes from ``tokenizer``. ``dtype``: the
+    weights' dtype ("auto": bfloat16 on a GPU, float32 on a CPU). ``pad_token``: the token to
+    pad with when the tokenizer has none (e.g. its eos token), never guessed.
+    """
+
+    path: str | None = None
+    gguf_file: str | None = None
+    config: dict[str, object] | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+    dtype: Dtype = "auto"
+    pad_token: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _one_of("LM", "dtype", self.dtype, Dtype)
+        if (self.path is None) == (self.config is None):
+            raise ConfigError(
+                "LM: give path= (pretrained weights) or config= (a transformers config for random "
+                f"weights), exactly one; got path={self.path!r}, config={'set' if self.config else None}"
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ConfigError(f"LM.config needs a 'model_type' key (e.g. 'llama'), got keys {sorted(self.config)}")
+        if self.path is None and self.tokenizer is None:
+            raise ConfigError("LM: a model built from config= needs tokenizer= (a folder with a tokenizer)")
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the policy samples: one response per sample (``RunConfig.num_samples_per_prompt``
+    sets how many samples share a prompt). ``temperature=0`` is greedy. ``stop_token_ids``
+    end a response besides the tokenizer's eos. ``chat_template``: render prompts with the
+    tokenizer's chat template (None: when it has one); ``system_prompt`` goes first then.
+    ``max_prompt_tokens``: a longer prompt is an error naming the sample (None: the model's
+    context less ``max_new_tokens``)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive("Sampling", max_new_tokens=self.max_new_tokens, max_prompt_tokens=self.max_prompt_tokens)
+        _non_negative("Sampling", temperature=self.temperature, top_k=self.top_k)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
+
+
+class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """AdamW and its learning-rate schedule; ``total_steps`` (optimizer steps) bounds the
+    linear and cosine decays (0: no decay), after ``warmup_steps`` of linear warm-up."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    schedule: Schedule = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _one_of("Optim", "schedule", self.schedule, Schedule)
+        _positive("Optim", lr=self.lr, max_grad_norm=self.max_grad_norm)
+        _non_negative("Optim", weight_decay=self.weight_decay, warmup_steps=self.warmup_steps)
+        _non_negative("Optim", total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"Optim.schedule={self.schedule!r} decays until total_steps, which must exceed "
+                f"warmup_steps={self.warmup_steps}; got total_steps={self.total_steps}"
+            )
+
+
+class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a trainer steps. ``micro_batch_tokens``: the most tokens (prompt + response) a
+    micro-batch holds (0: ``RunConfig.train_micro_batch_size`` rows); ``fsdp``: shard the model
+    over the data-parallel ranks with FSDP2 (``"auto"``: when there is more than one rank);
+    ``autocast``: bf16 autocast on a GPU ("auto") or never; ``gradient_checkpointing``:
+    recompute activations in the backward pass (less memory, ~1/3 more compute)."""
+
+    micro_batch_tokens: int = 0
+    fsdp: Literal["auto", "never"] = "auto"
+    autocast: Literal["auto", "never"] = "auto"
+    gradient_checkpointing: bool = False
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _one_of("Train", "fsdp", self.fsdp, Literal["auto", "never"])
+        _one_of("Train", "autocast", self.autocast, Literal["auto", "never"])
+        _non_negative("Train", micro_batch_tokens=self.micro_batch_tokens)
+        _positive("Train", temperature=self.temperature)
+
+
+class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The GRPO objective: group-normalised advantages (``scale="none"``: not divided by the
+    group's std, as Dr. GRPO), the clipped ratio (``clip_high`` for an asymmetric upper
+    bound), a KL term to the reference with estimator ``kl`` and weight ``kl_coef`` (0: no
+    reference needed), and the aggregation over tokens and sequences."""
+
+    clip: float = 0.2
+    clip_high: float | None = None
+    kl_coef: float = 0.0
+    kl: KLKind = "k3"
+    scale: Literal["std", "none"] = "std"
+    aggregation: Aggregation = "token-mean"
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _one_of("GRPO", "kl", self.kl, KLKind)
+        _one_of("GRPO", "aggregation", self.aggregation, Aggregation)
+        _one_of("GRPO", "scale", self.scale, Literal["std", "none"])
+        _positive("GRPO", clip=self.clip, clip_high=self.clip_high, max_tokens=self.max_tokens)
+        _non_negative("GRPO", kl_coef=self.kl_coef)
+
+
+class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The PPO objective with GAE: per-token rewards are the KL penalty (``kl_coef``, estimator
+    ``kl``) plus the score at the last token; advantages by GAE(``gamma``, ``lam``) over the
+    value model's estimates; clipped ratio; value loss clipped by ``value_clip``."""
+
+    clip: float = 0.2
+    clip_high: float | None = None
+    kl_coef: float = 0.05
+    kl: KLKind = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float | None = 0.2
+    aggregation: Aggregation = "token-mean"
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _one_of("PPO", "kl", self.kl, KLKind)
+        _one_of("PPO", "aggregation", self.aggregation, Aggregation)
+        _positive("PPO", clip=self.clip, clip_high=self.clip_high, value_clip=self.value_clip)
+        _non_negative("PPO", kl_coef=self.kl_coef, gamma=self.gamma, lam=self.lam)

@@ -1,0 +1,252 @@
+"""Inference models over ``transformers``: a sampling policy, a reference, a value model, a
+reward model and a rule-based reward. Each is a plain ``flowrl.Model`` (replicas, batch
+sizes, colocation and weight sync work as for any model).
+
+Fields (per sample): the policy reads ``prompt`` (a string) and writes ``prompt_ids``,
+``response_ids`` and ``logprobs`` (1-D tensors of the sample's own length),
+``response_text``, ``finish_reason`` ("stop" or "length") and ``weight_version``; the
+reference writes ``ref_logprobs``, the value model ``values`` (per response token), the
+reward models ``score``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._core.config import ModelConfig, to_config
+from .._core.errors import ConfigError
+from .._core.model import Model
+from .config import LM, Sampling
+from .loading import Head, check_paths, context_length, load_module, load_tokenizer
+from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .._core.batch import Batch
+
+Config = ModelConfig | Mapping[str, Any] | None
+
+
+class HFModel(Model):
+    """A model whose ``self.module`` is a ``transformers`` network built from ``lm`` in
+    ``setup`` (on the replica's device), with its tokenizer in ``self.tokenizer``."""
+
+    head: Head = "causal"
+
+    def __init__(self, name: str, config: Config = None, *, lm: LM | Mapping[str, Any]) -> None:
+        super().__init__(name, config)
+        self.lm = to_config(LM, lm, f"model {name!r} lm")
+        check_paths(self.lm, name)
+
+    def setup(self) -> None:
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.lm, self.name)
+        self.module = load_module(self.lm, self.head, self.device, self.tokenizer).eval()
+
+    def padded(self, batch: Batch) -> Any:
+        return join(batch["prompt_ids"], batch["response_ids"], int(self.tokenizer.pad_token_id))
+
+
+def rows(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Row ``i`` of ``values`` cut to ``lengths[i]``, on the CPU (ragged per-sample fields)."""
+    values = values.detach().float().cpu()
+    return [values[i, : int(n)].clone() for i, n in enumerate(lengths)]
+
+
+class HFPolicy(HFModel):
+    """Samples one response per sample from a causal LM (KV-cached ``generate``), with the
+    per-token log-probs of the sampling distribution (the logits over ``temperature``,
+    before top-p/top-k, as the trainer computes them)."""
+
+    def __init__(
+        self,
+        name: str,
+        config: Config = None,
+        *,
+        lm: LM | Mapping[str, Any],
+        sampling: Sampling | Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(name, config, lm=lm)
+        self.sampling = to_config(Sampling, sampling, f"model {name!r} sampling")
+
+    def setup(self) -> None:
+        super().setup()
+        s, tok = self.sampling, self.tokenizer
+        self.stop_ids = sorted({*s.stop_token_ids, *_eos_ids(tok, self.module)})
+        context = context_length(self.module)
+        self.max_prompt = s.max_prompt_tokens or (context - s.max_new_tokens if context else None)
+        if self.max_prompt is not None and self.max_prompt <= 0:
+            raise ConfigError(
+                f"model {self.name!r}: Sampling.max_new_tokens={s.max_new_tokens} leaves no room for a "
+                f"prompt in the model's context of {context} tokens"
+            )
+        self.use_template = s.chat_template if s.chat_template is not None else bool(tok.chat_template)
+        if self.use_template and not tok.chat_template:
+            raise ConfigError(f"model {self.name!r}: Sampling.chat_template=True, but the tokenizer has no template")
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        """The prompt's token ids, rendered with the chat template when one is used."""
+        if not isinstance(prompt, str):
+            raise ConfigError(f"model {self.name!r}: field 'prompt' must hold strings, got {type(prompt).__name__}")
+        tok = self.tokenizer
+        if self.use_template:
+            messages = [{"role": "user", "content": prompt}]
+            if self.sampling.system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": self.sampling.system_prompt})
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(prompt)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+    @torch.no_grad()
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        prompts = [self.encode(p) for p in batch["prompt"]]
+        for sample, ids in zip(batch.ids.tolist(), prompts, strict=True):
+            if self.max_prompt is not None and len(ids) > self.max_prompt:
+                raise ConfigError(
+                    f"model {self.name!r}: the prompt of sample {sample} has {len(ids)} tokens, more than "
+                    f"{self.max_prompt} (Sampling.max_prompt_tokens, or the context less max_new_tokens)"
+                )
+        generated, logprobs = self.generate(prompts)
+        responses, reasons = cut_at_stop(generated, self.stop_ids)
+        lengths = torch.tensor([len(r) for r in responses])
+        return {
+            "prompt_ids": prompts,
+            "response_ids": responses,
+            "logprobs": rows(logprobs, lengths),
+            "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
+            "finish_reason": reasons,
+            "weight_version": torch.full((len(prompts),), self.weight_version, dtype=torch.long),
+        }
+
+    def generate(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generated tokens ``[n, R]`` (pads after a stop) and their log-probs ``[n, R]``."""
+        from transformers import GenerationConfig
+
+        from .tokens import token_logprobs
+
+        s, pad = self.sampling, int(self.tokenizer.pad_token_id)
+        ids, mask = left_pad(prompts, pad)
+        greedy = s.temperature == 0
+        config = GenerationConfig(  # type: ignore[no-untyped-call]
+            do_sample=not greedy,
+            temperature=None if greedy else s.temperature,
+            top_p=None if greedy else s.top_p,
+            top_k=None if greedy or not s.top_k else s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=pad,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        generate: Any = self.module.generate
+        out = generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config)
+        tokens = out.sequences[:, ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1)
+        return tokens.cpu(), token_logprobs(logits, tokens, 1.0 if greedy else s.temperature).cpu()
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, module: torch.nn.Module) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(module, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return {int(i) for i in ids if i is not None}
+
+
+class HFReference(HFModel):
+    """Per-token log-probs of given responses (``ref_logprobs``) under a frozen causal LM;
+    ``temperature`` must match the policy's sampling temperature."""
+
+    def __init__(
+        self, name: str, config: Config = None, *, lm: LM | Mapping[str, Any], temperature: float = 1.0
+    ) -> None:
+        super().__init__(name, config, lm=lm)
+        self.temperature = temperature
+        self.output = "ref_logprobs"
+
+    @torch.no_grad()
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        padded = self.padded(batch)
+        logits = self.module(
+            input_ids=padded.input_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device)
+        ).logits
+        values, _ = sequence_logprobs(logits.cpu(), padded, self.temperature)
+        return {self.output: rows(values, padded.response_lengths)}
+
+
+class HFValue(HFModel):
+    """A value estimate per response token (``values``): a linear head on a causal LM's body;
+    the value of token ``t`` is read at the position before it (the state it was chosen in)."""
+
+    head: Head = "value"
+
+    @torch.no_grad()
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        padded = self.padded(batch)
+        values = self.module(padded.input_ids.to(self.device), padded.attention_mask.to(self.device))
+        return {"values": rows(response_values(values.cpu(), padded), padded.response_lengths)}
+
+
+class HFRewardModel(HFModel):
+    """A sequence classifier with one label scores prompt + response (``score``)."""
+
+    head: Head = "reward"
+
+    @torch.no_grad()
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        padded = self.padded(batch)
+        out = self.module(
+            input_ids=padded.input_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device)
+        )
+        return {"score": out.logits[:, 0].float().cpu()}
+
+
+class RuleReward(Model):
+    """A verifiable reward: ``fn(prompt, response, **fields) -> float`` per sample, where
+    ``response`` is the decoded response and ``fields`` the sample's other fields (e.g. an
+    ``answer`` from the data set). ``fn`` must be importable (a module-level function) so
+    replicas can receive it. Writes ``score``."""
+
+    def __init__(self, name: str, config: Config = None, *, fn: Callable[..., float] | str) -> None:
+        super().__init__(name, config)
+        self.fn = _resolve(fn, name) if isinstance(fn, str) else fn
+        if not callable(self.fn):
+            raise ConfigError(f"model {name!r}: fn must be a function, got {type(fn).__name__}")
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        scores = []
+        for i, sample in enumerate(batch.ids.tolist()):
+            fields = batch.row(i)
+            prompt, response = fields.pop("prompt"), fields.pop("response_text")
+            try:
+                value = float(self.fn(prompt, response, **fields))
+            except Exception as err:
+                raise ValueError(
+                    f"reward {self.name!r}: {_name(self.fn)} raised {type(err).__name__}: {err} on sample {sample}"
+                ) from err
+            if not math.isfinite(value):
+                raise ValueError(f"reward {self.name!r}: {_name(self.fn)} returned {value} for sample {sample}")
+            scores.append(value)
+        return {"score": torch.tensor(scores, dtype=torch.float32)}
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+
+
+def _resolve(target: str, model: str) -> Callable[..., float]:
+    """``"package.module:function"`` (how a run file names the function)."""
+    import importlib
+
+    module, _, attr = target.partition(":")
+    try:
+        fn: Callable[..., float] = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"model {model!r}: fn={target!r} is not an importable 'module:function' ({err})") from err
+    return fn
