@@ -204,6 +204,11 @@ class Model:
         """Load weights received from a trainer (default: into ``self.module``)."""
         self._module("set_weights").load_state_dict(weights)
 
+    def check_weights_from(self, trainer: Model) -> None:
+        """Raise ``ConfigError`` when ``trainer``'s weights cannot load into this model. An
+        engine calls it for each sync pair when it is built, before any replica starts
+        (default: no check; the first sync finds a mismatch)."""
+
     # ---- checkpoint hooks (trainers) ----
     def checkpoint_state(self) -> Mapping[str, Any]:
         """What a checkpoint keeps of this trainer (rank 0's; data-parallel ranks hold the same).

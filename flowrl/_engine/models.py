@@ -83,6 +83,7 @@ def _check_sync(config: RunConfig, trainers: list[Model], sync: list[tuple[Model
                 f"sync pair ({trainer.name!r} -> {target.name!r}): the first must be a trainer and the "
                 "second a model of the rollout flow"
             )
+        target.check_weights_from(trainer)
     direct = [t.name for t, _ in sync if t.config.weight_transport != "host"]
     if direct and config.checkpoint_every and config.sync_every > 1:
         raise ConfigError(

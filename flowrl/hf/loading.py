@@ -61,12 +61,12 @@ def load_module(lm: LM, head: Head, device: torch.device, tokenizer: PreTrainedT
 
     dtype = dtype_of(lm, device)
     if head == "value":
-        body = _pretrained(tf.AutoModel, lm, dtype) if lm.path else _random(tf.AutoModel, lm, dtype)
+        body = _pretrained(tf.AutoModel, lm, dtype) if lm.path else _random(tf.AutoModel, lm, dtype, tokenizer)
         module: torch.nn.Module = ValueModel(body)
     else:
         auto = tf.AutoModelForCausalLM if head == "causal" else tf.AutoModelForSequenceClassification
         extra = {"num_labels": 1} if head == "reward" else {}
-        module = _pretrained(auto, lm, dtype, **extra) if lm.path else _random(auto, lm, dtype, **extra)
+        module = _pretrained(auto, lm, dtype, **extra) if lm.path else _random(auto, lm, dtype, tokenizer, **extra)
         if head == "reward":
             module.config.pad_token_id = tokenizer.pad_token_id
     return module.to(device=device, dtype=dtype)
@@ -80,11 +80,13 @@ def _pretrained(auto: Any, lm: LM, dtype: torch.dtype, **extra: Any) -> PreTrain
     return model
 
 
-def _random(auto: Any, lm: LM, dtype: torch.dtype, **extra: Any) -> PreTrainedModel:
+def _random(auto: Any, lm: LM, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase, **extra: Any) -> PreTrainedModel:
     from transformers import AutoConfig
 
     assert lm.config is not None
-    settings = dict(lm.config)
+    # the special tokens are the tokenizer's, not a config class's defaults (which name other tokens)
+    special = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    settings = {**special, **lm.config}
     config = AutoConfig.for_model(str(settings.pop("model_type")), **settings, **extra)
     # every replica and trainer rank draws the same initial weights
     torch.manual_seed(lm.seed)
@@ -113,3 +115,27 @@ def context_length(module: torch.nn.Module) -> int | None:
     config = getattr(module, "config", None) or getattr(getattr(module, "body", None), "config", None)
     value = getattr(config, "max_position_embeddings", None)
     return int(value) if value else None
+
+
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def shape_of(lm: LM) -> dict[str, object]:
+    """The settings that decide a model's weight names and shapes (read from its config)."""
+    from transformers import AutoConfig
+
+    if lm.config is not None:
+        settings = dict(lm.config)
+        config = AutoConfig.for_model(str(settings.pop("model_type")), **settings)
+    else:
+        extra = {"gguf_file": lm.gguf_file} if lm.gguf_file else {}
+        config = AutoConfig.from_pretrained(str(lm.path), trust_remote_code=lm.trust_remote_code, **extra)
+    return {key: getattr(config, key, None) for key in SHAPE_KEYS}

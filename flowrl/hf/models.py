@@ -21,7 +21,7 @@ from .._core.config import ModelConfig, to_config
 from .._core.errors import ConfigError
 from .._core.model import Model
 from .config import LM, Sampling
-from .loading import Head, check_paths, context_length, load_module, load_tokenizer
+from .loading import Head, check_paths, context_length, load_module, load_tokenizer, shape_of
 from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs
 
 if TYPE_CHECKING:
@@ -47,8 +47,33 @@ class HFModel(Model):
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.lm, self.name)
         self.module = load_module(self.lm, self.head, self.device, self.tokenizer).eval()
 
+    def check_weights_from(self, trainer: Model) -> None:
+        """A trainer syncing into this model must be an HF model of the same architecture
+        and head (the engine asks when it is built)."""
+        if not isinstance(trainer, HFModel) or trainer.head != self.head:
+            what = f"an HF {trainer.head} model" if isinstance(trainer, HFModel) else type(trainer).__name__
+            raise ConfigError(
+                f"sync pair ({trainer.name!r} -> {self.name!r}): {self.name!r} is an HF {self.head} model and "
+                f"takes weights from a trainer with the same network; {trainer.name!r} is {what}"
+            )
+        if trainer.lm == self.lm or _same_source(trainer.lm, self.lm):
+            return
+        mine, theirs = shape_of(self.lm), shape_of(trainer.lm)
+        differ = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
+        if differ:
+            detail = ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in differ.items())
+            raise ConfigError(
+                f"sync pair ({trainer.name!r} -> {self.name!r}): the trainer's weights do not fit the model; "
+                f"their architectures differ ({detail}; trainer's vs model's LM)"
+            )
+
     def padded(self, batch: Batch) -> Any:
         return join(batch["prompt_ids"], batch["response_ids"], int(self.tokenizer.pad_token_id))
+
+
+def _same_source(a: LM, b: LM) -> bool:
+    """The same weights and network, whatever the dtype (a trainer keeps fp32)."""
+    return (a.path, a.gguf_file, a.config, a.seed) == (b.path, b.gguf_file, b.config, b.seed)
 
 
 def rows(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
