@@ -179,13 +179,32 @@ def weights_of(model: Model, replica: int) -> dict[str, Any]:
         raise StageError(f"{type(err).__name__}: {err}", f"{model.name}.get_weights", replica, []) from err
 
 
+class Viewed:
+    """A tensor of a dtype numpy lacks (bfloat16, float8), sent as its bytes in a numpy array
+    of the same width: it still travels zero-copy, never as a pickled tensor."""
+
+    def __init__(self, array: np.ndarray, dtype: str) -> None:
+        self.array, self.dtype = array, dtype
+
+    def tensor(self) -> Any:
+        torch = sys.modules["torch"]
+        return torch.from_numpy(np.array(self.array)).view(getattr(torch, self.dtype))
+
+
+_SAME_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
 def to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
     """Tensors as numpy arrays, so every receiver reads them zero-copy from the object store."""
     out = {}
     for key, value in weights.items():
         try:
             out[key] = value.detach().cpu().numpy()
-        except (AttributeError, TypeError, RuntimeError):  # not a tensor, or a dtype numpy lacks
+        except TypeError:  # a dtype numpy lacks: its bytes, viewed as integers of its width
+            torch = sys.modules["torch"]
+            plain = value.detach().cpu().view(getattr(torch, _SAME_WIDTH[value.element_size()]))
+            out[key] = Viewed(plain.numpy(), str(value.dtype).removeprefix("torch."))
+        except (AttributeError, RuntimeError):  # not a tensor
             out[key] = value
     return out
 
@@ -195,7 +214,12 @@ def to_tensors(weights: Mapping[str, Any]) -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None:
         return dict(weights)
-    return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+    out = {}
+    for k, v in weights.items():
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(np.array(v))
+        out[k] = v.tensor() if isinstance(v, Viewed) else v
+    return out
 
 
 class TrainerRuntime:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from .._core.config import ModelConfig, to_config
@@ -130,6 +131,14 @@ class HFPolicy(HFModel):
 
     @torch.no_grad()
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        return self.respond(batch, self.sampling)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        """Greedy responses (temperature 0), for an engine's ``eval_flow``."""
+        return self.respond(batch, msgspec.structs.replace(self.sampling, temperature=0.0))
+
+    def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:
         prompts = [self.encode(p) for p in batch["prompt"]]
         for sample, ids in zip(batch.ids.tolist(), prompts, strict=True):
             if self.max_prompt is not None and len(ids) > self.max_prompt:
@@ -137,7 +146,7 @@ class HFPolicy(HFModel):
                     f"model {self.name!r}: the prompt of sample {sample} has {len(ids)} tokens, more than "
                     f"{self.max_prompt} (Sampling.max_prompt_tokens, or the context less max_new_tokens)"
                 )
-        generated, logprobs = self.generate(prompts)
+        generated, logprobs = self.generate(prompts, sampling)
         responses, reasons = cut_at_stop(generated, self.stop_ids)
         lengths = torch.tensor([len(r) for r in responses])
         return {
@@ -149,13 +158,13 @@ class HFPolicy(HFModel):
             "weight_version": torch.full((len(prompts),), self.weight_version, dtype=torch.long),
         }
 
-    def generate(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(self, prompts: list[torch.Tensor], s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated tokens ``[n, R]`` (pads after a stop) and their log-probs ``[n, R]``."""
         from transformers import GenerationConfig
 
         from .tokens import token_logprobs
 
-        s, pad = self.sampling, int(self.tokenizer.pad_token_id)
+        pad = int(self.tokenizer.pad_token_id)
         ids, mask = left_pad(prompts, pad)
         greedy = s.temperature == 0
         config = GenerationConfig(  # type: ignore[no-untyped-call]

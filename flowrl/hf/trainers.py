@@ -95,6 +95,8 @@ class HFTrainer(HFModel):
         self.optimizer.step()
         self.lr_scheduler.step()
         metrics = {k: (v if k == "loss" else v / max(1, len(batch))) for k, v in totals.items()}
+        if "score" in batch and len(batch):  # the rollout's mean reward: the learning curve
+            metrics["score"] = float(torch.as_tensor(batch["score"]).float().mean())
         return {**metrics, "grad_norm": norm, "lr": float(self.lr_scheduler.get_last_lr()[0])}
 
     def global_counts(self, batch: Batch) -> Counts:

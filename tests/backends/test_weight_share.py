@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 import flowrl
@@ -115,3 +116,22 @@ def test_ranks_of_an_nccl_broadcast_sharing_a_gpu_all_fail_by_name_instead_of_ha
         "GPU-a",
     ]
     _one_rank_per_gpu(dist.HashStore(), 0, 1, "GPU-a")  # one rank per GPU: fine
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int64", "float8_e4m3fn"])
+def test_weights_by_host_travel_as_numpy_arrays_in_every_dtype(dtype: str) -> None:
+    """Host weights are numpy arrays (read zero-copy from Ray's object store), even in a dtype
+    numpy lacks (bf16 goes as its bytes), and arrive bit for bit in their own dtype."""
+    import pickle
+
+    from flowrl._backends.replica import Viewed, to_arrays, to_tensors
+
+    torch_dtype = getattr(torch, dtype)
+    weights = {"w": torch.randn(4, 3).to(torch_dtype), "step": 7}
+    sent = to_arrays(weights)
+    assert isinstance(sent["w"], (np.ndarray, Viewed)) and sent["step"] == 7
+    array = sent["w"] if isinstance(sent["w"], np.ndarray) else sent["w"].array
+    assert isinstance(array, np.ndarray) and array.nbytes == weights["w"].numel() * weights["w"].element_size()
+    got = to_tensors(pickle.loads(pickle.dumps(sent, protocol=5)))
+    assert got["w"].dtype == torch_dtype
+    assert torch.equal(got["w"].view(torch.uint8), weights["w"].view(torch.uint8)) and got["step"] == 7
