@@ -274,8 +274,16 @@ class TrainerRuntime:
             )
         return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch), "_started": started}
 
-    def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast:
+    def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast | None:
+        """Rank 0: the weights to send. Every rank is asked at once (a sharded model gathers
+        its full weights collectively); the others' return nothing."""
         m = self.model
+        if m.rank != 0:
+            try:
+                m.get_weights()
+            except Exception as err:
+                raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
+            return None
         if m.config.weight_transport != "host":
             try:
                 weights = m.get_weights()
@@ -306,13 +314,13 @@ class TrainerRuntime:
     def save_state(self) -> tuple[bytes | None, bytes]:
         """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""
         m = self.model
-        if m.rank != 0:
-            return None, encode_state(rng_state())
         stage = f"{m.name}.checkpoint_state"
-        try:
+        try:  # on every rank at once: a sharded model gathers its state collectively
             state = m.checkpoint_state()
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
+        if m.rank != 0:
+            return None, encode_state(rng_state())
         try:
             return encode_state(state), encode_state(rng_state())
         except CheckpointError as err:

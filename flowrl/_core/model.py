@@ -197,7 +197,10 @@ class Model:
 
     # ---- weight hooks (trainer -> inference sync) ----
     def get_weights(self) -> Mapping[str, Any]:
-        """The weights to send to the inference models this trainer feeds (default: ``self.module``)."""
+        """The weights to send to the inference models this trainer feeds (default: ``self.module``).
+
+        Runs on every data-parallel rank at once (a sharded model gathers its full weights
+        collectively here); rank 0's are sent."""
         return self._module("get_weights").state_dict()
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
@@ -211,7 +214,8 @@ class Model:
 
     # ---- checkpoint hooks (trainers) ----
     def checkpoint_state(self) -> Mapping[str, Any]:
-        """What a checkpoint keeps of this trainer (rank 0's; data-parallel ranks hold the same).
+        """What a checkpoint keeps of this trainer: runs on every data-parallel rank at once (a
+        sharded model gathers collectively here); rank 0's is kept.
 
         Default: the state dicts of ``self.module`` and, when set, ``self.optimizer`` and
         ``self.lr_scheduler``. Values: dicts, lists, numbers, strings, arrays and tensors.

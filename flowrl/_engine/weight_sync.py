@@ -130,9 +130,19 @@ class WeightSync:
 
     async def _read(self, trainer: str) -> Any:
         """What ``trainer``'s rank 0 sends: a reference to its weights, or (``"nccl"``) the
-        ``Broadcast`` itself, which the driver addresses to each replica."""
+        ``Broadcast`` itself, which the driver addresses to each replica. Every rank is asked,
+        at once, so that a sharded model can gather its full weights collectively."""
         backend = self.deployment.backend
-        weights = await backend.get_weights(self.deployment.trainers[trainer][0])
+        ranks = self.deployment.trainers[trainer]
+        read: list[Any] = [None] * len(ranks)
+
+        async def one(i: int) -> None:
+            read[i] = await backend.get_weights(ranks[i])
+
+        async with anyio.create_task_group() as tg:  # every rank at once: a sharded model gathers
+            for i in range(len(ranks)):
+                tg.start_soon(one, i)
+        weights = read[0]
         if next(t for t, _ in self.pairs if t.name == trainer).config.weight_transport == "nccl":
             value = await backend.value(weights)  # small: the layout (in one process: the values)
             weights = value if isinstance(value, Broadcast) else weights

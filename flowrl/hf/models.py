@@ -12,7 +12,7 @@ reward models ``score``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -23,7 +23,7 @@ from .._core.errors import ConfigError
 from .._core.model import Model
 from .config import LM, Sampling
 from .loading import Head, check_paths, context_length, load_module, load_tokenizer, shape_of
-from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs
+from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs, token_micro_batches
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .._core.batch import Batch
 
 Config = ModelConfig | Mapping[str, Any] | None
+LOGIT_BUDGET = 1 << 28  # logits per forward pass when scoring responses (1 GiB in fp32)
 
 
 class HFModel(Model):
@@ -70,6 +71,26 @@ class HFModel(Model):
 
     def padded(self, batch: Batch) -> Any:
         return join(batch["prompt_ids"], batch["response_ids"], int(self.tokenizer.pad_token_id))
+
+    def response_logprobs(
+        self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], temperature: float
+    ) -> list[torch.Tensor]:
+        """Each response's per-token log-probs under this model (one 1-D tensor per sample),
+        by forward passes over chunks small enough that their logits stay near 1 GiB: a
+        ``[n, T, vocab]`` tensor of a whole batch would not fit (256 x 300 tokens x 152k
+        vocabulary is 47 GB in fp32)."""
+        vocab = int(getattr(self.module.config, "vocab_size", 1) or 1)
+        budget = max(1, LOGIT_BUDGET // vocab)
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        out: list[torch.Tensor] = []
+        for chunk in token_micro_batches(lengths, budget, 0):
+            padded = join([prompts[i] for i in chunk], [responses[i] for i in chunk], int(self.tokenizer.pad_token_id))
+            logits = self.module(
+                input_ids=padded.input_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device)
+            ).logits
+            values, _ = sequence_logprobs(logits, padded.to(self.device), temperature)
+            out.extend(rows(values, padded.response_lengths))
+        return out
 
 
 def _same_source(a: LM, b: LM) -> bool:
@@ -146,23 +167,20 @@ class HFPolicy(HFModel):
                     f"model {self.name!r}: the prompt of sample {sample} has {len(ids)} tokens, more than "
                     f"{self.max_prompt} (Sampling.max_prompt_tokens, or the context less max_new_tokens)"
                 )
-        generated, logprobs = self.generate(prompts, sampling)
-        responses, reasons = cut_at_stop(generated, self.stop_ids)
-        lengths = torch.tensor([len(r) for r in responses])
+        responses, reasons = cut_at_stop(self.generate(prompts, sampling), self.stop_ids)
+        temperature = sampling.temperature or 1.0  # greedy: the log-probs of the model itself
         return {
             "prompt_ids": prompts,
             "response_ids": responses,
-            "logprobs": rows(logprobs, lengths),
+            "logprobs": self.response_logprobs(prompts, responses, temperature),
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
             "finish_reason": reasons,
             "weight_version": torch.full((len(prompts),), self.weight_version, dtype=torch.long),
         }
 
-    def generate(self, prompts: list[torch.Tensor], s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        """Generated tokens ``[n, R]`` (pads after a stop) and their log-probs ``[n, R]``."""
+    def generate(self, prompts: list[torch.Tensor], s: Sampling) -> torch.Tensor:
+        """Generated tokens ``[n, R]``, KV-cached; rows that stopped early are padded."""
         from transformers import GenerationConfig
-
-        from .tokens import token_logprobs
 
         pad = int(self.tokenizer.pad_token_id)
         ids, mask = left_pad(prompts, pad)
@@ -175,14 +193,11 @@ class HFPolicy(HFModel):
             max_new_tokens=s.max_new_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=pad,
-            return_dict_in_generate=True,
-            output_logits=True,
         )
         generate: Any = self.module.generate
         out = generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config)
-        tokens = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1)
-        return tokens.cpu(), token_logprobs(logits, tokens, 1.0 if greedy else s.temperature).cpu()
+        tokens: torch.Tensor = out[:, ids.shape[1] :].cpu()
+        return tokens
 
 
 def _eos_ids(tokenizer: PreTrainedTokenizerBase, module: torch.nn.Module) -> set[int]:
@@ -206,12 +221,7 @@ class HFReference(HFModel):
 
     @torch.no_grad()
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
-        padded = self.padded(batch)
-        logits = self.module(
-            input_ids=padded.input_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device)
-        ).logits
-        values, _ = sequence_logprobs(logits.cpu(), padded, self.temperature)
-        return {self.output: rows(values, padded.response_lengths)}
+        return {self.output: self.response_logprobs(batch["prompt_ids"], batch["response_ids"], self.temperature)}
 
 
 class HFValue(HFModel):

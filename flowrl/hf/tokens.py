@@ -46,7 +46,7 @@ def left_pad(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, t
 
 def right_pad(rows: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
     """``rows`` (1-D, any dtype) right-padded with ``value`` into one ``[n, max_len]`` tensor."""
-    if not rows:
+    if len(rows) == 0:
         return torch.zeros((0, 0))
     return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True, padding_value=value)
 

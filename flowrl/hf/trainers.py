@@ -16,6 +16,7 @@ import torch
 
 from .. import rl
 from .._core.errors import ConfigError
+from . import sharding
 from .config import GRPO, LM, PPO, Optim, Train
 from .models import Config, HFModel
 from .tokens import join, response_mask, right_pad, sequence_logprobs, token_micro_batches
@@ -63,6 +64,9 @@ class HFTrainer(HFModel):
         self.module.train()
         if self.train_config.gradient_checkpointing:
             _body(self.module).gradient_checkpointing_enable()
+        self.sharded = self.world_size > 1 and self.train_config.fsdp == "auto"
+        if self.sharded:
+            sharding.shard(self.module)
         o = self.optim
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -90,13 +94,16 @@ class HFTrainer(HFModel):
             loss.backward()  # type: ignore[no-untyped-call]
             for key, value in {"loss": float(loss.detach()), **stats}.items():
                 totals[key] = totals.get(key, 0.0) + value * (len(rows) if key != "loss" else 1)
-        self.all_reduce_grads(self.module)
+        if not self.sharded:  # FSDP sums the gradients itself, in the backward pass
+            self.all_reduce_grads(self.module)
         norm = self.clip_grads()
         self.optimizer.step()
         self.lr_scheduler.step()
         metrics = {k: (v if k == "loss" else v / max(1, len(batch))) for k, v in totals.items()}
         if "score" in batch and len(batch):  # the rollout's mean reward: the learning curve
             metrics["score"] = float(torch.as_tensor(batch["score"]).float().mean())
+        if len(batch):
+            metrics["response_length"] = sum(len(r) for r in batch["response_ids"]) / len(batch)
         return {**metrics, "grad_norm": norm, "lr": float(self.lr_scheduler.get_last_lr()[0])}
 
     def global_counts(self, batch: Batch) -> Counts:
@@ -122,12 +129,31 @@ class HFTrainer(HFModel):
         return contextlib.nullcontext()
 
     def clip_grads(self) -> float:
+        """The global gradient norm (over all ranks' shards), clipped to ``max_grad_norm``."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.optim.max_grad_norm is None:
-            return (
-                float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))) if params else 0.0
-            )
-        return float(torch.nn.utils.clip_grad_norm_(params, self.optim.max_grad_norm))
+        limit = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else float("inf")
+        return sharding.norm(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+
+    # ---- weights and checkpoints: a sharded model gathers them on every rank at once ----
+    def get_weights(self) -> Mapping[str, Any]:
+        if not self.sharded:
+            return super().get_weights()
+        return sharding.full_weights(self.module, cpu=self.config.weight_transport == "host")
+
+    def checkpoint_state(self) -> Mapping[str, Any]:
+        if not self.sharded:
+            return super().checkpoint_state()
+        return {
+            "module": sharding.full_weights(self.module, cpu=True),
+            "optimizer": sharding.full_optimizer_state(self.module, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+        }
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        if not self.sharded:
+            return super().restore_state(state)
+        sharding.load_full(self.module, self.optimizer, state)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def logprobs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """This model's per-token log-probs of each response (with grad) and their mask."""

@@ -262,3 +262,35 @@ def test_a_trainer_of_another_architecture_is_refused_when_the_engine_is_built(t
             flowrl.Engine(rollout=flow, train=[trainer], sync=[(trainer, policy)], config=config)
     same = hf.GRPOTrainer("trainer", lm=hf.LM(config=hf_tiny.llama(), tokenizer=tokenizer, seed=3))
     flowrl.Engine(rollout=flow, train=[same], sync=[(same, policy)], config=config)  # other weights, same network
+
+
+def test_responses_of_equal_length_stacked_into_one_tensor_score_and_train_alike(tokenizer: str) -> None:
+    """A shard whose responses all have one length arrives with ``response_ids`` as one 2-D
+    tensor, not a list of rows: the models read it the same way."""
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        {
+            "prompt_ids": torch.randint(5, 300, (4,), generator=g),
+            "response_ids": torch.randint(5, 300, (3,), generator=g),
+            "logprobs": -torch.rand(3, generator=g),
+            "score": float(i % 2),
+            "prompt_index": i // 2,
+        }
+        for i in range(4)
+    ]
+    stacked = flowrl.Batch.from_samples(list(range(4)), samples)
+    listed = flowrl.Batch(stacked.ids, {k: [s[k] for s in samples] for k in samples[0]})
+    assert isinstance(stacked["response_ids"], torch.Tensor) and isinstance(listed["response_ids"], list)
+    reference = ready(hf.HFReference("reference", lm=lm(tokenizer)))
+    for a, b in zip(
+        reference.forward_step(stacked, 0)["ref_logprobs"],
+        reference.forward_step(listed, 0)["ref_logprobs"],
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
+    losses = []
+    for batch in (stacked, listed):
+        trainer = ready(hf.GRPOTrainer("trainer", lm=lm(tokenizer), optim={"lr": 1e-3}))
+        trainer.global_batch_size = 4
+        losses.append(trainer.train_step(batch, 0)["loss"])
+    assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-6)

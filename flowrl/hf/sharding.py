@@ -1,0 +1,70 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the HF trainers: parameters, gradients
+and optimizer state split over the data-parallel ranks, on GPUs (NCCL) and CPUs (gloo) alike.
+
+Gradients are summed over the ranks, not averaged: the trainers' losses are normalised by
+counts of the whole global batch, so the sum is the global batch's gradient.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+
+def shard(module: torch.nn.Module) -> None:
+    """Shard each transformer block (the classes ``transformers`` lists as not to be split),
+    then the rest (embeddings, final norm, head) as one group."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    body = getattr(module, "body", module)
+    blocks = set(getattr(body, "_no_split_modules", None) or [])
+    for sub in module.modules():
+        if type(sub).__name__ in blocks:
+            fully_shard(sub)
+    fully_shard(module)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            if hasattr(sub, "set_force_sum_reduction_for_comms"):  # torch >= 2.12
+                sub.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def _options(cpu: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu)
+
+
+def full_weights(module: torch.nn.Module, cpu: bool) -> dict[str, Any]:
+    """Every parameter whole (collective: all ranks call it); rank 0 gets them, on the CPU
+    when ``cpu``, the other ranks an empty dict."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_options(cpu))
+
+
+def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_options(True))
+    return state
+
+
+def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> None:
+    """Load whole weights (and optimizer state) given to every rank; each keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    options = _options(False)
+    set_model_state_dict(module, dict(state["module"]), options=options)
+    if optimizer is not None and "optimizer" in state:
+        set_optimizer_state_dict(module, optimizer, dict(state["optimizer"]), options=options)
+
+
+def norm(value: Any) -> float:
+    """A gradient norm as a float (a sharded model's is a DTensor)."""
+    full = getattr(value, "full_tensor", None)
+    return float(full() if full is not None else value)
