@@ -31,7 +31,7 @@ def make_trainer(tokenizer: str, case: dict[str, Any], rank: int = 0, world_size
         lm=hf.LM(config=hf_tiny.llama(), tokenizer=tokenizer),
         grpo={"aggregation": case["aggregation"]},
         optim={"lr": case["lr"], "eps": case["eps"]},
-        train={"micro_batch_tokens": case["micro_batch_tokens"]},
+        train={"micro_batch_tokens": case["micro_batch_tokens"], "fsdp": case["fsdp"]},
     )
     trainer.rank, trainer.world_size, trainer.replica_id = rank, world_size, rank
     trainer.global_batch_size, trainer.micro_batch_size = case["global_batch"], case["micro_batch"]
