@@ -57,7 +57,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     end a response besides the tokenizer's eos. ``chat_template``: render prompts with the
     tokenizer's chat template (None: when it has one); ``system_prompt`` goes first then.
     ``max_prompt_tokens``: a longer prompt is an error naming the sample (None: the model's
-    context less ``max_new_tokens``)."""
+    context less ``max_new_tokens``). ``seed``: replica ``i`` samples from a torch generator
+    seeded with ``(seed, i)``, so replicas never draw the same numbers."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -67,6 +68,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     chat_template: bool | None = None
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         _check_types(self)

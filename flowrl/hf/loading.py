@@ -88,9 +88,11 @@ def _random(auto: Any, lm: LM, dtype: torch.dtype, tokenizer: PreTrainedTokenize
     special = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
     settings = {**special, **lm.config}
     config = AutoConfig.for_model(str(settings.pop("model_type")), **settings, **extra)
-    # every replica and trainer rank draws the same initial weights
-    torch.manual_seed(lm.seed)
-    model: PreTrainedModel = auto.from_config(config, dtype=dtype)
+    # every replica and trainer rank draws the same initial weights, from a generator of their
+    # own: the process's stays as it was (each policy replica samples from its own seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lm.seed)
+        model: PreTrainedModel = auto.from_config(config, dtype=dtype)
     return model
 
 

@@ -131,17 +131,27 @@ class HFPolicy(HFModel):
                 f"model {self.name!r}: Sampling.max_new_tokens={s.max_new_tokens} leaves no room for a "
                 f"prompt in the model's context of {context} tokens"
             )
+        # generate() samples from torch's default generator: each replica seeds its own stream
+        torch.manual_seed(hash((s.seed, self.replica_id or 0)) & 0xFFFF_FFFF)
         self.use_template = s.chat_template if s.chat_template is not None else bool(tok.chat_template)
         if self.use_template and not tok.chat_template:
             raise ConfigError(f"model {self.name!r}: Sampling.chat_template=True, but the tokenizer has no template")
 
-    def encode(self, prompt: str) -> torch.Tensor:
-        """The prompt's token ids, rendered with the chat template when one is used."""
-        if not isinstance(prompt, str):
-            raise ConfigError(f"model {self.name!r}: field 'prompt' must hold strings, got {type(prompt).__name__}")
+    def encode(self, prompt: str | list[dict[str, str]]) -> torch.Tensor:
+        """The prompt's token ids: a string (a user message under the chat template, when one
+        is used), or a conversation (a list of ``{"role", "content"}`` messages, e.g. with
+        few-shot examples), which needs the template."""
         tok = self.tokenizer
-        if self.use_template:
+        if isinstance(prompt, list) and self.use_template:
+            messages = list(prompt)
+        elif not isinstance(prompt, str):
+            raise ConfigError(
+                f"model {self.name!r}: field 'prompt' holds strings, or lists of chat messages when the tokenizer "
+                f"has a chat template; got {type(prompt).__name__}"
+            )
+        else:
             messages = [{"role": "user", "content": prompt}]
+        if self.use_template:
             if self.sampling.system_prompt is not None:
                 messages.insert(0, {"role": "system", "content": self.sampling.system_prompt})
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

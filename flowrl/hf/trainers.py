@@ -100,6 +100,7 @@ class HFTrainer(HFModel):
         self.optimizer.step()
         self.lr_scheduler.step()
         metrics = {k: (v if k == "loss" else v / max(1, len(batch))) for k, v in totals.items()}
+        metrics["loss"] = self.summed(totals.get("loss", 0.0))  # each rank holds a part of the global loss
         if "score" in batch and len(batch):  # the rollout's mean reward: the learning curve
             metrics["score"] = float(torch.as_tensor(batch["score"]).float().mean())
         if len(batch):
@@ -111,11 +112,22 @@ class HFTrainer(HFModel):
         if self.world_size > 1:
             import torch.distributed as dist
 
+            local = local.to(self.device)  # NCCL reduces GPU tensors only
             dist.all_reduce(local)
         return Counts(int(local[0]), int(local[1]), getattr(self.objective_config(), "max_tokens", None))
 
     def objective_config(self) -> object:
         return None
+
+    def summed(self, value: float) -> float:
+        """``value`` summed over the data-parallel ranks."""
+        if self.world_size <= 1:
+            return value
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
+        dist.all_reduce(total)
+        return float(total)
 
     def micro_batch_rows(self, batch: Batch) -> Iterator[list[int]]:
         if not len(batch):
