@@ -9,6 +9,8 @@
 
 A custom ``flow`` is called as ``flow(prompts, **models)`` and returns the rollout's output,
 as a flow function does; ``train`` lists its trainers and ``sync`` its [trainer, model] pairs.
+``eval_flow`` (called the same way) and ``eval_dataset`` set the engine's evaluation, which runs
+every ``run.eval_every`` episodes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RunFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     train: list[str] = []
     sync: list[list[str]] = []
     relay: str | None = None
+    eval_flow: str | None = None
+    eval_dataset: str | None = None
     run: dict[str, Any] = {}
 
 
@@ -105,6 +109,8 @@ def build_engine(spec: RunFile) -> Engine:
     models = build_models(spec)
     config = to_config(RunConfig, spec.run, "run")
     if spec.flow == "rlhf":
+        if spec.eval_flow is not None:
+            raise ConfigError("eval_flow: give it with a custom flow (module:function), not with flow: rlhf")
         missing = [r for r in RLHF_ROLES if r not in models]
         if missing or len(models) != len(RLHF_ROLES):
             raise ConfigError(f"flow: rlhf needs exactly the models {list(RLHF_ROLES)}; got {sorted(models)}")
@@ -114,6 +120,9 @@ def build_engine(spec: RunFile) -> Engine:
         engine = _custom_engine(spec, models, config)
     items = resolve(spec.dataset, "dataset")
     engine.set_dataset(items() if callable(items) else items)
+    if spec.eval_dataset is not None:
+        evals = resolve(spec.eval_dataset, "eval_dataset")
+        engine.set_eval_dataset(evals() if callable(evals) else evals)
     if spec.relay is not None:
         engine.set_relay_sample_fn(resolve(spec.relay, "relay"))
     return engine
@@ -128,9 +137,11 @@ def _custom_engine(spec: RunFile, models: dict[str, Model], config: RunConfig) -
         raise ConfigError(f"sync: expected [trainer, model] pairs, got {spec.sync}")
     trainers = [models[n] for n in spec.train]
     others = {n: m for n, m in models.items() if m not in trainers}
+    evaluate = resolve(spec.eval_flow, "eval_flow") if spec.eval_flow is not None else None
     return Engine(
         rollout=lambda prompts: flow(prompts, **others),
         train=trainers,
         config=config,
         sync=[(models[a], models[b]) for a, b in spec.sync],
+        eval_flow=(lambda prompts: evaluate(prompts, **others)) if evaluate is not None else None,
     )

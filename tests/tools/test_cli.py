@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import flowrl
 from flowrl._tools.cli import main
 
 FAST = ["--set", "run.pipeline.backend=inprocess", "--set", "models.ppo_policy.num_replicas=1"]
@@ -92,3 +93,35 @@ def test_flowrl_scale_mistakes_exit_2_with_a_message(tmp_path, capsys, args, mes
     where = [str(tmp_path)] if args[0] != "missing-dir" else [str(tmp_path / "missing")]
     assert main(["scale", *where, *args[-1:]]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_run_file_sets_the_engines_evaluation(tmp_path, monkeypatch):
+    from flowrl._tools.run_file import build_engine, load_run_file
+
+    (tmp_path / "evalflow.py").write_text(
+        "import numpy as np\n"
+        "import flowrl\n"
+        "class Gen(flowrl.Model):\n"
+        "    def forward_step(self, batch, iteration):\n        return {'y': batch['x'] * 2}\n"
+        "    def eval_step(self, batch, iteration):\n        return {'y': batch['x'] * 10}\n"
+        "class Trainer(flowrl.Model):\n"
+        "    def train_step(self, batch, iteration):\n        return {'n': float(len(batch))}\n"
+        "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
+        "def evaluate(prompts, *, gen):\n    return gen.eval_step(prompts)\n"
+        "def items():\n    return [{'x': np.full(1, float(i))} for i in range(8)]\n"
+        "def held_out():\n    return [{'x': np.full(1, 100.0 + i)} for i in range(3)]\n"
+    )
+    (tmp_path / "run.yaml").write_text(
+        "flow: evalflow:rollout\neval_flow: evalflow:evaluate\n"
+        "dataset: evalflow:items\neval_dataset: evalflow:held_out\n"
+        "train: [trainer]\nmodels:\n  gen: {class: evalflow:Gen}\n  trainer: {class: evalflow:Trainer}\n"
+        "run: {sample_per_episode: 4, num_episode: 2, train_global_batch_size: 4, eval_every: 1, "
+        "pipeline: {backend: inprocess}}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    engine = build_engine(load_run_file("run.yaml"))
+    engine.learn()
+    assert len(engine.eval_results) == 2  # after each of the two episodes
+    assert sorted(float(s["y"][0]) for s in engine.eval_results[-1]) == [1000.0, 1010.0, 1020.0]
+    with pytest.raises(flowrl.ConfigError, match="eval_flow: give it with a custom flow"):
+        build_engine(load_run_file("run.yaml", ["flow=rlhf"]))
