@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     after = [accuracy(samples) for samples in engine.eval_results]
     for i, acc in enumerate(after):
         print(f"held-out accuracy after episode {(i + 1) * args.eval_every:3d}: {acc:.3f}")
+    if not after:
+        print(f"no evaluation ran: --episodes {args.episodes} is below --eval-every {args.eval_every}")
+        return 1
     print(f"held-out accuracy: {before:.3f} -> {after[-1]:.3f} in {time.perf_counter() - start:.0f} s")
     if args.plot:
         plot(curve, args.plot)

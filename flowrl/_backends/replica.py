@@ -209,6 +209,13 @@ def to_arrays(weights: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def unviewed(weights: Any) -> Any:
+    """``weights`` with the byte arrays of ``to_arrays`` back as tensors (arrays stay arrays)."""
+    if not isinstance(weights, Mapping):
+        return weights
+    return {k: v.tensor() if isinstance(v, Viewed) else v for k, v in weights.items()}
+
+
 def to_tensors(weights: Mapping[str, Any]) -> dict[str, Any]:
     """Arrays back to tensors for a model that uses torch (one that doesn't keeps numpy)."""
     torch = sys.modules.get("torch")
@@ -296,6 +303,7 @@ class TrainerRuntime:
                 # receives the one before
                 self._shared = (self._shared[1], CudaShare(weights))
                 return self._shared[1]
+            return to_arrays(weights)  # read once: a sharded model's read is a collective
         return weights_of(m, m.rank)
 
     # ---- weight_transport="nccl": rank 0 broadcasts a snapshot to the replicas ----

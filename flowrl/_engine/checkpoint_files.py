@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from .._backends.replica import unviewed
 from .._core.batch import Sample
 from .._core.errors import CheckpointError
 from .._core.sampler import EpisodeBuffer
@@ -111,7 +112,8 @@ class CheckpointFiles:
             files[_model_file(name)] = saved[0][0] or b""
             files[_rng_file(name)] = encode_state([rng for _, rng in saved])
         for target, ref in synced.items():
-            files[_synced_file(target)] = encode_state(await deployment.backend.value(ref))
+            # as tensors: host weights of a dtype numpy lacks travel as byte arrays (Viewed)
+            files[_synced_file(target)] = encode_state(unviewed(await deployment.backend.value(ref)))
         return await anyio.to_thread.run_sync(self.dir.write, state.episode, files)
 
     def load(self, folder: Path, *, dataset_size: int, trainers: list[str]) -> tuple[EngineState, list[EpisodeBuffer]]:

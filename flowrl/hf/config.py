@@ -16,6 +16,14 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 KLKind = Literal["k1", "k2", "k3", "abs"]
 
 
+def _constant_length(owner: str, aggregation: str, max_tokens: int | None) -> None:
+    if aggregation == "seq-mean-token-sum-norm" and max_tokens is None:
+        raise ConfigError(
+            f"{owner}.aggregation='seq-mean-token-sum-norm' divides by a constant length: set "
+            f"{owner}.max_tokens (e.g. the policy's Sampling.max_new_tokens)"
+        )
+
+
 class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where a model's weights and tokenizer come from.
 
@@ -110,7 +118,9 @@ class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     micro-batch holds (0: ``RunConfig.train_micro_batch_size`` rows); ``fsdp``: shard the model
     over the data-parallel ranks with FSDP2 (``"auto"``: when there is more than one rank);
     ``autocast``: bf16 autocast on a GPU ("auto") or never; ``gradient_checkpointing``:
-    recompute activations in the backward pass (less memory, ~1/3 more compute)."""
+    recompute activations in the backward pass (less memory, ~1/3 more compute);
+    ``temperature``: the log-probs' temperature, the policy's sampling temperature (an engine
+    checks that they agree)."""
 
     micro_batch_tokens: int = 0
     fsdp: Literal["auto", "never"] = "auto"
@@ -147,6 +157,7 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         _one_of("GRPO", "scale", self.scale, Literal["std", "none"])
         _positive("GRPO", clip=self.clip, clip_high=self.clip_high, max_tokens=self.max_tokens)
         _non_negative("GRPO", kl_coef=self.kl_coef)
+        _constant_length("GRPO", self.aggregation, self.max_tokens)
 
 
 class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -170,3 +181,5 @@ class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
         _one_of("PPO", "aggregation", self.aggregation, Aggregation)
         _positive("PPO", clip=self.clip, clip_high=self.clip_high, value_clip=self.value_clip)
         _non_negative("PPO", kl_coef=self.kl_coef, gamma=self.gamma, lam=self.lam)
+        _positive("PPO", max_tokens=self.max_tokens)
+        _constant_length("PPO", self.aggregation, self.max_tokens)

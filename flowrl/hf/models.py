@@ -137,6 +137,19 @@ class HFPolicy(HFModel):
         if self.use_template and not tok.chat_template:
             raise ConfigError(f"model {self.name!r}: Sampling.chat_template=True, but the tokenizer has no template")
 
+    def check_weights_from(self, trainer: Model) -> None:
+        """Also: the trainer computes log-probs at the temperature this policy samples at
+        (otherwise the first step's ratio is not 1 and clipping acts on a mismatch)."""
+        super().check_weights_from(trainer)
+        train = getattr(trainer, "train_config", None)
+        mine = self.sampling.temperature or 1.0  # greedy sampling records the model's own log-probs
+        if train is not None and train.temperature != mine:
+            raise ConfigError(
+                f"sync pair ({trainer.name!r} -> {self.name!r}): the policy samples at temperature {mine} "
+                f"(Sampling.temperature) and the trainer computes log-probs at {train.temperature} "
+                "(Train.temperature); give both the same"
+            )
+
     def encode(self, prompt: str | list[dict[str, str]]) -> torch.Tensor:
         """The prompt's token ids: a string (a user message under the chat template, when one
         is used), or a conversation (a list of ``{"role", "content"}`` messages, e.g. with

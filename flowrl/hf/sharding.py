@@ -40,8 +40,9 @@ def _options(cpu: bool) -> Any:
 
 
 def full_weights(module: torch.nn.Module, cpu: bool) -> dict[str, Any]:
-    """Every parameter whole (collective: all ranks call it); rank 0 gets them, on the CPU
-    when ``cpu``, the other ranks an empty dict."""
+    """Every parameter whole (collective: all ranks call it). With ``cpu``, rank 0 gets them
+    in host memory and the other ranks an empty dict; without, every rank gets a whole copy on
+    its GPU for the moment of the sync (the cost of sending CUDA tensors from a sharded model)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(module, options=_options(cpu))
@@ -50,6 +51,8 @@ def full_weights(module: torch.nn.Module, cpu: bool) -> dict[str, Any]:
 def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if not optimizer.state:  # no step yet: reading would initialise the state with a step of lr 0
+        return {}
     state: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_options(True))
     return state
 
@@ -60,7 +63,7 @@ def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
 
     options = _options(False)
     set_model_state_dict(module, dict(state["module"]), options=options)
-    if optimizer is not None and "optimizer" in state:
+    if optimizer is not None and state.get("optimizer"):
         set_optimizer_state_dict(module, optimizer, dict(state["optimizer"]), options=options)
 
 

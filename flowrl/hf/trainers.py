@@ -87,13 +87,16 @@ class HFTrainer(HFModel):
         counts = self.global_counts(batch)
         self.optimizer.zero_grad(set_to_none=False)
         totals: dict[str, float] = {}
-        for rows in self.micro_batch_rows(batch):
+        chunks = list(self.micro_batch_rows(batch))
+        for rows in chunks:
             mb = batch.select(rows)
             with self.autocast():
                 loss, stats = self.objective(mb, _take(extra, rows), counts)
             loss.backward()  # type: ignore[no-untyped-call]
             for key, value in {"loss": float(loss.detach()), **stats}.items():
                 totals[key] = totals.get(key, 0.0) + value * (len(rows) if key != "loss" else 1)
+        for _ in range(self.most_micro_batches(len(chunks)) - len(chunks)):
+            self.idle_pass()
         if not self.sharded:  # FSDP sums the gradients itself, in the backward pass
             self.all_reduce_grads(self.module)
         norm = self.clip_grads()
@@ -118,6 +121,25 @@ class HFTrainer(HFModel):
 
     def objective_config(self) -> object:
         return None
+
+    def most_micro_batches(self, mine: int) -> int:
+        """The most micro-batches any rank has in this step (a sharded model's ranks must all
+        run as many forward and backward passes: each pass gathers the shards collectively)."""
+        if not self.sharded:
+            return mine
+        import torch.distributed as dist
+
+        most = torch.tensor([mine], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
+    def idle_pass(self) -> None:
+        """A forward and backward pass over one pad token that adds nothing to the gradients: a
+        rank with fewer micro-batches (or an empty shard) joins the others' collectives."""
+        ids = torch.full((1, 1), int(self.tokenizer.pad_token_id), device=self.device)
+        with self.autocast():
+            out = self.module(input_ids=ids, attention_mask=torch.ones_like(ids))
+        (getattr(out, "logits", out).float().sum() * 0.0).backward()
 
     def summed(self, value: float) -> float:
         """``value`` summed over the data-parallel ranks."""
@@ -217,7 +239,7 @@ class GRPOTrainer(HFTrainer):
             lp, old, adv, mask, clip=g.clip, clip_high=g.clip_high, aggregation=g.aggregation, **counts.kwargs()
         )
         if g.kl_coef > 0:
-            ref = right_pad(mb["ref_logprobs"]).to(lp)
+            ref = right_pad(need(mb, "ref_logprobs", "GRPO.kl_coef > 0")).to(lp)
             kl = rl.kl_loss(lp, ref, mask, kind=g.kl, aggregation=g.aggregation, **counts.kwargs())
             loss = loss + g.kl_coef * kl
             stats = {**stats, "kl": float(kl.detach())}
@@ -228,8 +250,9 @@ def ppo_targets(batch: Batch, ppo: PPO) -> tuple[list[torch.Tensor], list[torch.
     """Per-token advantages and returns (ragged): GAE over the KL-penalised rewards."""
     lengths = torch.tensor([len(r) for r in batch["response_ids"]])
     mask = response_mask(lengths, int(lengths.max()))
-    logp, ref = right_pad(batch["logprobs"]), right_pad(batch["ref_logprobs"])
-    values = right_pad(batch["values"])
+    logp = right_pad(batch["logprobs"])
+    ref = right_pad(need(batch, "ref_logprobs", "PPO.kl_coef > 0")) if ppo.kl_coef > 0 else logp
+    values = right_pad(need(batch, "values", "PPO's advantages (GAE)"))
     rewards = rl.token_rewards(torch.as_tensor(batch["score"]).float(), logp, ref, mask, kl_coef=ppo.kl_coef, kl=ppo.kl)
     adv, returns = rl.gae(rewards, values, mask, gamma=ppo.gamma, lam=ppo.lam)
     return [a[: int(n)] for a, n in zip(adv, lengths, strict=False)], [
@@ -297,7 +320,7 @@ class ValueTrainer(HFTrainer):
 
         padded = join(mb["prompt_ids"], mb["response_ids"], int(self.tokenizer.pad_token_id))
         per_position = self.module(padded.input_ids.to(self.device), padded.attention_mask.to(self.device))
-        values = response_values(per_position, padded.to(self.device))
+        values = response_values(per_position.float(), padded.to(self.device))  # fp32 under bf16 autocast
         mask = response_mask(padded.response_lengths, values.shape[1]).to(values)
         old, returns = right_pad(mb["values"]).to(values), right_pad(extra["returns"]).to(values)
         p = self.ppo
@@ -305,6 +328,17 @@ class ValueTrainer(HFTrainer):
             values, old, returns, mask, clip=p.value_clip, aggregation=p.aggregation, **counts.kwargs()
         )
         return loss, {}
+
+
+def need(batch: Batch, field: str, why: str) -> Any:
+    """``batch[field]``, or an error naming the model that writes it."""
+    if field not in batch:
+        writer = {"ref_logprobs": "an HFReference", "values": "an HFValue"}.get(field, "a model")
+        raise ConfigError(
+            f"the trainer needs field {field!r} for {why}; the rollout flow has no model writing it "
+            f"(add {writer} to the flow), fields are {sorted(batch.keys())}"
+        )
+    return batch[field]
 
 
 def _take(extra: Mapping[str, Any], rows: list[int]) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def rank_main(rank: int, world_size: int, folder: str) -> None:
         out = []
         for case in job["cases"]:
             trainer = make_trainer(job["tokenizer"], case, rank, world_size)
-            out.append(train(trainer, job["shards"][rank], job["steps"]))
+            out.append(train(trainer, case.get("shards", job["shards"])[rank], job["steps"]))
         torch.save(out, where / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

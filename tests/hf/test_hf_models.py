@@ -294,3 +294,36 @@ def test_responses_of_equal_length_stacked_into_one_tensor_score_and_train_alike
         trainer.global_batch_size = 4
         losses.append(trainer.train_step(batch, 0)["loss"])
     assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_objective_settings_that_cannot_work_are_refused(tokenizer: str) -> None:
+    with pytest.raises(flowrl.ConfigError, match=r"GRPO.aggregation='seq-mean-token-sum-norm' .* set GRPO.max_tokens"):
+        hf.GRPO(aggregation="seq-mean-token-sum-norm")
+    hf.GRPO(aggregation="seq-mean-token-sum-norm", max_tokens=64)
+    policy = hf.HFPolicy("policy", lm=lm(tokenizer), sampling={"temperature": 0.7})
+    hot = hf.GRPOTrainer("trainer", lm=lm(tokenizer))
+    with pytest.raises(flowrl.ConfigError, match=r"samples at temperature 0.7 .* at 1.0 \(Train.temperature\)"):
+        policy.check_weights_from(hot)
+    policy.check_weights_from(hf.GRPOTrainer("trainer", lm=lm(tokenizer), train={"temperature": 0.7}))
+
+
+def test_a_trainer_missing_a_field_names_the_model_that_writes_it(tokenizer: str) -> None:
+    samples = [
+        {
+            "prompt_ids": torch.tensor([5, 6]),
+            "response_ids": torch.tensor([7, 8, 9]),
+            "logprobs": -torch.ones(3),
+            "score": float(i),
+            "prompt_index": 0,
+        }
+        for i in range(2)
+    ]
+    batch = flowrl.Batch.from_samples([0, 1], samples)
+    trainer = ready(hf.GRPOTrainer("trainer", lm=lm(tokenizer), grpo={"kl_coef": 0.1}))
+    trainer.global_batch_size = 2
+    with pytest.raises(flowrl.ConfigError, match=r"needs field 'ref_logprobs' for GRPO.kl_coef > 0;.* an HFReference"):
+        trainer.train_step(batch, 0)
+    ppo = ready(hf.PPOTrainer("trainer", lm=lm(tokenizer), ppo={"kl_coef": 0.0}))
+    ppo.global_batch_size = 2
+    with pytest.raises(flowrl.ConfigError, match=r"needs field 'values' for PPO's advantages \(GAE\);.* an HFValue"):
+        ppo.train_step(batch, 0)

@@ -72,6 +72,9 @@ CASES = {  # fsdp "never": gradients summed by Model.all_reduce_grads; "auto": F
     "token-mean,3-rows": {**ROWS, **COMMON, "fsdp": "never"},
     "seq-mean-token-mean,40-tokens": {**TOKENS, **COMMON, "fsdp": "never"},
     "token-mean,3-rows,fsdp": {**ROWS, **COMMON, "fsdp": "auto"},
+    # three groups on rank 0, one on rank 1: rank 1 runs fewer micro-batches, and idle passes
+    # keep its FSDP collectives paired with rank 0's (without them the ranks would wait forever)
+    "token-mean,3-rows,fsdp,uneven": {**ROWS, **COMMON, "fsdp": "auto", "rank1_groups": [3]},
 }
 
 
@@ -82,12 +85,20 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("ranks")
     tokenizer = hf_tiny.make_tokenizer(folder / "tokenizer")
     ids, samples = make_samples(hf_ranks.make_trainer(tokenizer, next(iter(CASES.values()))))
-    # rank r trains on the groups g with g % 2 == r: whole groups, in the batch's order
-    shards = []
-    for r in range(2):
-        rows = [i for i in ids if samples[i]["prompt_index"] % 2 == r]
-        shards.append((rows, [samples[i] for i in rows]))
-    job = {"tokenizer": tokenizer, "cases": list(CASES.values()), "shards": shards, "steps": STEPS}
+
+    # rank r trains on the groups g with g % 2 == r (or rank 1 on a case's rank1_groups): whole
+    # groups, in the batch's order
+    def split(case: dict[str, Any]) -> list[hf_ranks.Samples]:
+        ones = case.get("rank1_groups", [g for g in range(GROUPS) if g % 2])
+        out = []
+        for r in range(2):
+            rows = [i for i in ids if (samples[i]["prompt_index"] in ones) == (r == 1)]
+            out.append((rows, [samples[i] for i in rows]))
+        return out
+
+    cases = [{**case, "shards": split(case)} for case in CASES.values()]
+    shards = cases[0]["shards"]
+    job = {"tokenizer": tokenizer, "cases": cases, "shards": shards, "steps": STEPS}
     torch.save(job, folder / "job.pt")
     mp.start_processes(hf_ranks.rank_main, args=(2, str(folder)), nprocs=2, join=True, start_method="spawn")
     per_rank = [torch.load(folder / f"rank{r}.pt") for r in range(2)]
