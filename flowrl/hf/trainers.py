@@ -88,6 +88,7 @@ class HFTrainer(HFModel):
         self.optimizer.zero_grad(set_to_none=False)
         totals: dict[str, float] = {}
         chunks = list(self.micro_batch_rows(batch))
+        most = self.most_micro_batches(len(chunks))  # before any pass: collectives in one order on every rank
         for rows in chunks:
             mb = batch.select(rows)
             with self.autocast():
@@ -95,7 +96,7 @@ class HFTrainer(HFModel):
             loss.backward()  # type: ignore[no-untyped-call]
             for key, value in {"loss": float(loss.detach()), **stats}.items():
                 totals[key] = totals.get(key, 0.0) + value * (len(rows) if key != "loss" else 1)
-        for _ in range(self.most_micro_batches(len(chunks)) - len(chunks)):
+        for _ in range(most - len(chunks)):
             self.idle_pass()
         if not self.sharded:  # FSDP sums the gradients itself, in the backward pass
             self.all_reduce_grads(self.module)
