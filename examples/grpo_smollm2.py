@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ DIFFICULTY = "add_small"  # a + b with a, b in 1..20: the untrained model gets a
 GROUP = 8  # responses per question: GRPO's group
 PROMPTS_PER_EPISODE = 8
 SAMPLING = {"max_new_tokens": 12, "temperature": 1.0}
-LR = 1e-5
+LR = 2e-5
 
 
 def smollm2() -> hf.LM:
@@ -93,8 +94,9 @@ def eval_flow(prompts: Any, policy: Policy, reward: Reward) -> Any:
     return reward.forward_step(policy.eval_step(prompts))  # greedy answers
 
 
-def run_config(episodes: int, backend: str, eval_every: int) -> flowrl.RunConfig:
+def run_config(episodes: int, backend: str, eval_every: int, run_dir: str | None = None) -> flowrl.RunConfig:
     return flowrl.RunConfig(
+        run_dir=run_dir,  # metrics.jsonl: a line per episode (the reward curve), trace.json
         sample_per_episode=PROMPTS_PER_EPISODE * GROUP,
         num_samples_per_prompt=GROUP,
         num_episode=episodes,
@@ -105,7 +107,9 @@ def run_config(episodes: int, backend: str, eval_every: int) -> flowrl.RunConfig
     )
 
 
-def make_engine(episodes: int, backend: str = "inprocess", lr: float = LR, eval_every: int = 5) -> flowrl.Engine:
+def make_engine(
+    episodes: int, backend: str = "inprocess", lr: float = LR, eval_every: int = 5, run_dir: str | None = None
+) -> flowrl.Engine:
     policy = Policy("policy", {"num_replicas": 1, "batch_size": PROMPTS_PER_EPISODE * GROUP})
     reward = Reward("reward", {"batch_size": 64, "cpus_per_replica": 0.1})
     trainer = Trainer("grpo", {"num_replicas": 1}, lr=lr)
@@ -114,7 +118,7 @@ def make_engine(episodes: int, backend: str = "inprocess", lr: float = LR, eval_
         eval_flow=lambda p: eval_flow(p, policy, reward),
         train=[trainer],
         sync=[(trainer, policy)],
-        config=run_config(episodes, backend, eval_every),
+        config=run_config(episodes, backend, eval_every, run_dir),
     )
     engine.set_dataset(dataset())
     engine.set_eval_dataset(held_out())
@@ -146,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
+    parser.add_argument("--run-dir", default="runs/grpo_smollm2", help="metrics.jsonl and trace.json go here")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # flowrl logs a line per episode
     start = time.perf_counter()
     before = accuracy_before()
     print(f"held-out accuracy before training: {before:.3f} (greedy, {len(held_out())} questions)")
-    engine = make_engine(args.episodes, args.backend, args.lr, args.eval_every)
+    engine = make_engine(args.episodes, args.backend, args.lr, args.eval_every, args.run_dir)
     stats = engine.learn()
     curve = [e.metrics["grpo"].get("score", float("nan")) for e in stats.episodes]
     for e, score in enumerate(curve):
