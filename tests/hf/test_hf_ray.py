@@ -17,6 +17,10 @@ from flowrl.testing import flowrl_actor_names
 if TYPE_CHECKING:
     from pathlib import Path
 
+# slow until it has passed on a quiet machine: on an overloaded one (load average 10-30) the two
+# trainer ranks once did not start within setup_timeout_s (docs/dev-notes.md)
+pytestmark = pytest.mark.slow
+
 CPU = {"cpus_per_replica": 0.5}
 PROMPTS = ["what is one", "the answer", "seven plus", "nine minus two"]
 
