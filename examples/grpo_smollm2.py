@@ -145,10 +145,10 @@ def accuracy_before() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GRPO on SmolLM2-135M-Instruct: arithmetic with an exact-match reward")
-    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="inprocess")
     parser.add_argument("--lr", type=float, default=LR)
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
     parser.add_argument("--run-dir", default="runs/grpo_smollm2", help="metrics.jsonl and trace.json go here")
     args = parser.parse_args(argv)
