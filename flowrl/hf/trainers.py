@@ -19,7 +19,7 @@ from .._core.errors import ConfigError
 from . import sharding
 from .config import GRPO, LM, PPO, Optim, Train
 from .models import Config, HFModel
-from .tokens import join, response_mask, right_pad, sequence_logprobs, token_micro_batches
+from .tokens import join, response_mask, response_values, right_pad, sequence_logprobs, token_micro_batches
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
@@ -256,9 +256,8 @@ def ppo_targets(batch: Batch, ppo: PPO) -> tuple[list[torch.Tensor], list[torch.
     values = right_pad(need(batch, "values", "PPO's advantages (GAE)"))
     rewards = rl.token_rewards(torch.as_tensor(batch["score"]).float(), logp, ref, mask, kl_coef=ppo.kl_coef, kl=ppo.kl)
     adv, returns = rl.gae(rewards, values, mask, gamma=ppo.gamma, lam=ppo.lam)
-    return [a[: int(n)] for a, n in zip(adv, lengths, strict=False)], [
-        r[: int(n)] for r, n in zip(returns, lengths, strict=False)
-    ]
+    cut = [int(n) for n in lengths]
+    return [a[:n] for a, n in zip(adv, cut, strict=True)], [r[:n] for r, n in zip(returns, cut, strict=True)]
 
 
 class PPOTrainer(GRPOTrainer):
@@ -317,8 +316,6 @@ class ValueTrainer(HFTrainer):
         return {"returns": returns}
 
     def objective(self, mb: Batch, extra: Mapping[str, Any], counts: Counts) -> tuple[torch.Tensor, dict[str, float]]:
-        from .tokens import response_values
-
         padded = join(mb["prompt_ids"], mb["response_ids"], int(self.tokenizer.pad_token_id))
         per_position = self.module(padded.input_ids.to(self.device), padded.attention_mask.to(self.device))
         values = response_values(per_position.float(), padded.to(self.device))  # fp32 under bf16 autocast
