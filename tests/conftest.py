@@ -16,6 +16,11 @@ from pathlib import Path
 import pytest
 
 HELPERS = Path(__file__).parent / "helpers"
+# Ray starts its workers at nice 15 so that a driver stays responsive; here the workers are the
+# replicas under test, and at nice 15 each gets ~3% of a core beside one busy process per core,
+# so a loaded CI machine would starve them 30x. Set before any cluster starts (the fixture's and
+# those of the `flowrl run` subprocesses, which inherit it).
+os.environ.setdefault("RAY_worker_niceness", "0")
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 

@@ -70,15 +70,34 @@ def _ship_by_value(model: Model) -> None:
     """Let replicas unpickle models defined in top-level modules (test files, scripts' helpers).
 
     Workers do not share the driver's ``sys.path``; a class from a module outside any package
-    would not import there, so its module travels by value, as ``__main__`` already does.
+    would not import there, so its module travels by value, as ``__main__`` already does. The
+    same holds for what the model holds: a reward function from a script's helper module, given
+    to a library model, names that module too.
     """
-    for cls in type(model).__mro__:
-        module = sys.modules.get(cls.__module__)
+    held = [v for value in vars(model).values() for v in _shallow(value)]
+    for module_name in {cls.__module__ for cls in type(model).__mro__} | {_module_of(v) for v in held}:
+        module = sys.modules.get(module_name)
         path = getattr(module, "__file__", None)
-        if module is None or not path or cls.__module__ == "__main__" or getattr(module, "__package__", None):
+        if module is None or not path or module_name == "__main__" or getattr(module, "__package__", None):
             continue  # builtins, __main__ (already by value) and modules inside packages
         if not path.startswith((sys.prefix, sys.base_prefix)):
             ray.cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]  # cloudpickle's is unannotated
+
+
+def _shallow(value: Any) -> list[Any]:
+    """``value``, or the items of a list, tuple or dict (one level: models hold plain containers)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return [*value.keys(), *value.values()]
+    return [value]
+
+
+def _module_of(value: Any) -> str:
+    """The module a value's pickle names: a function's or class's own, else its type's."""
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return str(getattr(value, "__module__", "") or "")
+    return type(value).__module__
 
 
 # Pipelines of this process that use a cluster flowrl started; the last one to close stops it.

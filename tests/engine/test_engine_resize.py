@@ -25,8 +25,14 @@ def test_the_engine_resizes_its_policy_mid_episode_and_new_replicas_get_the_curr
 
     episodes = 8
     shards = Queue(actor_options={"num_cpus": 0})  # (replica, samples) per shard the policy finished
-    engine, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=episodes, rollout_s=0.1, report=shards)
+    # each policy shard takes a permit first: the rollout pauses after 6 shards (in episode 1) until
+    # the new replicas serve, since starting actors on a busy machine can outlast the whole run
+    permits = Queue(actor_options={"num_cpus": 0})
+    engine, _ = make_engine(
+        sync_every=1, max_relay_episode=0, num_episode=episodes, rollout_s=0.1, report=shards, gate=permits
+    )
     done: Counter[int] = Counter()  # samples per policy replica, as the replicas report them
+    reports = Counter[str]()
 
     async def until(condition: Callable[[Counter[int]], bool]) -> None:
         """Take the replicas' reports as they come until ``condition(done)`` holds."""
@@ -35,6 +41,7 @@ def test_the_engine_resizes_its_policy_mid_episode_and_new_replicas_get_the_curr
             assert report is not None, f"the run ended first: {dict(done)}"
             replica, samples = report
             done[replica] += samples
+            reports["shards"] += 1
 
     async def main():
         async with engine:
@@ -44,9 +51,14 @@ def test_the_engine_resizes_its_policy_mid_episode_and_new_replicas_get_the_curr
                     await engine.alearn()
                     await shards.put_async(None)  # the run is over: no report comes any more
 
+                for _ in range(6):
+                    await permits.put_async(True)
                 tg.start_soon(learn)
-                await until(lambda d: d.total() >= 12)  # halfway through episode 1
+                await until(lambda _: reports["shards"] == 6)  # the rollout waits for permits now
                 assert await engine.aresize("policy", 4) == [2, 3]
+                assert shards.empty()  # nothing ran while they started
+                for _ in range(episodes * 8):  # enough for the rest of the run: a shard holds >= 1 sample
+                    await permits.put_async(True)
                 await until(lambda d: d[2] > 0 and d[3] > 0)  # both added replicas worked
                 half = done.total() // 8 * 8 + 12
                 await until(lambda d: d.total() >= half)  # halfway through the episode after that
@@ -57,6 +69,7 @@ def test_the_engine_resizes_its_policy_mid_episode_and_new_replicas_get_the_curr
         stats, names = anyio.run(main)
     finally:
         shards.shutdown()
+        permits.shutdown()
     rollout = stats.rollout.stages["policy.forward_step"]
     assert rollout.samples == episodes * 8 and rollout.retried == 0
     assert {r.replica for r in rollout.replicas if r.samples} >= {2, 3}  # the added replicas worked

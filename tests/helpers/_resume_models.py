@@ -19,16 +19,21 @@ CPU = {"cpus_per_replica": 0.1}
 
 
 class Policy(flowrl.Model):
-    def __init__(self, name: str, config: Any = None, *, sleep_s: float = 0.0, report: Any = None) -> None:
+    def __init__(
+        self, name: str, config: Any = None, *, sleep_s: float = 0.0, report: Any = None, gate: Any = None
+    ) -> None:
         super().__init__(name, config)
         self.sleep_s = sleep_s  # per shard: a rollout that takes time
         self.report = report  # a ray.util.queue.Queue: (replica, samples) put after each shard
+        self.gate = gate  # a ray.util.queue.Queue of permits: each shard takes one before it runs
 
     def setup(self) -> None:
         self.w = np.full(4, 0.5, dtype=np.float32)
         self.b = np.zeros(1, dtype=np.float32)
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        if self.gate is not None:
+            self.gate.get()  # blocks until the test hands out a permit
         time.sleep(self.sleep_s)
         x = np.asarray(batch["prompt"], dtype=np.float32)
         out = {"action": x @ self.w + self.b[0] + np.float32(iteration)}
@@ -130,13 +135,19 @@ def make_engine(
     rollout_s: float = 0.0,
     train_s: float = 0.0,
     report: Any = None,
+    gate: Any = None,
     **config: Any,
 ) -> tuple[flowrl.Engine, list[dict[str, Any]]]:
     """The engine and the list its relay function appends each episode's samples to
     (``rollout_s`` / ``train_s``: seconds each policy shard / train step sleeps; ``report``: a
-    ``ray.util.queue.Queue`` the policy replicas put ``(replica, samples)`` into per shard)."""
+    ``ray.util.queue.Queue`` the policy replicas put ``(replica, samples)`` into per shard;
+    ``gate``: a ``Queue`` each policy shard takes a permit from first)."""
     policy = Policy(
-        "policy", {"num_replicas": policy_replicas, "batch_size": 2, **CPU}, sleep_s=rollout_s, report=report
+        "policy",
+        {"num_replicas": policy_replicas, "batch_size": 2, **CPU},
+        sleep_s=rollout_s,
+        report=report,
+        gate=gate,
     )
     learner = Learner(
         "learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first, sleep_s=train_s
