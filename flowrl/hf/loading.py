@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 import torch
 
 from .._core.errors import ConfigError
@@ -18,8 +19,10 @@ if TYPE_CHECKING:
 Head = Literal["causal", "value", "reward"]
 
 
-def check_paths(lm: LM, model: str) -> None:
-    """Fail on the driver, before any replica starts, when a named file is not there."""
+def checked_paths(lm: LM, model: str) -> LM:
+    """``lm`` with its folders made absolute; fails on the driver, before any replica starts,
+    when a named file is not there. Replicas run in other working folders, and a relative
+    path that does not resolve there would be taken for a hub name."""
     for key, value in (("path", lm.path), ("tokenizer", lm.tokenizer)):
         if value is not None and not Path(value).is_dir():
             raise ConfigError(f"model {model!r}: LM.{key}={value!r} is not a folder (flowrl.hf loads local files only)")
@@ -27,6 +30,8 @@ def check_paths(lm: LM, model: str) -> None:
         where = Path(lm.path or ".") / lm.gguf_file
         if not where.is_file():
             raise ConfigError(f"model {model!r}: LM.gguf_file={lm.gguf_file!r}: no file {where}")
+    absolute = {k: str(Path(v).resolve()) for k, v in (("path", lm.path), ("tokenizer", lm.tokenizer)) if v}
+    return msgspec.structs.replace(lm, **absolute)
 
 
 def dtype_of(lm: LM, device: torch.device) -> torch.dtype:
@@ -40,7 +45,7 @@ def load_tokenizer(lm: LM, model: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     where = lm.tokenizer or lm.path
-    kwargs: dict[str, Any] = {"trust_remote_code": lm.trust_remote_code}
+    kwargs: dict[str, Any] = {"trust_remote_code": lm.trust_remote_code, "local_files_only": True}
     if lm.gguf_file is not None and lm.tokenizer is None:
         kwargs["gguf_file"] = lm.gguf_file
     tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -73,7 +78,8 @@ def load_module(lm: LM, head: Head, device: torch.device, tokenizer: PreTrainedT
 
 
 def _pretrained(auto: Any, lm: LM, dtype: torch.dtype, **extra: Any) -> PreTrainedModel:
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": lm.trust_remote_code, **extra}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": lm.trust_remote_code, "local_files_only": True}
+    kwargs.update(extra)
     if lm.gguf_file is not None:
         kwargs["gguf_file"] = lm.gguf_file
     model: PreTrainedModel = auto.from_pretrained(lm.path, **kwargs)
@@ -139,5 +145,7 @@ def shape_of(lm: LM) -> dict[str, object]:
         config = AutoConfig.for_model(str(settings.pop("model_type")), **settings)
     else:
         extra = {"gguf_file": lm.gguf_file} if lm.gguf_file else {}
-        config = AutoConfig.from_pretrained(str(lm.path), trust_remote_code=lm.trust_remote_code, **extra)
+        config = AutoConfig.from_pretrained(
+            str(lm.path), trust_remote_code=lm.trust_remote_code, local_files_only=True, **extra
+        )
     return {key: getattr(config, key, None) for key in SHAPE_KEYS}

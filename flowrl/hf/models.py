@@ -22,7 +22,7 @@ from .._core.config import ModelConfig, to_config
 from .._core.errors import ConfigError
 from .._core.model import Model
 from .config import LM, Sampling
-from .loading import Head, check_paths, context_length, load_module, load_tokenizer, shape_of
+from .loading import Head, checked_paths, context_length, load_module, load_tokenizer, shape_of
 from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs, token_micro_batches
 
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ class HFModel(Model):
 
     def __init__(self, name: str, config: Config = None, *, lm: LM | Mapping[str, Any]) -> None:
         super().__init__(name, config)
-        self.lm = to_config(LM, lm, f"model {name!r} lm")
-        check_paths(self.lm, name)
+        self.lm = checked_paths(to_config(LM, lm, f"model {name!r} lm"), name)
 
     def setup(self) -> None:
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.lm, self.name)
