@@ -49,6 +49,8 @@ def full_weights(module: torch.nn.Module, cpu: bool) -> dict[str, Any]:
 
 
 def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, whole, on the host (collective for a
+    sharded module). Sharded or not, the same format: a checkpoint resumes on any rank count."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     if not optimizer.state:  # no step yet: reading would initialise the state with a step of lr 0
@@ -57,13 +59,14 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     return state
 
 
-def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> None:
-    """Load whole weights (and optimizer state) given to every rank; each keeps its shard."""
+def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load whole weights and optimizer state given to every rank; a sharded module's rank
+    keeps its shard."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     options = _options(False)
     set_model_state_dict(module, dict(state["module"]), options=options)
-    if optimizer is not None and state.get("optimizer"):
+    if state.get("optimizer"):
         set_optimizer_state_dict(module, optimizer, dict(state["optimizer"]), options=options)
 
 

@@ -176,17 +176,15 @@ class HFTrainer(HFModel):
         return sharding.full_weights(self.module, cpu=self.config.weight_transport == "host")
 
     def checkpoint_state(self) -> Mapping[str, Any]:
-        if not self.sharded:
-            return super().checkpoint_state()
+        # whole weights and optimizer state keyed by parameter name, sharded or not: a run saved
+        # on two FSDP ranks resumes on one rank, and the other way round
         return {
-            "module": sharding.full_weights(self.module, cpu=True),
+            "module": sharding.full_weights(self.module, cpu=True) if self.sharded else self.module.state_dict(),
             "optimizer": sharding.full_optimizer_state(self.module, self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
         }
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
-        if not self.sharded:
-            return super().restore_state(state)
         sharding.load_full(self.module, self.optimizer, state)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 

@@ -40,12 +40,14 @@ def make_trainer(tokenizer: str, case: dict[str, Any], rank: int = 0, world_size
 
 
 def train(trainer: hf.GRPOTrainer, shard: Samples, steps: int) -> dict[str, Any]:
-    """``steps`` train steps on ``shard``: the weights after them and each step's metrics."""
+    """``steps`` train steps on ``shard``: the weights after them, each step's metrics and
+    (rank 0) the checkpoint state."""
     batch = flowrl.Batch.from_samples(*shard)
     metrics = [trainer.train_step(batch, 0) for _ in range(steps)]
     # every rank gathers (a sharded trainer's weights are split over the ranks); rank 0 gets them whole
     weights = {k: v.detach().clone() for k, v in trainer.get_weights().items()}
-    return {"weights": weights, "metrics": metrics}
+    state = trainer.checkpoint_state()  # collective too; rank 0's is what a checkpoint keeps
+    return {"weights": weights, "metrics": metrics, "state": state if trainer.rank == 0 else None}
 
 
 def rank_main(rank: int, world_size: int, folder: str) -> None:

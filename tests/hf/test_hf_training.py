@@ -131,6 +131,38 @@ def test_grpo_on_two_gloo_ranks_takes_the_steps_of_one_rank(two_ranks: dict[str,
             )
 
 
+def assert_same_state(got: Any, want: Any, where: str) -> None:
+    """Nested checkpoint states equal: the same keys, tensors within tolerance."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_same_state(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):  # a checkpoint file keeps tuples (Adam's betas) as lists
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same_state(a, b, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(torch.as_tensor(got), want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: {m}")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case["fsdp"] == "auto"])
+def test_a_sharded_trainers_checkpoint_is_the_one_rank_format_and_restores_there(
+    two_ranks: dict[str, Any], name: str
+) -> None:
+    one = hf_ranks.make_trainer(two_ranks["tokenizer"], CASES[name])
+    want = hf_ranks.train(one, two_ranks["samples"], STEPS)["state"]
+    sharded = two_ranks["results"][name][0]["state"]
+    assert_same_state(sharded, want, "state")  # optimizer state keyed by name, whole, in both
+
+    again = hf_ranks.make_trainer(two_ranks["tokenizer"], CASES[name])  # a resume on one rank
+    again.restore_state(sharded)
+    assert_same_state(again.checkpoint_state(), want, "restored")
+    step = flowrl.Batch.from_samples(*two_ranks["samples"])
+    assert again.train_step(step, 0)["grad_norm"] == pytest.approx(one.train_step(step, 0)["grad_norm"], rel=RTOL)
+
+
 # ---- checkpoint and exact resume of an engine of HF models ----
 PROMPTS = ["what is one", "the answer", "seven plus", "nine minus two", "yes or no", "three equals"]
 
