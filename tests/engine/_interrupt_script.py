@@ -5,6 +5,7 @@ rollout is done. Prints what was left after the interrupt: actors, and the last 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def last_checkpoint(folder: str) -> dict:
 
 
 def main() -> None:
+    # Ctrl-C reaches a program in a terminal's foreground; a test runner started in the
+    # background by a shell script (a CI job's `cmd &`) hands its children SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     policy = Scale(
         "policy", {"num_replicas": 2, "batch_size": 2, "cpus_per_replica": 0.25}, srcs=["x"], dst="y", sleep_s=0.02
