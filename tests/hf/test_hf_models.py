@@ -4,6 +4,7 @@ tokenizer trained here: generation, log-probs, weight loading, and the errors fo
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import hf_tiny
 import pytest
@@ -214,6 +215,18 @@ def test_bad_settings_fail_when_the_model_is_made(tokenizer: str, tmp_path: obje
         hf.LM(tokenizer=tokenizer)
     with pytest.raises(flowrl.ConfigError, match=r"model 'reward': fn='nowhere:fn' is not an importable"):
         hf.RuleReward("reward", fn="nowhere:fn")
+
+
+def test_relative_folders_are_made_absolute_where_the_model_is_made(
+    tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # replicas run in other working folders: there a relative path would not resolve
+    folder = Path(tokenizer)
+    monkeypatch.chdir(folder.parent)
+    policy = hf.HFPolicy("policy", lm={"config": hf_tiny.llama(), "tokenizer": folder.name})
+    monkeypatch.chdir(folder.root)
+    assert policy.lm.tokenizer == str(folder.resolve())
+    ready(policy)  # loads from anywhere now
 
 
 def test_a_tokenizer_without_a_pad_token_is_named(tmp_path_factory: pytest.TempPathFactory) -> None:
