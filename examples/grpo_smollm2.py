@@ -66,9 +66,12 @@ def lm_at(model: str | None, tokenizer: str | None = None) -> hf.LM:
     """SmolLM2 from the package's GGUF, or ``--model``: a Hugging Face model folder or a GGUF
     file; ``--tokenizer``: a tokenizer folder instead of the model's (transformers versions
     read a GGUF's tokenizer differently)."""
-    lm = smollm2() if model is None else hf.LM(path=model)
-    if model is not None and model.endswith(".gguf"):
+    if model is None:
+        lm = smollm2()
+    elif model.endswith(".gguf"):
         lm = hf.LM(path=str(Path(model).parent), gguf_file=Path(model).name)
+    else:
+        lm = hf.LM(path=model)
     return msgspec.structs.replace(lm, tokenizer=tokenizer)
 
 
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=Setup.episodes)
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--eval-every", type=int, default=Setup.eval_every)
-    parser.add_argument("--seed", type=int, default=0, help="the sampling stream and the question order")
+    parser.add_argument("--seed", type=int, default=Setup.seed, help="the sampling stream and the question order")
     parser.add_argument("--gpu", action="store_true", help="policy and trainer on one GPU (Ray, CUDA IPC)")
     parser.add_argument("--model", help="a Hugging Face model folder or GGUF file instead of the package's")
     parser.add_argument("--tokenizer", help="a tokenizer folder instead of the model's")

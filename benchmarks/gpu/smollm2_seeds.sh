@@ -10,6 +10,8 @@
 #   finds no pad token), saved here with save_pretrained
 #   device run 1: carry .whl;  run 2: carry .gga;  run 3: carry .ggb and .hf, command:
 #          bash benchmarks/gpu/smollm2_seeds.sh 0 1 2 3 4
+# Not yet run to the end: its first try measured the held-out accuracy before training (0.547)
+# and then hung on a relative tokenizer path, which flowrl.hf now makes absolute.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
