@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 HELPERS = Path(__file__).parent / "helpers"
 # Ray starts its workers at nice 15 so that a driver stays responsive; here the workers are the
@@ -23,6 +24,16 @@ HELPERS = Path(__file__).parent / "helpers"
 os.environ.setdefault("RAY_worker_niceness", "0")
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
+
+# The fuzzers (hypothesis): in the default run a fixed seed and a bounded budget, so CI is
+# repeatable and short; FLOWRL_FUZZ=long for the longer run docs/reliability.md reports.
+settings.register_profile(
+    "ci", derandomize=True, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "long", max_examples=20_000, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("long" if os.environ.get("FLOWRL_FUZZ") == "long" else "ci")
 
 
 @pytest.fixture(scope="session")
