@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
+import numpy as np
 
 from .errors import ConfigError
 
@@ -35,8 +37,9 @@ def _non_negative(owner: str, **values: float | None) -> None:
 
 
 def _check_types(config: msgspec.Struct) -> None:
-    """Each field's value against its annotation. msgspec checks a config given as a mapping;
-    one built directly (``ModelConfig(batch_size=2.5)``) is checked only here."""
+    """Each field's value against its annotation, and every number of a float field finite.
+    msgspec checks a config given as a mapping; one built directly (``ModelConfig(batch_size=2.5)``)
+    is checked only here. Every config Struct calls this from ``__post_init__``."""
     owner = type(config).__name__
     for field in msgspec.structs.fields(config):
         value = getattr(config, field.name)
@@ -45,6 +48,23 @@ def _check_types(config: msgspec.Struct) -> None:
             msgspec.convert(plain, field.type)
         except msgspec.ValidationError as err:
             raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
+        if _holds_float(field.type):
+            _check_finite(f"{owner}.{field.name}", value)
+
+
+def _holds_float(annotation: Any) -> bool:
+    """Whether ``annotation`` is ``float`` or has it inside (``float | None``, ``tuple[float, float]``)."""
+    return annotation is float or any(_holds_float(arg) for arg in get_args(annotation))
+
+
+def _check_finite(where: str, value: Any) -> None:
+    # NaN passes every comparison check (``nan <= 0`` is False) and inf means "never" only by
+    # accident: both are refused wherever a float is set, nested sequences included.
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_finite(where, item)
+    elif isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
 
 
 class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -8,6 +8,7 @@ which producers' fields each stage sees (the union over its inputs: samples are 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +154,7 @@ def trace(flow: Callable[[Node], Any]) -> FlowGraph:
     """Run ``flow`` once on a placeholder input and return its graph."""
     if not callable(flow):
         raise FlowDefinitionError(f"a flow must be a function of one argument, got {type(flow).__name__}")
+    _check_arity(flow)
     builder = _Builder()
     result = flow(Node(builder, SOURCE))
     nodes = result if isinstance(result, (tuple, list)) else (result,)
@@ -161,3 +163,20 @@ def trace(flow: Callable[[Node], Any]) -> FlowGraph:
     if not builder.stages:
         raise FlowDefinitionError("the flow calls no model step; call at least one, e.g. policy.forward_step(prompts)")
     return FlowGraph(builder.stages, builder.models, tuple(dict.fromkeys(n._name for n in nodes)))
+
+
+def _check_arity(flow: Callable[..., Any]) -> None:
+    """A flow is called with one argument, the flow input: say so before a bare TypeError from
+    the call would (a wrong ``rollout=`` or ``eval_flow=`` is found when the engine is built)."""
+    try:
+        signature = inspect.signature(flow)
+    except (TypeError, ValueError):  # builtins and some C callables have none: the call will tell
+        return
+    try:
+        signature.bind(SOURCE)
+    except TypeError as err:
+        name = getattr(flow, "__qualname__", None) or type(flow).__name__
+        raise FlowDefinitionError(
+            f"flow {name}{signature} cannot be called with one argument (the flow input, e.g. `def flow(prompts):`): "
+            f"{err}"
+        ) from None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .config import ModelConfig, to_config
 from .errors import ConfigError, FlowDefinitionError
+from .names import check_name
 from .node import Node, StepInfo
 
 if TYPE_CHECKING:
@@ -104,15 +105,16 @@ class _MissingStep(FlowDefinitionError, AttributeError):
 class Model:
     """Base class of user models. Override ``setup`` and ``forward_step`` (or other steps).
 
+    ``name``: 1 to 128 letters, digits, ``_`` and ``-`` (not starting with ``-``); it names the
+    model's stages, actors and checkpoint files, so no dot, slash or space.
+
     Inside a replica these are set: ``name``, ``config``, ``replica_id``, ``num_replicas``,
     ``gpu_ids`` and ``node_id``; ``device`` (a property) is the ``torch.device`` to compute on:
     ``cuda`` when the replica holds a GPU and CUDA is available, else ``cpu``.
     """
 
     def __init__(self, name: str, config: ModelConfig | Mapping[str, Any] | None = None) -> None:
-        if not isinstance(name, str) or not name or "." in name or "#" in name:
-            raise ConfigError(f"a model name must be a non-empty string without '.' or '#', got {name!r}")
-        self.name = name
+        self.name = check_name(name, f"{type(self).__name__}(name=...)")
         self.config: ModelConfig = to_config(ModelConfig, config, f"model {name!r} config")
         self.num_replicas = self.config.replicas
         self.replica_id: int | None = None

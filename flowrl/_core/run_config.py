@@ -11,6 +11,7 @@ import msgspec
 
 from .config import ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, check_progress, to_config
 from .errors import ConfigError
+from .names import check_name
 from .staleness import STALE_POLICIES
 
 
@@ -84,6 +85,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             keep_checkpoints=self.keep_checkpoints,
             max_trainer_restarts=self.max_trainer_restarts,
             max_staleness=self.max_staleness,
+            seed=self.seed,  # numpy's generators take no negative seed: refused here, not at the first shuffle
         )
         if self.on_stale not in STALE_POLICIES:
             raise ConfigError(f"RunConfig.on_stale must be one of {list(STALE_POLICIES)}, got {self.on_stale!r}")
@@ -100,9 +102,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"RunConfig.max_relay_episode must be -1 (all), 0 (the current episode only) or > 0, "
                 f"got {self.max_relay_episode}"
             )
+        for name in self.models:
+            check_name(name, "RunConfig.models")
         seen: dict[str, int] = {}
         for i, group in enumerate(self.colocation):
             for name in group:
+                check_name(name, f"RunConfig.colocation[{i}]")
                 if name in seen:
                     raise ConfigError(f"RunConfig.colocation: model {name!r} is in groups {seen[name]} and {i}")
                 seen[name] = i

@@ -23,6 +23,7 @@ import msgspec
 
 from .._core.config import to_config
 from .._core.errors import ConfigError, FlowError, PipelineClosedError
+from .._core.names import check_name
 from .._core.run_config import RunConfig
 from .._core.trace import Span, Timeline, chrome_trace, write_json
 from .._pipeline.opening import Flow, build_flow, plain_errors
@@ -84,6 +85,8 @@ class Engine:
         self.eval_graph = build_flow(eval_flow) if eval_flow is not None else None
         self.sync_pairs = list(sync)
         models = all_models(self.rollout_graph, self.eval_graph, self.trainers)
+        for model in models.values():  # `name` is a plain attribute: checked again once all are known
+            check_name(model.name, f"model {type(model).__name__}")
         apply_model_configs(self.config, models)
         check(self.config, models, self.trainers, self.sync_pairs, self.rollout_graph, self.eval_graph)
         self.placement = Placement(self.config, models)

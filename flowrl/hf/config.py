@@ -57,6 +57,8 @@ class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"LM.config needs a 'model_type' key (e.g. 'llama'), got keys {sorted(self.config)}")
         if self.path is None and self.tokenizer is None:
             raise ConfigError("LM: a model built from config= needs tokenizer= (a folder with a tokenizer)")
+        if not -(1 << 63) <= self.seed < 1 << 64:  # torch.manual_seed's range, checked before a replica runs it
+            raise ConfigError(f"LM.seed must be in [-2**63, 2**64), torch.manual_seed's range; got {self.seed}")
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
