@@ -65,7 +65,7 @@ class EpisodeLoop:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._progress.watch, self.deployment.rollout, cfg.sample_per_episode)
             if self.run_dir is not None:
-                tg.start_soon(self.elasticity.watch_requests, self.run_dir.path)
+                await tg.start(self.elasticity.watch_requests, self.run_dir.path)  # live.json before episode 0
             if self.overlap.enabled:
                 while learning.episode < target:  # once more after each trainer rebuild
                     await self.checkpoints.rebuilding(lambda: self.overlap.run(target, self._train_episode))

@@ -5,23 +5,138 @@ rollout pipeline's counters so far, the wall-clock time); ``trace.json``: the ti
 replica, trainer rank and episode phase as a Chrome trace (``flowrl trace RUN_DIR`` renders it).
 ``metric_values``: the same counters as gauges (``flowrl_*``; Ray prefixes ``ray_``), which the
 Ray backend exports through ``ray.util.metrics`` after every episode.
+``live.json``: the marker of the run under way (``LiveRun``), there only while a ``learn()`` runs;
+``flowrl scale`` binds its request to it. The files others may plant here (a FIFO, a symlink to
+/dev/zero) are read with ``read_regular``, which never blocks on what is not a regular file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import stat
 import time
+import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from .._core.errors import ConfigError
 from .._core.trace import Span, chrome_trace, write_json
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from .._core.stats import PipelineStats
     from .stats import EngineStats, EpisodeStats, TrainerStats
 
-METRICS, TRACE = "metrics.jsonl", "trace.json"
+METRICS, TRACE, LIVE = "metrics.jsonl", "trace.json", "live.json"
+LIVE_MAX_BYTES = 4096  # a marker flowrl writes is ~130 bytes: anything larger is not one
+
+
+class LiveRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``RUN_DIR/live.json``: the run that serves scale requests in this folder now."""
+
+    run_id: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]  # uuid4 hex, one per learn()
+    pid: Annotated[int, msgspec.Meta(ge=1)]
+    host: str
+    started: float  # time.time() when the run began
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes. Never follows a
+    symlink nor waits on a FIFO or device (O_NOFOLLOW | O_NONBLOCK, then fstat on what was opened:
+    the path may be swapped between the checks). FileNotFoundError when absent, ConfigError when
+    it is something else, OSError when it cannot be read."""
+    refuse_irregular(path, os.lstat(path), limit)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with os.fdopen(os.open(path, flags), "rb") as f:
+        refuse_irregular(path, os.fstat(f.fileno()), limit)
+        data = f.read(limit + 1)
+    if len(data) > limit:  # it grew after fstat
+        raise ConfigError(f"{path}: expected a regular file of at most {limit} bytes, it has more")
+    return data
+
+
+def refuse_irregular(path: Path, st: os.stat_result, limit: int) -> None:
+    """ConfigError unless ``st`` is a regular file of at most ``limit`` bytes."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: expected a regular file, found {file_kind(st.st_mode)}")
+    if st.st_size > limit:
+        raise ConfigError(f"{path}: expected a regular file of at most {limit} bytes, it has {st.st_size}")
+
+
+def file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO")]
+    kinds += [(stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]
+    return next((name for test, name in kinds if test(mode)), "a regular file")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a temporary file of a name no concurrent writer shares
+    (pid and a uuid), then os.replace, which also replaces a symlink rather than writing through it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def live_run(folder: Path) -> Iterator[LiveRun]:
+    """``folder/live.json`` while the block runs, removed when it ends however it ends (a killed
+    process leaves it: readers check the pid)."""
+    run = LiveRun(run_id=uuid.uuid4().hex, pid=os.getpid(), host=socket.gethostname(), started=time.time())
+    write_atomic(folder / LIVE, msgspec.json.encode(run))
+    try:
+        yield run
+    finally:
+        _remove_marker(folder / LIVE, run)
+
+
+def _remove_marker(path: Path, run: LiveRun) -> None:
+    """Remove ``path`` if it is still ``run``'s marker (another run in this folder may have
+    replaced it since; that one removes its own)."""
+    with contextlib.suppress(OSError, ConfigError, msgspec.DecodeError, msgspec.ValidationError):
+        if msgspec.json.decode(read_regular(path, LIVE_MAX_BYTES), type=LiveRun).run_id == run.run_id:
+            path.unlink()
+
+
+def find_live_run(folder: Path) -> LiveRun:
+    """The run serving ``folder`` now; ConfigError ("no live run in ...") when none is: no marker,
+    one that is not a marker, or one whose process is gone (checked only on this host)."""
+    path = folder / LIVE
+    try:
+        run = msgspec.json.decode(read_regular(path, LIVE_MAX_BYTES), type=LiveRun)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no live run in {folder}: no {LIVE} (an engine writes it while learn() runs with "
+            "RunConfig.run_dir set to this folder)"
+        ) from None
+    except (OSError, ConfigError, msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise ConfigError(f"no live run in {folder}: {path} is not a run marker ({err})") from err
+    if run.host == socket.gethostname() and not _alive(run.pid):
+        raise ConfigError(
+            f"no live run in {folder}: {path} names process {run.pid} on {run.host}, which has ended (killed?)"
+        )
+    return run
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 class RunDir:

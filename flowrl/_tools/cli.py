@@ -82,17 +82,11 @@ def run_main(args: argparse.Namespace) -> int:
 
 def scale_main(args: argparse.Namespace) -> int:
     from .._core.errors import FlowError
-    from .._engine.elastic import request_scale
+    from .._engine.elastic import parse_sizes, request_scale
 
-    sizes = {}
-    for item in args.sizes:
-        name, _, count = item.partition("=")
-        if not name or not count.isdigit() or int(count) < 1:
-            print(f"flowrl scale: {item!r}: expected MODEL=N with N >= 1, e.g. policy=4", file=sys.stderr)
-            return 2
-        sizes[name] = int(count)
     try:
-        path = request_scale(args.run_dir, sizes)
+        sizes = parse_sizes(args.sizes)
+        path = request_scale(args.run_dir, sizes)  # refuses when no run is live there
     except FlowError as err:
         print(f"flowrl scale: {err}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ get the current weights), asked for by `flowrl scale`, and the mistakes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections import Counter
@@ -14,6 +15,7 @@ from _resume_models import make_engine
 
 import flowrl
 from flowrl._engine.elastic import DONE, FAILED, request_scale
+from flowrl._engine.run_folder import LIVE
 from flowrl.testing import flowrl_actor_names
 
 if TYPE_CHECKING:
@@ -100,7 +102,8 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
 
             rollout.resize = resize_and_tell
             async with anyio.create_task_group() as tg:
-                tg.start_soon(engine._session.elasticity.watch_requests, tmp_path)
+                # the run's marker (live.json) is written when start() returns: `flowrl scale` needs one
+                run = await tg.start(engine._session.elasticity.watch_requests, tmp_path)
                 out = await anyio.to_thread.run_sync(
                     lambda: subprocess.run(
                         [sys.executable, "-m", "flowrl", "scale", str(tmp_path), "policy=3"],
@@ -114,11 +117,19 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
                 request_scale(tmp_path, {"nope": 2})  # a mistake is written back, the engine goes on
                 assert await handled.receive() == "nope"
                 tg.cancel_scope.cancel()
-            return rollout.serving("policy")
+            return rollout.serving("policy"), run.run_id
 
-    assert anyio.run(main) == [0, 1, 2]
-    assert b'"changed":{"policy":[2]}' in (tmp_path / DONE).read_bytes()
+    serving, run_id = anyio.run(main)
+    assert serving == [0, 1, 2]
+    assert json.loads((tmp_path / DONE).read_bytes()) == {
+        "run": run_id,
+        "requested": {"policy": 3},
+        "changed": {"policy": [2]},
+    }
     assert "ConfigError: no model 'nope' in this pipeline" in (tmp_path / FAILED).read_text()
+    assert not (tmp_path / LIVE).exists()  # the watcher's end removed the marker
+    with pytest.raises(flowrl.ConfigError, match="no live run in"):
+        request_scale(tmp_path, {"policy": 2})
     with pytest.raises(flowrl.ConfigError, match="not a folder"):
         request_scale(tmp_path / "missing", {"policy": 2})
 

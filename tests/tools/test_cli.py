@@ -84,7 +84,7 @@ def test_the_custom_flow_of_the_cli_page_runs_from_its_toml(tmp_path, capsys, mo
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["policy=0"], "expected MODEL=N with N >= 1"),
+        (["policy=0"], "expected MODEL=N with N a whole number from 1 to 10,000"),  # more: engine/test_scale_requests
         (["policy"], "expected MODEL=N"),
         (["missing-dir", "policy=2"], "not a folder"),
     ],
