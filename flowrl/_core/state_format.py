@@ -1,8 +1,13 @@
 """Checkpoint files: a safe state format and a directory of atomic checkpoints.
 
 State format: msgpack, with numpy arrays and torch tensors as typed extensions (dtype name,
-shape, raw bytes). Reading one never runs code from the file (no pickle), and a dtype name is
-only looked up among numpy's and torch's dtypes. Tuples come back as lists.
+shape, raw bytes). Reading one never runs code from the file (no pickle), and a file is checked
+as it is read, since it may be damaged or crafted: a dtype only from an allow-list of numpy's
+and torch's plain dtypes, a shape of at most ``MAX_RANK`` non-negative dims whose elements fill
+the raw bytes exactly, nesting at most ``MAX_DEPTH`` deep. Every failure is a ``CheckpointError``
+naming the file. Memory stays bounded by the file's size: an array is allocated only once its
+bytes are known to be in the file, and msgspec refuses a container longer than the bytes left.
+Tuples come back as lists.
 
 Directory: ``<root>/episode-000004/`` holds the state after 4 episodes. A checkpoint is
 written into a hidden temporary folder, each file flushed to disk, then renamed into place,
@@ -12,6 +17,7 @@ never read.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -30,6 +36,18 @@ from .errors import CheckpointError
 _ARRAY, _TENSOR, _SCALAR = 1, 2, 3
 _HEAD = struct.Struct("<I")
 _NAME = re.compile(r"^episode-(\d{6,})$")
+MAX_DEPTH = 64  # containers in containers: a real state (an optimiser's) is under 10 deep
+MAX_RANK = 32  # numpy 1 allows 32 dims: a file with more is not one this format wrote
+_MAX_DIM = 2**48  # one dim of a real array is far below; beyond, sizes overflow int64 in torch
+_MAX_HEAD = 64 + 12 * MAX_RANK  # bytes of an extension's header: a dtype name and its dims
+# numpy dtypes a state may hold (as ``dtype.str``): numbers, bools, dates, fixed-size strings;
+# never objects, records or raw voids
+_NUMPY_DTYPES = re.compile(r"[<>|=]?(?:b1|[iu][1248]|f[248]|c(?:8|16)|[SU][1-9]\d{0,8}|[Mm]8(?:\[\w{1,12}\])?)")
+_TORCH_DTYPES = frozenset(
+    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 float64 complex64 complex128 "
+    "float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu".split()
+)
+_HEAD_DECODER = msgspec.msgpack.Decoder(tuple[str, list[int]])
 
 
 def _ext(code: int, dtype: str, shape: tuple[int, ...], raw: bytes) -> msgspec.msgpack.Ext:
@@ -38,48 +56,95 @@ def _ext(code: int, dtype: str, shape: tuple[int, ...], raw: bytes) -> msgspec.m
 
 
 def _enc(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject or obj.dtype.names:
-            raise CheckpointError(f"cannot save a numpy array of dtype {obj.dtype} safely (objects or records)")
-        return _ext(_ARRAY, obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
-    if isinstance(obj, np.generic):  # kept a numpy scalar: a batch built from it keeps its dtype
-        if obj.dtype.hasobject:
-            raise CheckpointError(f"cannot save a numpy object scalar ({obj!r}) safely")
-        return _ext(_SCALAR, obj.dtype.str, (), obj.tobytes())
+    if isinstance(obj, (np.ndarray, np.generic)):
+        kind = obj.dtype
+        if kind.hasobject or kind.names:
+            raise CheckpointError(f"cannot save a numpy array of dtype {kind} safely (objects or records)")
+        if not _NUMPY_DTYPES.fullmatch(kind.str):
+            raise CheckpointError(f"cannot save a numpy array of dtype {kind} ({kind.str}) in a checkpoint")
+        if isinstance(obj, np.generic):  # kept a numpy scalar: a batch built from it keeps its dtype
+            return _ext(_SCALAR, kind.str, (), obj.tobytes())
+        return _ext(_ARRAY, kind.str, obj.shape, np.ascontiguousarray(obj).tobytes())
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        name = str(obj.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES:
+            raise CheckpointError(f"cannot save a torch tensor of dtype {obj.dtype} in a checkpoint")
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return _ext(_TENSOR, str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+        return _ext(_TENSOR, name, tuple(t.shape), raw)
     raise CheckpointError(
         f"cannot save a {type(obj).__module__}.{type(obj).__qualname__} in a checkpoint; state must be made of "
         "dicts, lists, numbers, strings, None, numpy arrays and torch tensors"
     )
 
 
-def _dec(code: int, data: memoryview) -> Any:
+def _header(data: memoryview) -> tuple[str, list[int], memoryview]:
+    """An extension's dtype name, shape and raw bytes, the header checked for form and size."""
+    if len(data) < _HEAD.size:
+        raise CheckpointError(f"an array's header is cut ({len(data)} bytes)")
     (size,) = _HEAD.unpack_from(data)
-    dtype, shape = msgspec.msgpack.decode(data[_HEAD.size : _HEAD.size + size])
-    raw = data[_HEAD.size + size :]
-    if code in (_ARRAY, _SCALAR):
-        try:
-            kind = np.dtype(dtype)
-        except TypeError as err:
-            raise CheckpointError(f"unknown numpy dtype {dtype!r} in a checkpoint") from err
-        if kind.hasobject:
-            raise CheckpointError(f"refusing to read a numpy array of dtype {dtype} (Python objects)")
-        array = np.frombuffer(raw, dtype=kind).reshape(shape).copy()
-        return array[()] if code == _SCALAR else array
-    if code == _TENSOR:
-        import torch
+    if size > min(_MAX_HEAD, len(data) - _HEAD.size):
+        raise CheckpointError(f"an array's header claims {size} bytes; at most {_MAX_HEAD} and what follows")
+    try:
+        dtype, shape = _HEAD_DECODER.decode(data[_HEAD.size : _HEAD.size + size])
+    except msgspec.DecodeError as err:
+        raise CheckpointError(f"an array's header is not [dtype name, shape] ({err})") from err
+    if len(shape) > MAX_RANK:
+        raise CheckpointError(f"an array has {len(shape)} dims; at most {MAX_RANK}")
+    if any(not 0 <= d <= _MAX_DIM for d in shape):
+        raise CheckpointError(f"an array's shape {shape} has a dim outside [0, 2**48]")
+    return dtype, shape, data[_HEAD.size + size :]
 
-        kind = getattr(torch, dtype, None)
-        if not isinstance(kind, torch.dtype):
-            raise CheckpointError(f"unknown torch dtype {dtype!r} in a checkpoint")
-        if not len(raw):
-            return torch.empty(shape, dtype=kind)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kind).reshape(shape)
-    raise CheckpointError(f"unknown value type {code} in a checkpoint")
+
+def _fits(dtype: str, shape: list[int], itemsize: int, raw: memoryview) -> None:
+    """Raw bytes that are exactly the elements of ``shape``: never read past them, never
+    allocate what the file does not hold."""
+    need = math.prod(shape) * itemsize
+    if need != len(raw):
+        raise CheckpointError(
+            f"an array of dtype {dtype} and shape {shape} needs {need} bytes, the file holds {len(raw)}"
+        )
+
+
+def _numpy(code: int, dtype: str, shape: list[int], raw: memoryview) -> Any:
+    if not _NUMPY_DTYPES.fullmatch(dtype):
+        raise CheckpointError(f"numpy dtype {dtype!r} is not one a checkpoint may hold")
+    kind = np.dtype(dtype)
+    if code == _SCALAR and shape:
+        raise CheckpointError(f"a numpy scalar with shape {shape}")
+    _fits(dtype, shape, kind.itemsize, raw)
+    array = np.frombuffer(raw, dtype=kind).reshape(shape).copy()
+    if kind.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
+        raise CheckpointError("a numpy bool array holds bytes other than 0 and 1")
+    if kind.kind == "U" and array.view(np.dtype("u4").newbyteorder(kind.byteorder)).max(initial=0) > 0x10FFFF:
+        raise CheckpointError("a numpy string array holds a code point past U+10FFFF")
+    return array[()] if code == _SCALAR else array
+
+
+def _tensor(dtype: str, shape: list[int], raw: memoryview) -> Any:
+    import torch
+
+    kind = getattr(torch, dtype, None) if dtype in _TORCH_DTYPES else None
+    if not isinstance(kind, torch.dtype):
+        raise CheckpointError(f"torch dtype {dtype!r} is not one a checkpoint may hold")
+    _fits(dtype, shape, kind.itemsize, raw)
+    if not len(raw):
+        return torch.empty(shape, dtype=kind)
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if kind == torch.bool and int(data.max()) > 1:
+        raise CheckpointError("a torch bool tensor holds bytes other than 0 and 1")
+    return data.view(kind).reshape(shape)
+
+
+def _dec(code: int, data: memoryview) -> Any:
+    if code not in (_ARRAY, _TENSOR, _SCALAR):
+        raise CheckpointError(f"unknown value type {code}")
+    dtype, shape, raw = _header(data)
+    return _tensor(dtype, shape, raw) if code == _TENSOR else _numpy(code, dtype, shape, raw)
+
+
+_DECODER = msgspec.msgpack.Decoder(ext_hook=_dec)
 
 
 def encode_state(state: Any) -> bytes:
@@ -87,11 +152,35 @@ def encode_state(state: Any) -> bytes:
     return msgspec.msgpack.Encoder(enc_hook=_enc).encode(state)
 
 
-def decode_state(data: bytes) -> Any:
+def decode_state(data: bytes, where: str | None = None) -> Any:
+    """The state in ``data``, checked; ``where``: the file's name, for the error."""
     try:
-        return msgspec.msgpack.Decoder(ext_hook=_dec).decode(data)
-    except (msgspec.DecodeError, ValueError, struct.error) as err:
-        raise CheckpointError(f"a checkpoint file is damaged: {err}") from err
+        state = _DECODER.decode(data)
+        _check_depth(state)
+    except CheckpointError as err:
+        raise CheckpointError(_damaged(where, str(err))) from err
+    except RecursionError as err:
+        raise CheckpointError(_damaged(where, f"nested too deep to read ({err})")) from err
+    except Exception as err:  # a crafted file can make any step fail: all of them mean "damaged"
+        raise CheckpointError(_damaged(where, f"{type(err).__name__}: {err}")) from err
+    return state
+
+
+def _damaged(where: str | None, why: str) -> str:
+    return f"checkpoint file {where} is damaged: {why}" if where else f"a checkpoint file is damaged: {why}"
+
+
+def _check_depth(state: Any) -> None:
+    """No container nested more than ``MAX_DEPTH`` deep (walked without recursion)."""
+    stack = [(state, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"containers nested more than {MAX_DEPTH} deep")
+        if isinstance(node, dict):
+            stack.extend((k, depth + 1) for k in node if isinstance(k, tuple))
+            node = node.values()
+        stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, tuple)))
 
 
 def rng_state() -> dict[str, Any]:
@@ -105,16 +194,79 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(state["numpy"])
+def set_rng_state(state: Any, where: str = "the random generator state") -> None:
+    """Set the generators ``rng_state`` gave, once ``state`` is checked to be such a state."""
+    check_rng_state(state, where)
+    try:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        np.random.set_state(state["numpy"])
+        if "torch" in state:
+            import torch
+
+            torch.set_rng_state(state["torch"])
+            if "cuda" in state and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(state["cuda"])
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as err:
+        raise CheckpointError(f"{where}: the generators refused it ({type(err).__name__}: {err})") from err
+
+
+def check_rng_state(state: Any, where: str = "the random generator state") -> None:
+    """``state`` has the form ``rng_state`` gives, or a CheckpointError names the part that has not."""
+    if not isinstance(state, dict) or "python" not in state or "numpy" not in state:
+        _bad_rng(where, "", "a dict with keys 'python' and 'numpy' (and 'torch', 'cuda')", state)
+    py = state["python"]
+    if not (
+        isinstance(py, list | tuple)
+        and len(py) == 3
+        and type(py[0]) is int
+        and py[0] == 3
+        and isinstance(py[1], list | tuple)
+        and len(py[1]) == 625
+        and all(type(x) is int and 0 <= x < 2**32 for x in py[1])
+        and py[1][-1] <= 624
+        and (py[2] is None or type(py[2]) is float)
+    ):
+        _bad_rng(where, "python", "[3, 624 words and an index <= 624 (ints < 2**32), None or a float]", py)
+    _check_numpy_rng(state["numpy"], where)
     if "torch" in state:
         import torch
 
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        length = torch.get_rng_state().numel()
+        if not _bytes_tensor(state["torch"]) or state["torch"].numel() != length:
+            _bad_rng(where, "torch", f"a 1-dim uint8 tensor of {length} bytes", state["torch"])
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, list) or not all(_bytes_tensor(t) for t in cuda):
+        _bad_rng(where, "cuda", "a list of 1-dim uint8 tensors (one per device)", cuda)
+
+
+def _check_numpy_rng(np_state: Any, where: str) -> None:
+    inner = np_state.get("state") if isinstance(np_state, dict) else None
+    key, pos = (inner.get("key"), inner.get("pos")) if isinstance(inner, dict) else (None, None)
+    if not (
+        isinstance(np_state, dict)
+        and np_state.get("bit_generator") == "MT19937"
+        and isinstance(key, np.ndarray)
+        and key.dtype == np.uint32
+        and key.shape == (624,)
+        and type(pos) is int
+        and 0 <= pos <= 624
+        and np_state.get("has_gauss") in (0, 1)
+        and type(np_state.get("gauss")) is float
+    ):
+        want = "{bit_generator: 'MT19937', state: {key: 624 uint32, pos: 0..624}, has_gauss: 0 or 1, gauss: float}"
+        _bad_rng(where, "numpy", want, np_state)
+
+
+def _bytes_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def _bad_rng(where: str, part: str, want: str, given: Any) -> None:
+    shown = f"a {type(given).__name__}" + (f" of length {len(given)}" if hasattr(given, "__len__") else "")
+    field = f" field {part!r}" if part else ""
+    raise CheckpointError(f"{where}{field}: expected {want}, got {shown}")
 
 
 class CheckpointDir:
@@ -139,31 +291,38 @@ class CheckpointDir:
         return self.path(done[-1]) if done else None
 
     def write(self, episode: int, files: dict[str, bytes]) -> Path:
-        """Write ``files`` as the checkpoint after ``episode`` episodes; returns its folder."""
+        """Write ``files`` as the checkpoint after ``episode`` episodes; returns its folder. A
+        failure (a full disk, no permission) is a CheckpointError naming the path, and leaves the
+        checkpoints already written whole."""
+        final = self.path(episode)
+        for name in files:
+            inside(final, name)
+        try:
+            self._write(final, files)
+        except OSError as err:
+            path = err.filename or final
+            raise CheckpointError(
+                f"checkpoint {final}: cannot write {path} ({err.strerror or err}); the checkpoints written before "
+                "are left whole"
+            ) from err
+        self._prune(episode)
+        return final
+
+    def _write(self, final: Path, files: dict[str, bytes]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):  # left by a crash while writing
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = self.root / f".tmp-{episode:06d}-{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             for name, data in files.items():
-                with open(tmp / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _put(tmp / name, data)
             _fsync_dir(tmp)
-            final = self.path(episode)
-            if final.exists():  # the same episode again (a rolled-back run): replace it whole
-                old = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
-                final.rename(old)
-                shutil.rmtree(old, ignore_errors=True)
-            tmp.rename(final)
+            _swap(tmp, final)
             _fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._prune(episode)
-        return final
 
     def _prune(self, latest: int) -> None:
         """Drop checkpoints past ``latest`` (a future rolled back, or an older run's), then all but
@@ -178,11 +337,59 @@ class CheckpointDir:
                 shutil.rmtree(self.path(episode), ignore_errors=True)
 
     @staticmethod
-    def read(folder: Path, name: str) -> bytes:
+    def read(folder: Path, name: str, limit: int | None = None) -> bytes:
+        """File ``name`` of checkpoint ``folder``; ``limit``: the most bytes it may have."""
+        path = inside(folder, name)
         try:
-            return (folder / name).read_bytes()
+            if limit is not None and path.stat().st_size > limit:
+                raise CheckpointError(
+                    f"checkpoint {folder}: {name} has {path.stat().st_size} bytes, more than the {limit} such a "
+                    "file can have"
+                )
+            return path.read_bytes()
         except OSError as err:
             raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({err})") from err
+
+
+def inside(folder: Path, name: str) -> Path:
+    """``folder / name``, once sure it is a file right in ``folder`` (a name from a model's name
+    must not lead elsewhere: no separator, not '.' or '..', no link out)."""
+    seps = {"/", "\\", os.sep, os.altsep or "/", "\0"}
+    path = folder / name
+    if not name or name in (".", "..") or any(s in name for s in seps) or path.resolve().parent != folder.resolve():
+        raise CheckpointError(
+            f"checkpoint {folder}: file name {name!r} would lead out of the checkpoint folder; expected a plain "
+            "file name (no path separators, not '.' or '..')"
+        )
+    return path
+
+
+def _put(path: Path, data: bytes) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        err.filename = err.filename or str(path)  # a failed write() names no file: this one
+        raise
+
+
+def _swap(tmp: Path, final: Path) -> None:
+    """``tmp`` renamed to ``final``; a checkpoint already there (the same episode again, a
+    rolled-back run) is replaced whole, and put back if the rename fails."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".tmp-old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        if old is not None:
+            old.rename(final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:

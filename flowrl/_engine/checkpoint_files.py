@@ -11,6 +11,7 @@ msgpack format of ``_core.state_format``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +22,12 @@ from .._backends.replica import unviewed
 from .._core.batch import Sample
 from .._core.errors import CheckpointError
 from .._core.sampler import EpisodeBuffer
-from .._core.state_format import CheckpointDir, decode_state, encode_state
+from .._core.state_format import CheckpointDir, check_rng_state, decode_state, encode_state
 from .stats import Counts, EpisodeStats
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._backends.abc import Trainers
     from .._backends.specs import ReplicaHandle
     from .._core.run_config import RunConfig
@@ -32,6 +35,11 @@ if TYPE_CHECKING:
 
 STATE, RELAY = "engine.json", "relay.msgpack"
 FORMAT = 1
+# engine.json grows by one episode's stats (~0.3-1 KB of JSON) per episode: 128 MiB holds over
+# 100,000 episodes, far past any run; a larger file is not one flowrl wrote, and decoding JSON
+# takes several times its size in memory
+STATE_LIMIT = 128 * 2**20
+_MAX_COUNT = 2**62  # sample ids and counters stay int64 everywhere they go
 
 
 class EngineState(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,15 +62,26 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _model_file(trainer: str) -> str:
-    return f"{trainer}.model.msgpack"
+    return _file_of(trainer, "model")
 
 
 def _rng_file(trainer: str) -> str:
-    return f"{trainer}.rng.msgpack"
+    return _file_of(trainer, "rng")
 
 
 def _synced_file(target: str) -> str:
-    return f"{target}.synced.msgpack"
+    return _file_of(target, "synced")
+
+
+def _file_of(model: str, kind: str) -> str:
+    """``<model>.<kind>.msgpack``, once sure the model's name keeps it in the checkpoint folder
+    (CheckpointDir checks the whole path again when it writes or reads it)."""
+    if not model or model in (".", "..") or any(c in model for c in ("/", "\\", "\0")):
+        raise CheckpointError(
+            f"model name {model!r} cannot name its checkpoint file {model}.{kind}.msgpack: it would lead out of the "
+            "checkpoint folder; expected a name without path separators, not '.' or '..'"
+        )
+    return f"{model}.{kind}.msgpack"
 
 
 class CheckpointFiles:
@@ -116,8 +135,11 @@ class CheckpointFiles:
             files[_synced_file(target)] = encode_state(unviewed(await deployment.backend.value(ref)))
         return await anyio.to_thread.run_sync(self.dir.write, state.episode, files)
 
-    def load(self, folder: Path, *, dataset_size: int, trainers: list[str]) -> tuple[EngineState, list[EpisodeBuffer]]:
-        """The driver's state in ``folder``, checked against this run."""
+    def load(
+        self, folder: Path, *, dataset_size: int, trainers: list[str], targets: list[str]
+    ) -> tuple[EngineState, list[EpisodeBuffer]]:
+        """The driver's state in ``folder``, checked against this run: its sampling, its
+        ``trainers`` and the inference models it syncs (``targets``)."""
         state = _read_state(folder)
         now = sampling(self.config, dataset_size)
         for key in now:
@@ -131,22 +153,29 @@ class CheckpointFiles:
             raise CheckpointError(
                 f"checkpoint {folder} holds trainers {sorted(state.trainer_ranks)}, this engine has {sorted(trainers)}"
             )
-        relay = [_episode_buffer(e) for e in decode_state(CheckpointDir.read(folder, RELAY))]
-        return state, relay
+        if sorted(state.weight_versions) != sorted(set(targets)):
+            raise CheckpointError(
+                f"checkpoint {folder}: {STATE} field weight_versions holds synced models "
+                f"{sorted(state.weight_versions)}, this engine syncs {sorted(set(targets))}; resuming would leave a "
+                "synced model with weights other than its trainer's"
+            )
+        check_state(state, folder)
+        return state, _read_relay(folder, state)
 
     @staticmethod
     async def restore_trainers(folder: Path, deployment: Deployment) -> None:
         """Every rank loads rank 0's model state and, where the checkpoint has it, its own generators."""
         for name, ranks in deployment.trainers.items():
             model = CheckpointDir.read(folder, _model_file(name))
-            rngs = decode_state(CheckpointDir.read(folder, _rng_file(name)))
+            rngs = _read_rngs(folder, _rng_file(name))
             async with anyio.create_task_group() as tg:
                 for r, rank in enumerate(ranks):
                     tg.start_soon(deployment.backend.load_state, rank, model, rngs[r] if r < len(rngs) else None)
 
     @staticmethod
     def synced_weights(folder: Path, target: str) -> Any:
-        return decode_state(CheckpointDir.read(folder, _synced_file(target)))
+        name = _synced_file(target)
+        return decode_state(CheckpointDir.read(folder, name), where=str(folder / name))
 
 
 def sampling(config: RunConfig, dataset_size: int) -> dict[str, Any]:
@@ -161,17 +190,63 @@ def sampling(config: RunConfig, dataset_size: int) -> dict[str, Any]:
 
 
 def _read_state(folder: Path) -> EngineState:
+    data = CheckpointDir.read(folder, STATE, limit=STATE_LIMIT)
     try:
-        raw = msgspec.json.decode(CheckpointDir.read(folder, STATE))
-        for episode in raw.get("episodes", []):  # JSON wrote a NaN or infinite metric as null
-            for metrics in episode.get("metrics", {}).values():
-                metrics.update({k: float("nan") for k, v in metrics.items() if v is None})
+        raw = msgspec.json.decode(data)
+        _nan_metrics(raw)
         state = msgspec.convert(raw, EngineState, strict=False)  # JSON keys are strings: ranks are ints
-    except (msgspec.DecodeError, msgspec.ValidationError, AttributeError) as err:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as err:
         raise CheckpointError(f"checkpoint {folder}: {STATE} is not a flowrl engine state ({err})") from err
     if state.format != FORMAT:
         raise CheckpointError(f"checkpoint {folder}: format {state.format}, this flowrl reads format {FORMAT}")
     return state
+
+
+def _nan_metrics(raw: Any) -> None:
+    """JSON wrote a NaN or infinite metric as null: back to NaN (the rest is left to convert)."""
+    episodes = raw.get("episodes") if isinstance(raw, dict) else None
+    for episode in episodes if isinstance(episodes, list) else []:
+        metrics = episode.get("metrics") if isinstance(episode, dict) else None
+        for values in metrics.values() if isinstance(metrics, dict) else []:
+            if isinstance(values, dict):
+                values.update({k: float("nan") for k, v in values.items() if v is None})
+
+
+def check_state(state: EngineState, folder: Path) -> None:
+    """The ranges and cross-field rules every state an engine writes keeps (``LearningState``
+    snapshots): a file that breaks one was edited or damaged, and resuming from it would run
+    episodes again or skip them."""
+
+    def expect(ok: bool, field: str, value: Any, want: str) -> None:
+        if not ok:
+            raise CheckpointError(f"checkpoint {folder}: {STATE} field {field} is {value!r}; expected {want}")
+
+    for key in ("episode", "next_sample_id", "eval_next_id", "eval_runs", "sampler_position"):
+        value = getattr(state, key)
+        expect(0 <= value <= _MAX_COUNT, key, value, "an int in [0, 2**62]")
+    e = state.episode
+    # one stats entry per episode done, in order: the list the run's stats and metrics continue
+    expect(len(state.episodes) == e, "episodes", f"{len(state.episodes)} entries", f"one per episode done ({e})")
+    bad = next((i for i, s in enumerate(state.episodes) if s.episode != i), None)
+    expect(bad is None, f"episodes[{bad}].episode", bad is not None and state.episodes[bad].episode, f"{bad}")
+    # every episode drew its prompts once (a dataset set again starts over at 0): at most that many
+    prompts = e * (state.sample_per_episode // max(1, state.num_samples_per_prompt))
+    expect(
+        state.sampler_position <= prompts,
+        "sampler_position",
+        state.sampler_position,
+        f"<= {prompts} (prompts drawn by {e} episodes)",
+    )
+    for name, v in state.weight_versions.items():  # at most one sync per episode
+        expect(0 <= v <= e, f"weight_versions[{name!r}]", v, f"a version in [0, {e}] (one sync per episode at most)")
+    for name in state.synced:
+        v = state.weight_versions.get(name, 0)
+        expect(
+            v >= 1 and state.synced.count(name) == 1, "synced", state.synced, "models synced once or more, once each"
+        )
+    for name, ranks in state.trainer_ranks.items():
+        expect(1 <= ranks <= _MAX_COUNT, f"trainer_ranks[{name!r}]", ranks, "at least 1 rank")
+    _check_counts(state, expect)
 
 
 async def _trainer_states(backend: Trainers, ranks: list[ReplicaHandle]) -> list[tuple[bytes | None, bytes]]:
@@ -192,5 +267,59 @@ def _episode_state(episode: EpisodeBuffer) -> dict[str, Any]:
     return {"episode": episode.episode_id, "ids": [s.id for s in samples], "fields": [dict(s) for s in samples]}
 
 
-def _episode_buffer(state: dict[str, Any]) -> EpisodeBuffer:
-    return EpisodeBuffer(state["episode"], [Sample(i, f) for i, f in zip(state["ids"], state["fields"], strict=True)])
+def _check_counts(state: EngineState, expect: Callable[[bool, str, Any, str], None]) -> None:
+    """Per trainer of ``trainer_ranks``, per rank (of this run or an earlier one, which had
+    other rank counts): [samples, steps, busy s], none negative."""
+    counts = state.trainer_counts
+    expect(
+        sorted(counts) == sorted(state.trainer_ranks), "trainer_counts", sorted(counts), "the trainers of trainer_ranks"
+    )
+    for name, ranks in counts.items():
+        for rank, c in ranks.items():
+            ok = rank >= 0 and len(c) == 3 and all(math.isfinite(x) and x >= 0 for x in c)
+            expect(ok, f"trainer_counts[{name!r}][{rank}]", c, "[samples, steps, busy s], each finite and >= 0")
+
+
+def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
+    """The relay episodes in ``folder``: a list of {episode, ids, fields}, episodes done, in order."""
+    raw = decode_state(CheckpointDir.read(folder, RELAY), where=str(folder / RELAY))
+
+    def expect(ok: bool, field: str, value: Any, want: str) -> None:
+        if not ok:
+            shown = f"a {type(value).__name__}" + (f" of length {len(value)}" if hasattr(value, "__len__") else "")
+            raise CheckpointError(f"checkpoint {folder}: {RELAY} field {field} is {shown}; expected {want}")
+
+    expect(isinstance(raw, list), "(the whole file)", raw, "a list of relay episodes")
+    out: list[EpisodeBuffer] = []
+    for i, e in enumerate(raw):
+        keys = ("episode", "ids", "fields")
+        expect(isinstance(e, dict) and sorted(e) == sorted(keys), f"[{i}]", e, f"a dict with keys {list(keys)}")
+        first = out[-1].episode_id + 1 if out else 0
+        episode, ids, fields = e["episode"], e["ids"], e["fields"]
+        ok = type(episode) is int and first <= episode < state.episode
+        expect(ok, f"[{i}].episode", episode, f"an episode done after the one before, in [{first}, {state.episode})")
+        ok = isinstance(ids, list) and all(type(x) is int and x >= 0 for x in ids)
+        expect(ok, f"[{i}].ids", ids, "a list of sample ids (ints >= 0)")
+        ok = isinstance(fields, list) and len(fields) == len(ids)
+        expect(ok, f"[{i}].fields", fields, f"a list of {len(ids)} samples' fields (one per id)")
+        bad = next(
+            (j for j, f in enumerate(fields) if not isinstance(f, dict) or not all(isinstance(k, str) for k in f)), None
+        )
+        expect(bad is None, f"[{i}].fields[{bad}]", bad is not None and fields[bad], "a dict of field name -> value")
+        out.append(EpisodeBuffer(episode, [Sample(s, f) for s, f in zip(ids, fields, strict=True)]))
+    return out
+
+
+def _read_rngs(folder: Path, name: str) -> list[bytes]:
+    """Each rank's random generator state in ``folder`` (rank order, as the bytes the rank
+    wrote), each checked here so that a bad one is named before any rank loads anything."""
+    rngs = decode_state(CheckpointDir.read(folder, name), where=str(folder / name))
+    if not isinstance(rngs, list) or not all(isinstance(r, bytes) for r in rngs):
+        raise CheckpointError(
+            f"checkpoint {folder}: {name} is a {type(rngs).__name__}; expected a list of encoded generator states, "
+            "one per rank"
+        )
+    for r, rng in enumerate(rngs):
+        where = f"checkpoint {folder}: {name} rank {r}"
+        check_rng_state(decode_state(rng, where=f"{folder / name} (rank {r})"), where)
+    return rngs

@@ -97,7 +97,12 @@ class Checkpoints:
     async def _restore(self, folder: Path) -> None:
         learning, deployment = self.learning, self.deployment
         assert learning.dataset is not None, "restore before set_dataset()"
-        state, relay = self.files.load(folder, dataset_size=len(learning.dataset), trainers=list(deployment.trainers))
+        state, relay = self.files.load(
+            folder,
+            dataset_size=len(learning.dataset),
+            trainers=list(deployment.trainers),
+            targets=[target.name for _, target in self.weights.pairs],
+        )
         await self.files.restore_trainers(folder, deployment)
         for trainer, target in self.weights.pairs:
             want = state.weight_versions.get(target.name, 0)
