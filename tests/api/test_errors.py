@@ -230,3 +230,26 @@ def test_replicas_that_cannot_fit_the_cluster_or_one_node_are_refused_before_any
     else:
         with pytest.raises(flowrl.ClusterError, match=message):
             check_capacity(specs, total, TWO_NODES)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_negative_seed_is_refused_when_the_engine_is_built_not_at_the_first_episode(shuffle):
+    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.seed must be >= 0, got -3"):
+        _engine(seed=-3, shuffle=shuffle)
+
+
+def _two_inputs(prompts, rewards):
+    return prompts
+
+
+@pytest.mark.parametrize("role", ["rollout", "eval_flow", "train"])
+def test_a_flow_of_the_wrong_arity_is_named_when_the_engine_is_built(role):
+    policy = Scale("policy", {"batch_size": 2}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("trainer")
+    flows: dict[str, Any] = {"rollout": lambda x: policy.forward_step(x), "train": [trainer], role: _two_inputs}
+    with pytest.raises(
+        flowrl.FlowDefinitionError,
+        match=r"flow _two_inputs\(prompts, rewards\) cannot be called with one argument \(the flow input.*"
+        r"missing a required argument: 'rewards'",
+    ):
+        flowrl.Engine(config={"sample_per_episode": 4, "pipeline": LOCAL}, **flows)
