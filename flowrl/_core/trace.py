@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
 ENGINE = "engine"
 
@@ -86,22 +88,102 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
 
 
-def read_chrome_trace(data: dict[str, Any]) -> list[Span]:
-    """The spans of a trace written by ``chrome_trace`` (for ``flowrl trace``)."""
-    names = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-    origin = data.get("otherData", {}).get("origin_unix_s", 0.0)
-    return [
-        Span(
-            group=names[e["pid"]],
-            lane=e["tid"],
-            name=e["name"],
-            start=origin + e["ts"] / 1e6,
-            end=origin + (e["ts"] + e["dur"]) / 1e6,
-            args=e.get("args", {}),
-        )
-        for e in data["traceEvents"]
-        if e["ph"] == "X"
-    ]
+# The engine keeps 200,000 spans (Timeline's limit): with shards of a few hundred ids that is
+# ~300 MiB of JSON. A larger file is not a flowrl trace, and decoding it would take GBs of memory.
+MAX_TRACE_BYTES = 512 << 20
+MAX_EVENTS = 2_000_000
+MAX_LANES = 1 << 20  # replicas or ranks of one model
+# microseconds: 10**15 is 31 years, which every real timeline is shorter than; a bound keeps sums finite
+_Micros = Annotated[float, msgspec.Meta(ge=0, le=1e15)]
+_Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_LANES)]
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True):
+    """One Chrome trace event as ``chrome_trace`` writes it: "M" names a process or thread, "X" is a span
+    (other phases are left alone)."""
+
+    ph: str
+    name: str = ""
+    cat: str = ""
+    pid: _Id = 0
+    tid: _Id = 0
+    ts: _Micros | None = None
+    dur: _Micros | None = None
+    args: dict[str, Any] = {}
+
+
+class _Other(msgspec.Struct, frozen=True, kw_only=True):
+    origin_unix_s: Annotated[float, msgspec.Meta(ge=-1e12, le=1e12)] = 0.0
+
+
+class _Trace(msgspec.Struct, frozen=True, kw_only=True):
+    traceEvents: Annotated[list[_Event], msgspec.Meta(max_length=MAX_EVENTS)]  # noqa: N815 (Chrome's name)
+    otherData: _Other = _Other()  # noqa: N815
+    displayTimeUnit: str = "ms"  # noqa: N815
+
+
+def read_trace_file(path: str | Path, max_bytes: int = MAX_TRACE_BYTES) -> list[Span]:
+    """The spans of the trace file at ``path``; a ConfigError names the file, and the event and field
+    for a malformed one."""
+    path = Path(path)
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise ConfigError(f"no trace at {path} (an engine writes one when RunConfig.run_dir is set)")
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ConfigError(f"{path}: {size} bytes, larger than {max_bytes}; not a flowrl trace")
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it ({type(err).__name__}: {err.strerror or err})") from err
+    try:
+        trace = msgspec.json.decode(raw, type=_Trace)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"{path} is not a flowrl trace: {err}") from err
+    except msgspec.DecodeError as err:
+        raise ConfigError(f"{path} is not a flowrl trace: not JSON: {err}") from err
+    except RecursionError as err:  # msgspec's own bound on nesting
+        raise ConfigError(f"{path} is not a flowrl trace: nested too deeply") from err
+    return _spans(trace, str(path))
+
+
+def read_chrome_trace(data: Mapping[str, Any], where: str = "trace") -> list[Span]:
+    """The spans of a trace written by ``chrome_trace``, given as decoded JSON."""
+    try:
+        trace = msgspec.convert(data, _Trace)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"{where} is not a flowrl trace: {err}") from err
+    return _spans(trace, where)
+
+
+def _spans(trace: _Trace, where: str) -> list[Span]:
+    names: dict[int, str] = {}
+    for i, e in enumerate(trace.traceEvents):
+        if e.ph == "M" and e.name == "process_name":
+            name = e.args.get("name")
+            if not isinstance(name, str):
+                raise ConfigError(f"{where}: traceEvents[{i}].args.name: expected the process's name, got {name!r:.80}")
+            names[e.pid] = name
+    origin = trace.otherData.origin_unix_s
+    return [_span(i, e, names, origin, where) for i, e in enumerate(trace.traceEvents) if e.ph == "X"]
+
+
+def _span(i: int, e: _Event, names: dict[int, str], origin: float, where: str) -> Span:
+    at = f"{where}: traceEvents[{i}]"
+    if e.ts is None or e.dur is None:
+        raise ConfigError(f"{at}: a complete event (ph X) needs ts and dur")
+    if e.pid not in names:
+        raise ConfigError(f"{at}.pid: {e.pid} is named by no process_name event")
+    samples = e.args.get("samples", 0)
+    if type(samples) is not int or not 0 <= samples <= MAX_EVENTS << 20:
+        raise ConfigError(f"{at}.args.samples: expected a count of samples, got {samples!r:.80}")
+    return Span(
+        group=names[e.pid],
+        lane=e.tid,
+        name=e.name,
+        start=origin + e.ts / 1e6,
+        end=origin + (e.ts + e.dur) / 1e6,
+        args=e.args,
+    )
 
 
 def write_json(path: str | Path, data: Any) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -50,29 +49,35 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running engine")
     scale.add_argument("sizes", metavar="MODEL=N", nargs="+", help="replicas each model should have, e.g. policy=4")
     args, rest = parser.parse_known_args(argv)
-    if args.command == "loadtest":
-        from .loadtest import loadtest_main
-
-        return loadtest_main(rest)
-    if rest:
+    if args.command != "loadtest" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"run": run_main, "trace": trace_main, "scale": scale_main}[args.command](args)
+    from .._core.errors import FlowError
+
+    try:
+        if args.command == "loadtest":
+            from .loadtest import loadtest_main
+
+            return loadtest_main(rest)
+        return {"run": run_main, "trace": trace_main, "scale": scale_main}[args.command](args)
+    except FlowError as err:  # the user's mistake, named: one line; anything else keeps its traceback
+        print(f"flowrl {args.command}: {type(err).__name__}: {one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def one_line(err: BaseException) -> str:
+    """``err``'s message on one line (YAML and msgspec messages may span several)."""
+    return " ".join(part.strip() for part in str(err).splitlines() if part.strip())
 
 
 def run_main(args: argparse.Namespace) -> int:
     import logging
 
-    from .._core.errors import FlowError
     from .run_file import build_engine, load_run_file
 
     if not logging.getLogger().handlers:  # episode lines when stderr is not a terminal
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        engine = build_engine(load_run_file(args.config, args.overrides))
-        stats = engine.learn()
-    except FlowError as err:
-        print(f"flowrl run: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+    engine = build_engine(load_run_file(args.config, args.overrides))
+    stats = engine.learn()
     trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
     print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
     if engine.config.run_dir:
@@ -95,19 +100,12 @@ def scale_main(args: argparse.Namespace) -> int:
 
 
 def trace_main(args: argparse.Namespace) -> int:
-    from .._core.trace import read_chrome_trace
+    from .._core.trace import read_trace_file
     from .timeline_view import format_summary, render_png, summary
 
     source = Path(args.run_dir)
     path = source / "trace.json" if source.is_dir() else source
-    if not path.is_file():
-        print(f"flowrl trace: no trace at {path} (an engine writes one when RunConfig.run_dir is set)", file=sys.stderr)
-        return 2
-    try:
-        spans = read_chrome_trace(json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError) as err:
-        print(f"flowrl trace: {path} is not a flowrl trace ({type(err).__name__}: {err})", file=sys.stderr)
-        return 2
+    spans = read_trace_file(path)
     if not spans:
         print(f"flowrl trace: {path} holds no spans")
         return 0

@@ -16,18 +16,18 @@ every ``run.eval_every`` episodes.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
-import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
 from .._core.config import ModelConfig, to_config
-from .._core.errors import ConfigError
+from .._core.errors import ConfigError, FlowError
 from .._core.model import Model
-from .._core.run_config import RunConfig, _apply_override, _deep_copy
+from .._core.run_config import RunConfig, _apply_override, read_config_file
 from .._engine.engine import Engine
 from .._engine.rlhf import RLHFEngine
 
@@ -48,29 +48,16 @@ class RunFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 def load_run_file(path: str | Path, overrides: Iterable[str] = ()) -> RunFile:
     """The file at ``path`` with ``key.sub=value`` overrides applied, checked."""
-    path = Path(path)
-    if path.suffix not in (".toml", ".yaml", ".yml"):
-        raise ConfigError(f"{path}: expected a .yaml, .yml or .toml file")
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file")
-    import yaml
-
-    try:
-        data: Any = (
-            tomllib.loads(path.read_text()) if path.suffix == ".toml" else yaml.safe_load(path.read_text()) or {}
-        )
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from err
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: the top level must be a mapping with models, dataset and run")
-    merged = _deep_copy(data)
+    merged = read_config_file(Path(path), "a mapping with models, dataset and run")
     for item in overrides:
         _apply_override(merged, item)
     return to_config(RunFile, merged, str(path))
 
 
-def resolve(target: str, where: str) -> Any:
+def resolve(target: object, where: str) -> Any:
     """``module:attribute`` (or ``module.attribute``), imported; the current directory is searched first."""
+    if not isinstance(target, str):
+        raise ConfigError(f"{where}: expected module:name, e.g. examples.ppo_tiny:Policy, got {target!r}")
     module, sep, attr = target.partition(":")
     if not sep:
         module, _, attr = target.rpartition(".")
@@ -82,6 +69,8 @@ def resolve(target: str, where: str) -> Any:
         found = importlib.import_module(module)
     except ImportError as err:
         raise ConfigError(f"{where}: cannot import module {module!r} ({err})") from err
+    except Exception as err:  # the module's own code failed (or a name like "..x"): the user's, named
+        raise ConfigError(f"{where}: importing module {module!r} failed: {type(err).__name__}: {err}") from err
     try:
         return getattr(found, attr)
     except AttributeError:
@@ -92,16 +81,36 @@ def build_models(spec: RunFile) -> dict[str, Model]:
     models: dict[str, Model] = {}
     for name, entry in spec.models.items():
         where = f"models.{name}"
-        if not isinstance(entry, Mapping) or "class" not in entry:
+        if "class" not in entry:
             raise ConfigError(f"{where}: expected a mapping with a class, e.g. {{class: examples.ppo_tiny:Policy}}")
         rest = dict(entry)
         cls, args = resolve(rest.pop("class"), f"{where}.class"), rest.pop("args", {})
         if not (isinstance(cls, type) and issubclass(cls, Model)):
             raise ConfigError(f"{where}.class: {entry['class']!r} is not a flowrl.Model subclass")
-        if not isinstance(args, Mapping):
-            raise ConfigError(f"{where}.args: expected a mapping of keyword arguments, got {type(args).__name__}")
-        models[name] = cls(name, to_config(ModelConfig, rest, where), **args)
+        if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
+            raise ConfigError(f"{where}.args: expected a mapping of keyword arguments, got {args!r:.200}")
+        config = to_config(ModelConfig, rest, where)
+        _check_arguments(cls, name, config, args, where)
+        try:
+            models[name] = cls(name, config, **args)
+        except Exception as err:  # the class's own __init__: named, chained
+            raise ConfigError(f"{where}: {cls.__name__}(...) failed: {type(err).__name__}: {err}") from err
     return models
+
+
+def _check_arguments(cls: type[Model], name: str, config: ModelConfig, args: Mapping[str, Any], where: str) -> None:
+    """``args`` against the class's constructor, before calling it: an unknown or missing one is named."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to check against (a C-level __init__): the call decides
+        return
+    try:
+        signature.bind(name, config, **args)
+    except TypeError as err:
+        accepted = [str(p) for p in list(signature.parameters.values())[2:]]
+        raise ConfigError(
+            f"{where}.args: {cls.__name__} refuses {dict(args)!r:.200} ({err}); it accepts {accepted or 'no arguments'}"
+        ) from err
 
 
 def build_engine(spec: RunFile) -> Engine:
@@ -118,18 +127,40 @@ def build_engine(spec: RunFile) -> Engine:
         engine: Engine = RLHFEngine(policy, reference, reward, value, ppo_policy, ppo_value, config)
     else:
         engine = _custom_engine(spec, models, config)
-    items = resolve(spec.dataset, "dataset")
-    engine.set_dataset(items() if callable(items) else items)
+    engine.set_dataset(_items(spec.dataset, "dataset"))
     if spec.eval_dataset is not None:
-        evals = resolve(spec.eval_dataset, "eval_dataset")
-        engine.set_eval_dataset(evals() if callable(evals) else evals)
+        engine.set_eval_dataset(_items(spec.eval_dataset, "eval_dataset"))
     if spec.relay is not None:
-        engine.set_relay_sample_fn(resolve(spec.relay, "relay"))
+        engine.set_relay_sample_fn(_function(spec.relay, "relay"))
     return engine
 
 
+def _items(target: str, where: str) -> list[Any]:
+    """The dataset ``target`` names: a sequence (or iterable) of mappings, or a function returning one."""
+    found = resolve(target, where)
+    try:
+        items = found() if callable(found) else found
+        if isinstance(items, str | bytes | Mapping) or not isinstance(items, Iterable):
+            raise ConfigError(
+                f"{where}: {target} is a {type(items).__name__}; expected a sequence of mappings, "
+                "or a function returning one"
+            )
+        return list(items)
+    except FlowError:
+        raise
+    except Exception as err:  # the user's dataset function (or iterator) failed: named, chained
+        raise ConfigError(f"{where}: building {target} failed: {type(err).__name__}: {err}") from err
+
+
+def _function(target: str, where: str) -> Callable[..., Any]:
+    found = resolve(target, where)
+    if not callable(found):
+        raise ConfigError(f"{where}: {target} is a {type(found).__name__}; expected a function")
+    return cast("Callable[..., Any]", found)
+
+
 def _custom_engine(spec: RunFile, models: dict[str, Model], config: RunConfig) -> Engine:
-    flow = resolve(spec.flow, "flow")
+    flow = _function(spec.flow, "flow")
     unknown = sorted({n for n in spec.train if n not in models} | {n for p in spec.sync for n in p if n not in models})
     if unknown:
         raise ConfigError(f"train/sync name unknown model(s) {unknown}; the models are {sorted(models)}")
@@ -137,7 +168,7 @@ def _custom_engine(spec: RunFile, models: dict[str, Model], config: RunConfig) -
         raise ConfigError(f"sync: expected [trainer, model] pairs, got {spec.sync}")
     trainers = [models[n] for n in spec.train]
     others = {n: m for n, m in models.items() if m not in trainers}
-    evaluate = resolve(spec.eval_flow, "eval_flow") if spec.eval_flow is not None else None
+    evaluate = _function(spec.eval_flow, "eval_flow") if spec.eval_flow is not None else None
     return Engine(
         rollout=lambda prompts: flow(prompts, **others),
         train=trainers,

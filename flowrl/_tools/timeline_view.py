@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from .._core.errors import ConfigError
 from .._core.trace import ENGINE, Span
 
+# matplotlib refuses images taller than 2**16 pixels: 0.3 inch a row at 110 dpi allows ~1,980
+MAX_CHART_ROWS = 1_000
 PHASE_COLOURS = {"rollout": "#4c72b0", "train": "#dd8452", "sync": "#55a868", "eval": "#8172b3"}
 
 
@@ -65,6 +68,11 @@ def render_png(spans: list[Span], path: str | Path, title: str = "") -> Path:
 
     origin = min(s.start for s in spans)
     tracks = sorted({(s.group, s.lane) for s in spans}, key=lambda t: (t[0] != ENGINE, t[0], t[1]))
+    if len(tracks) > MAX_CHART_ROWS:
+        raise ConfigError(
+            f"{path}: the chart would have {len(tracks)} rows (replicas and ranks), more than {MAX_CHART_ROWS} "
+            "fit in a PNG; --no-png prints the summary only"
+        )
     row = {t: len(tracks) - 1 - i for i, t in enumerate(tracks)}
     names = sorted({s.name for s in spans if s.group != ENGINE})
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
