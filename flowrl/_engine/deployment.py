@@ -16,6 +16,7 @@ from .._pipeline.opening import plain_errors, running
 if TYPE_CHECKING:
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle, ReplicaSpec
+    from .._core.errors import ReplicaDiedError
     from .._core.graph import FlowGraph
     from .._core.model import Model
     from .._core.run_config import RunConfig
@@ -63,6 +64,13 @@ class Deployment:
     def replicas_of(self, model: str) -> list[ReplicaHandle]:
         """Every replica of ``model``, in the rollout and the evaluation pools."""
         return [h for pipe in self.pipelines() for h in pipe.replicas_of(model)]
+
+    def retire(self, handle: ReplicaHandle, err: ReplicaDiedError) -> None:
+        """``handle`` died loading weights: the pool it belongs to (rollout or evaluation)
+        carries on without it; ReplicaDiedError if it was the last replica of that pool."""
+        for pipe in self.pipelines():
+            if pipe.retire(handle, err):
+                return
 
     async def restart_trainer(self, model: Model) -> None:
         """Stop every rank of trainer ``model`` (some may wait in a collective) and start new ones."""

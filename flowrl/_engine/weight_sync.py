@@ -3,16 +3,17 @@ the object store (by host or CUDA IPC handles) or broadcast from the trainer's r
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
 from .._backends.weight_share import Broadcast, Group
-from .._core.errors import CheckpointError, StageError
+from .._core.errors import CheckpointError, ReplicaDiedError, StageError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from .._backends.specs import ReplicaHandle
     from .._core.model import Model
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from .deployment import Deployment
 
 Snapshots = list[tuple[str, Any]]  # (inference model, the weights it is to get)
+Deaths = list[tuple["ReplicaHandle", ReplicaDiedError]]  # replicas that died loading weights
 
 
 class WeightSync:
@@ -72,18 +74,31 @@ class WeightSync:
         deployment = self.deployment
         try:
             async with deployment.members:  # no replica joins or leaves meanwhile
-                await self._deliver(name, version, weights, deployment.replicas_of(name), reuse=True)
+                await self._deliver_all(name, version, weights)
         except BaseException:
             self._versions[name] = -1  # some replicas may hold it, some not: a restore sends again
             raise
         self._versions[name] = version
         self._sent[name] = weights
 
+    async def _deliver_all(self, name: str, version: int, weights: Any) -> None:
+        """``weights`` to every live replica of ``name``. One that dies meanwhile is retired from
+        its pool, as a death in a shard would retire it; those left that a broadcast it broke
+        did not reach take part in a new one. Each round retires a replica, so rounds are few."""
+        handles, reuse = self.deployment.replicas_of(name), True
+        while handles:
+            dead, handles = await self._deliver(name, version, weights, handles, reuse)
+            for handle, err in dead:
+                self.deployment.retire(handle, err)  # its pool's last replica: ReplicaDiedError
+            reuse = False  # a broadcast sent again forms a group of its own
+
     async def join(self, handle: ReplicaHandle) -> None:
         """A replica added to a pool while the engine runs gets the weights the others hold."""
         if handle.model in self._sent:  # (called under deployment.members, like send)
             model = handle.model
-            await self._deliver(model, self._versions[model], self._sent[model], [handle])
+            dead, _ = await self._deliver(model, self._versions[model], self._sent[model], [handle])
+            if dead:  # not serving yet: the resize fails, and its replicas stop
+                raise dead[0][1]
 
     def forget(self, trainer: str) -> None:
         """``trainer``'s process is gone, and what it sent with it: the models it feeds get their
@@ -150,29 +165,30 @@ class WeightSync:
 
     async def _deliver(
         self, name: str, version: int, weights: Any, handles: list[ReplicaHandle], reuse: bool = False
-    ) -> None:
+    ) -> tuple[Deaths, list[ReplicaHandle]]:
         """``weights`` to each of ``handles``: a reference they read, or (``Broadcast``) a
-        broadcast from the trainer's rank 0 in a process group with them."""
+        broadcast from the trainer's rank 0 in a process group with them. Returns the replicas
+        that died meanwhile and those a broadcast must reach again (it failed for them because
+        of a death); any other failure raises."""
         backend = self.deployment.backend
         if not isinstance(weights, Broadcast):
-            async with anyio.create_task_group() as tg:
-                for handle in handles:
-                    tg.start_soon(backend.load_weights, handle, version, weights)
-            return
+            loads = await _each([partial(backend.load_weights, h, version, weights) for h in handles])
+            return _deaths(handles, loads), []
         rank0 = self.deployment.trainers[weights.trainer][0]
         group = await self._group(rank0, name, handles, weights.backend, reuse)
         keep = [g.id for _, g in self.groups.values()]  # those a later sync may use again
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(backend.send_weights, rank0, group, weights.snapshot, keep)
-                for i, handle in enumerate(handles):
-                    addressed = msgspec.structs.replace(weights, group=group, rank=i + 1)
-                    tg.start_soon(backend.load_weights, handle, version, addressed)
-        except BaseException:
-            # some ranks may not have joined this broadcast: the next one forms a new group
-            if reuse and self.groups.get(name, (None, None))[1] is group:
-                del self.groups[name]
-            raise
+        addressed = [msgspec.structs.replace(weights, group=group, rank=i + 1) for i in range(len(handles))]
+        sent, *loads = await _each(
+            [
+                partial(backend.send_weights, rank0, group, weights.snapshot, keep),
+                *(partial(backend.load_weights, h, version, w) for h, w in zip(handles, addressed, strict=True)),
+            ]
+        )
+        if (sent or any(loads)) and self.groups.get(name, (None, None))[1] is group:
+            del self.groups[name]  # some ranks may not have joined this broadcast: never use it again
+        dead = _deaths(handles, loads, sent)
+        # a death breaks the collective for the others: those it failed for try again without it
+        return dead, [h for h, err in zip(handles, loads, strict=True) if err is not None and not _died(err)]
 
     async def _group(
         self, rank0: ReplicaHandle, name: str, handles: list[ReplicaHandle], backend: str, reuse: bool
@@ -188,3 +204,35 @@ class WeightSync:
         if reuse:  # a joining replica's own group does not replace the pool's
             self.groups[name] = members, group
         return group
+
+
+async def _each(calls: list[Callable[[], Awaitable[None]]]) -> list[Exception | None]:
+    """Await every call at once, each to its end: one replica's failure must not cancel the
+    others' loads (their remote calls would run on, unseen). Each call's error, or None."""
+    errors: list[Exception | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        try:
+            await calls[i]()
+        except Exception as err:
+            errors[i] = err
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return errors
+
+
+def _died(err: Exception | None) -> bool:
+    return isinstance(err, ReplicaDiedError)
+
+
+def _deaths(handles: list[ReplicaHandle], loads: list[Exception | None], sent: Exception | None = None) -> Deaths:
+    """The replicas whose process died loading; raises any other failure when none died (a
+    user's ``set_weights`` raising, or a broadcast that failed for another reason)."""
+    dead = [(h, err) for h, err in zip(handles, loads, strict=True) if isinstance(err, ReplicaDiedError)]
+    if not dead:
+        for err in [*loads, sent]:
+            if err is not None:
+                raise err
+    return dead

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .._core.errors import PipelineClosedError
+from .._core.errors import PipelineClosedError, ReplicaDiedError
 from .._core.scheduler import PoolScheduler
 from .._core.stats import PipelineStats, StatsRecorder
 from .._core.trace import Timeline, chrome_trace, write_json
@@ -87,7 +87,9 @@ class AsyncPipeline:
         self._roster = Roster(handles, self._recorder)
         window = Window(config.max_inflight)
         call = ShardCaller(graph, backend)
-        recovery = Recovery(graph, backend, self._ledger, self._pools, self._roster, self._recorder, call)
+        self._recovery = recovery = Recovery(
+            graph, backend, self._ledger, self._pools, self._roster, self._recorder, call
+        )
         admission = Admission(
             graph, config, backend, self._ledger, self._pools, window, self._recorder, self._supervisor
         )
@@ -197,7 +199,21 @@ class AsyncPipeline:
         return out
 
     def replicas_of(self, model: str) -> list[ReplicaHandle]:
+        """``model``'s replicas, but those whose process died."""
         return self._roster.of(model)
+
+    def retire(self, handle: ReplicaHandle, err: ReplicaDiedError) -> bool:
+        """``handle``'s process died outside a shard (an engine's weight sync met it): it is
+        retired as if it had died in a shard, and False if it is not one of this pipeline's
+        replicas. ReplicaDiedError, and the pipeline fails, if it was its model's last."""
+        if handle not in self._roster.handles:
+            return False
+        try:
+            self._recovery.retire(handle, err)
+        except ReplicaDiedError as last:
+            self._supervisor.fail(last)  # a run waiting on this pool wakes with it
+            raise
+        return True
 
     def busy(self) -> dict[str, tuple[int, int]]:
         """Per model: (replicas running a shard now, replicas serving)."""

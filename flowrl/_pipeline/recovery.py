@@ -61,18 +61,29 @@ class Recovery:
 
     def lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> None:
         """The replica running shard ``a`` died: the pool carries on without it."""
-        pool = self._pools[handle.model]
-        if handle.replica_id not in pool.scheduler.retired:
+        if handle.replica_id not in self._pools[handle.model].scheduler.retired:
             self._check_budget(handle, a, err)
-            pool.retire(handle.replica_id)
-            if not pool.scheduler.serving:
-                raise ReplicaDiedError(
-                    f"{err.message}; every replica of model {handle.model!r} has died",
-                    a.stage,
-                    handle.replica_id,
-                    a.ids,
-                ) from err
+        self.retire(handle, err, a.stage, a.ids)
         self.send_again(handle, a, err)
+
+    def retire(
+        self, handle: ReplicaHandle, err: ReplicaDiedError, stage: str = "", ids: list[int] | None = None
+    ) -> None:
+        """``handle``'s process died (in a shard of ``stage``, or loading weights): its pool
+        carries on without it. The shards it still holds fail on their own and come back
+        through ``lost``; ReplicaDiedError if it was the last replica of its model."""
+        pool = self._pools[handle.model]
+        self._roster.died(handle)  # a weight sync skips it from now on
+        if handle.replica_id in pool.scheduler.retired:
+            return  # seen dead already (or being removed)
+        pool.retire(handle.replica_id)
+        if not pool.scheduler.serving:
+            raise ReplicaDiedError(
+                f"{err.message}; every replica of model {handle.model!r} has died",
+                stage or err.stage,
+                handle.replica_id,
+                err.sample_ids if ids is None else ids,
+            ) from err
 
     def send_again(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> None:
         """Shard ``a`` did not complete: its samples go back to the stage's queue."""

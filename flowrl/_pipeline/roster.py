@@ -29,9 +29,15 @@ class Roster:
         self._recorder = recorder
         started = time.perf_counter()  # every replica waits for work from the start
         self._hungry: dict[Key, float] = {(h.model, h.replica_id): started for h in handles}
+        self._dead: set[Key] = set()  # replicas whose process died: they stay listed until close
 
     def of(self, model: str) -> list[ReplicaHandle]:
-        return [h for h in self.handles if h.model == model]
+        """``model``'s replicas but the dead ones: those a weight sync sends to."""
+        return [h for h in self.handles if h.model == model and (h.model, h.replica_id) not in self._dead]
+
+    def died(self, handle: ReplicaHandle) -> None:
+        """``handle``'s process is gone; its actor is cleaned up at close with the others."""
+        self._dead.add((handle.model, handle.replica_id))
 
     def join(self, handle: ReplicaHandle) -> None:
         self.handles.append(handle)
