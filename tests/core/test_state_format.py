@@ -3,12 +3,20 @@ atomic checkpoint folders."""
 
 from __future__ import annotations
 
+import errno
+import functools
+import os
+import struct
+import tracemalloc
+from pathlib import Path
+
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 import flowrl
-from flowrl._core.state_format import CheckpointDir, decode_state, encode_state
+from flowrl._core.state_format import CheckpointDir, decode_state, encode_state, rng_state, set_rng_state
 
 
 @pytest.mark.parametrize(
@@ -89,3 +97,195 @@ def test_a_crash_mid_write_is_ignored_then_cleaned_and_old_ones_pruned(tmp_path)
     assert store.read(store.latest(), "a") == b"3 again"
     store.write(1, {"a": b"1 again"})  # a run gone back to episode 1: the later ones are another future
     assert store.episodes() == [1] and store.latest() == store.path(1)
+
+
+# ---- hostile files: every failure is a CheckpointError naming the file ----
+def ext(code: int, dtype: object, shape: object, raw: bytes, head_size: int | None = None) -> bytes:
+    """An extension as a crafted file would hold it: a header that may lie about the bytes after it."""
+    head = msgspec.msgpack.encode([dtype, shape])
+    size = len(head) if head_size is None else head_size
+    return msgspec.msgpack.encode({"v": msgspec.msgpack.Ext(code, struct.pack("<I", size) + head + raw)})
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (ext(1, "<f8", [3], b"\0" * 16), r"dtype <f8 and shape \[3\] needs 24 bytes, the file holds 16"),
+        (ext(2, "float32", [2, 2], b"\0" * 20), r"dtype float32 and shape \[2, 2\] needs 16 bytes, the file holds 20"),
+        (ext(1, "<f8", [2**40], b"\0" * 8), r"needs 8796093022208 bytes, the file holds 8"),
+        (ext(2, "float32", [2**40], b""), r"needs 4398046511104 bytes, the file holds 0"),
+        (ext(3, "<f8", [1], b"\0" * 8), r"a numpy scalar with shape \[1\]"),
+        (ext(1, "<f8", [-1], b""), r"shape \[-1\] has a dim outside \[0, 2\*\*48\]"),
+        (ext(2, "float32", [0, 2**60], b""), r"has a dim outside"),
+        (ext(1, "<f8", [1] * 33, b"\0" * 8), "an array has 33 dims; at most 32"),
+        (ext(1, "|O", [1], b"\0" * 8), "numpy dtype '|O' is not one a checkpoint may hold"),
+        (ext(1, "|V8", [1], b"\0" * 8), "numpy dtype '|V8' is not one a checkpoint may hold"),
+        (ext(1, "<f16", [1], b"\0" * 16), "numpy dtype '<f16' is not one"),
+        (ext(2, "__class__", [1], b"\0"), "torch dtype '__class__' is not one"),
+        (ext(2, "qint8", [1], b"\0"), "torch dtype 'qint8' is not one"),
+        (ext(1, 5, [1], b""), r"header is not \[dtype name, shape\]"),
+        (ext(1, "<f8", [1], b"\0" * 8, head_size=2**31), "header claims 2147483648 bytes"),
+        (ext(2, "bool", [2], b"\x01\x02"), "bool tensor holds bytes other than 0 and 1"),
+        (ext(1, "|b1", [1], b"\x07"), "bool array holds bytes other than 0 and 1"),
+        (ext(1, "<U1", [1], b"\xff\xff\xff\xff"), r"code point past U\+10FFFF"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b"")), "unknown value type 9"),
+        (b"\x91" * 65 + b"\x00", "nested more than 64 deep"),
+        (b"\x81\x00" * 65 + b"\x00", "nested more than 64 deep"),
+        (b"\x91" * 5000 + b"\x00", "nested"),  # past msgspec's own recursion limit
+        (b"\x81\x81\x00\x00\x00", "map keys must be hashable"),
+        (b"\xdd\xff\xff\xff\xff\x00", "truncated"),  # a list claiming 2**32 items
+        (b"\xc1", "malformed"),
+    ],
+)
+def test_a_crafted_file_is_a_checkpoint_error_naming_it(data, message):
+    tracemalloc.start()
+    try:
+        with pytest.raises(flowrl.CheckpointError, match=message) as caught:
+            decode_state(data, where="learner.model.msgpack")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(caught.value).startswith("checkpoint file learner.model.msgpack is damaged: ")
+    assert peak < 2**20  # refused before allocating what a lying header claims
+
+
+def test_nesting_up_to_the_bound_loads():
+    assert decode_state(b"\x91" * 63 + b"\x00") == functools.reduce(lambda x, _: [x], range(63), 0)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array(["a", "dé"]),
+        np.array([b"x", b"yz"]),
+        np.array(["2024-01-01"], dtype="datetime64[D]"),
+        np.array([1, 2], dtype=">i4"),
+        np.array([True, False]),
+        torch.arange(3, dtype=torch.int32).to(torch.uint16),
+        torch.zeros(2, dtype=torch.float8_e4m3fn),
+    ],
+)
+def test_allowed_dtypes_round_trip(value):
+    back = decode_state(encode_state([value]))[0]
+    assert type(back) is type(value) and back.dtype == value.dtype and back.shape == value.shape
+    assert bytes(back.view(np.uint8) if isinstance(back, np.ndarray) else back.view(torch.uint8).numpy()) == bytes(
+        value.view(np.uint8) if isinstance(value, np.ndarray) else value.view(torch.uint8).numpy()
+    )
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (np.zeros(2, dtype="V4"), r"dtype \|V4"),
+        (torch.empty(2, dtype=torch.bits8), "torch tensor of dtype torch.bits8"),
+    ],
+)
+def test_what_the_reader_refuses_is_refused_when_saving(value, message):
+    with pytest.raises(flowrl.CheckpointError, match=message):
+        encode_state(value)
+
+
+# ---- random generator states ----
+def test_rng_state_round_trips_through_a_file_and_restores_the_draws():
+    import random
+
+    saved = decode_state(encode_state(rng_state()))
+    expected = (random.random(), np.random.random(), torch.rand(1).item())
+    set_rng_state(saved)
+    assert (random.random(), np.random.random(), torch.rand(1).item()) == expected
+
+
+def _rng_with(path: tuple[str, ...], value: object) -> dict:
+    state = decode_state(encode_state(rng_state()))
+    target = state
+    for key in path[:-1]:
+        target = target[key]
+    if isinstance(target, list):
+        target[int(path[-1])] = value
+    else:
+        target[path[-1]] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ([1, 2], "expected a dict with keys 'python' and 'numpy'"),
+        (_rng_with(("python",), [3, [0] * 10, None]), "field 'python': expected .*, got a list of length 3"),
+        (_rng_with(("python", "0"), 4), "field 'python'"),
+        (_rng_with(("python", "2"), "x"), "field 'python'"),
+        (_rng_with(("numpy", "bit_generator"), "PCG64"), "field 'numpy'"),
+        (_rng_with(("numpy", "state", "key"), np.zeros(624, dtype=np.int64)), "field 'numpy'"),
+        (_rng_with(("numpy", "state", "pos"), 625), "field 'numpy'"),
+        (_rng_with(("torch",), torch.zeros(3, dtype=torch.uint8)), "field 'torch': expected a 1-dim uint8 tensor"),
+        (_rng_with(("torch",), np.zeros(5056, dtype=np.uint8)), "field 'torch'"),
+        (_rng_with(("cuda",), [torch.zeros(2)]), "field 'cuda'"),
+    ],
+)
+def test_a_malformed_rng_state_is_refused_before_any_generator_is_set(state, message):
+    import random
+
+    before = random.getstate()
+    with pytest.raises(flowrl.CheckpointError, match=f"learner.rng.msgpack rank 1.*{message}"):
+        set_rng_state(state, "learner.rng.msgpack rank 1")
+    assert random.getstate() == before
+
+
+# ---- the folder: failed writes and names that lead out ----
+def test_a_full_disk_is_a_checkpoint_error_naming_the_file_and_the_old_checkpoint_stays(tmp_path, monkeypatch):
+    store = CheckpointDir(tmp_path, keep=0)
+    store.write(1, {"a": b"one"})
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(flowrl.CheckpointError, match=r"episode-000002: cannot write .*/b \(No space left") as caught:
+        store.write(2, {"b": b"two"})
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert store.episodes() == [1] and store.read(store.latest(), "a") == b"one"
+    assert [p.name for p in tmp_path.iterdir()] == ["episode-000001"]
+
+
+def test_rewriting_an_episode_that_fails_keeps_the_one_written_before(tmp_path, monkeypatch):
+    store = CheckpointDir(tmp_path)
+    store.write(1, {"a": b"one"})
+    real = Path.rename
+
+    def refuse(self: Path, target: Path) -> Path:
+        if self.name.startswith(".tmp-episode"):
+            raise OSError(errno.EACCES, "Permission denied", str(target))
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse)
+    with pytest.raises(flowrl.CheckpointError, match=r"cannot write .*episode-000001 \(Permission denied\)"):
+        store.write(1, {"a": b"again"})
+    monkeypatch.undo()
+    assert store.read(store.path(1), "a") == b"one"
+
+
+@pytest.mark.parametrize("name", ["../evil", "sub/file", "..", ".", "", "a\\b", "nul\0"])
+def test_a_file_name_that_leads_out_of_the_checkpoint_is_refused(tmp_path, name):
+    store = CheckpointDir(tmp_path / "ckpt")
+    with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
+        store.write(1, {name: b"x"})
+    assert not (tmp_path / "evil").exists() and store.episodes() == []
+    (tmp_path / "evil").write_bytes(b"outside")
+    with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
+        CheckpointDir.read(tmp_path / "ckpt", name)
+
+
+def test_a_link_out_of_the_checkpoint_is_not_read(tmp_path):
+    store = CheckpointDir(tmp_path / "ckpt")
+    folder = store.write(1, {"a": b"x"})
+    (tmp_path / "secret").write_bytes(b"outside")
+    (folder / "link").symlink_to(tmp_path / "secret")
+    with pytest.raises(flowrl.CheckpointError, match="'link' would lead out"):
+        CheckpointDir.read(folder, "link")
+
+
+def test_a_file_over_its_limit_is_refused_before_reading(tmp_path):
+    folder = CheckpointDir(tmp_path).write(1, {"engine.json": b"{}" * 100})
+    with pytest.raises(flowrl.CheckpointError, match="engine.json has 200 bytes, more than the 64"):
+        CheckpointDir.read(folder, "engine.json", limit=64)
