@@ -107,9 +107,10 @@ def _check_arguments(cls: type[Model], name: str, config: ModelConfig, args: Map
     try:
         signature.bind(name, config, **args)
     except TypeError as err:
-        accepted = [str(p) for p in list(signature.parameters.values())[2:]]
+        accepted = ", ".join(str(p) for p in list(signature.parameters.values())[2:]) or "none"
         raise ConfigError(
-            f"{where}.args: {cls.__name__} refuses {dict(args)!r:.200} ({err}); it accepts {accepted or 'no arguments'}"
+            f"{where}.args: {cls.__name__} refuses {dict(args)!r:.200} ({err}); its arguments besides the name and "
+            f"config flowrl passes: {accepted}"
         ) from err
 
 
