@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -215,6 +216,48 @@ async def test_a_request_for_another_run_is_ignored_and_one_for_this_run_applied
     assert done == {"run": run.run_id, "requested": {"policy": 2}, "changed": {"policy": [1]}}
     assert f"ignored a scale request for run {'ef' * 16}: this run is {run.run_id}" in caplog.text
     assert not (tmp_path / FAILED).exists() and not (tmp_path / LIVE).exists()
+
+
+class Shared(queue.Queue[Any]):
+    """A queue each in-process replica's copy of the model shares (it deep-copies the model)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Shared:
+        return self
+
+
+async def test_flowrl_scale_resizes_a_learn_under_way(tmp_path, capsys, polls):
+    gate = Shared()  # a permit per policy shard: the run waits for the test
+    report = Shared()  # (replica, samples) after each policy shard
+    engine, _ = make_engine(
+        pipeline={"backend": "inprocess", "inprocess_threads": True},  # the gate blocks a worker thread
+        policy_replicas=1,
+        ranks=1,
+        num_episode=2,
+        run_dir=str(tmp_path),
+        gate=gate,
+        report=report,
+    )
+    gate.put(True)
+    try:
+        async with anyio.create_task_group() as tg:
+            result: list[flowrl.EngineStats] = []
+            tg.start_soon(lambda: _learn(engine, result))
+            await anyio.to_thread.run_sync(lambda: report.get(timeout=60))  # a shard ran: the run is live
+            assert main(["scale", str(tmp_path), "policy=2"]) == 0, capsys.readouterr().err
+            await until(polls, (tmp_path / DONE).exists, "the run applies the request")
+            for _ in range(16):  # the rest of the run: a shard holds >= 1 of its 16 samples
+                gate.put(True)
+    finally:
+        for _ in range(16):  # a failed test leaves no replica thread waiting
+            gate.put(True)
+    (stats,) = result
+    assert stats.rollout.serving == {"policy": 2} and len(stats.episodes) == 2
+    assert json.loads((tmp_path / DONE).read_bytes())["changed"] == {"policy": [1]}
+    assert not (tmp_path / LIVE).exists()
+
+
+async def _learn(engine: flowrl.Engine, result: list[flowrl.EngineStats]) -> None:
+    result.append(await engine.alearn())
 
 
 def plant_fifo(path: Path) -> None:
