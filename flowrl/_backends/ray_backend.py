@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .._core.batch import Batch, approx_nbytes
 from .._core.config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
-from .._core.errors import ClusterError, FlowError, InputLostError, ReplicaDiedError, StageError, _shorten
+from .._core.errors import ClusterError, ConfigError, FlowError, InputLostError, ReplicaDiedError, StageError, _shorten
 from .local_channel import ERR, ChannelLost, ChannelServer, DriverEnd
 from .ray_actors import ReplicaActor, TrainerActor
 from .ray_wire import (
@@ -82,6 +82,28 @@ def _ship_by_value(model: Model) -> None:
             continue  # builtins, __main__ (already by value) and modules inside packages
         if not path.startswith((sys.prefix, sys.base_prefix)):
             ray.cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]  # cloudpickle's is unannotated
+
+
+def _check_picklable(model: Model) -> None:
+    """Refuse, before any actor starts, a model Ray could not send to its replicas (a lock, an
+    open file or a socket made in ``__init__``); the message names the attribute when one alone fails."""
+    err = _pickle_error(model)
+    if err is None:
+        return
+    culprit = next((k for k, v in vars(model).items() if _pickle_error(v) is not None), None)
+    what = "it" if culprit is None else f"its attribute {culprit!r} ({type(vars(model)[culprit]).__name__})"
+    raise ConfigError(
+        f"model {model.name!r} ({type(model).__name__}) cannot be sent to its replicas: {what} cannot be "
+        f"pickled ({type(err).__name__}: {err}); build it in setup(), which runs inside each replica"
+    ) from err
+
+
+def _pickle_error(value: Any) -> Exception | None:
+    try:
+        ray.cloudpickle.dumps(value)  # type: ignore[no-untyped-call]  # cloudpickle's is unannotated
+    except Exception as err:  # TypeError, PicklingError, AttributeError... by case
+        return err
+    return None
 
 
 def _shallow(value: Any) -> list[Any]:
@@ -159,6 +181,7 @@ class RayBackend:
         self._replies = Replies()
         self._server: ChannelServer | None = None
         self._channels: dict[Any, DriverEnd] = {}  # by actor handle
+        self._picklable: set[int] = set()  # ids of the models checked by _check_picklable
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
         if self._connected:
@@ -180,6 +203,10 @@ class RayBackend:
             self._owner = True
 
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
+        for model in {id(s.model): s.model for s in specs if id(s.model) not in self._picklable}.values():
+            _ship_by_value(model)  # what the actors will unpickle, checked as they will get it
+            _check_picklable(model)
+            self._picklable.add(id(model))
         await anyio.to_thread.run_sync(self._connect, specs)
         nodes = [n.get("Resources", {}) for n in _ray_nodes() if n.get("Alive")]
         total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]  # ray leaves it unannotated
