@@ -154,7 +154,7 @@ def trace(flow: Callable[[Node], Any]) -> FlowGraph:
     """Run ``flow`` once on a placeholder input and return its graph."""
     if not callable(flow):
         raise FlowDefinitionError(f"a flow must be a function of one argument, got {type(flow).__name__}")
-    _check_arity(flow)
+    check_one_argument(flow, "flow", "the flow input, e.g. `def flow(prompts):`")
     builder = _Builder()
     result = flow(Node(builder, SOURCE))
     nodes = result if isinstance(result, (tuple, list)) else (result,)
@@ -165,18 +165,18 @@ def trace(flow: Callable[[Node], Any]) -> FlowGraph:
     return FlowGraph(builder.stages, builder.models, tuple(dict.fromkeys(n._name for n in nodes)))
 
 
-def _check_arity(flow: Callable[..., Any]) -> None:
-    """A flow is called with one argument, the flow input: say so before a bare TypeError from
-    the call would (a wrong ``rollout=`` or ``eval_flow=`` is found when the engine is built)."""
+def check_one_argument(fn: Callable[..., Any], what: str, argument: str) -> None:
+    """Refuse ``fn`` when it cannot be called with one argument, naming it and its signature, before
+    a bare TypeError from the call would (a wrong ``rollout=``, ``eval_flow=`` or relay function is
+    found when it is given, not when it first runs)."""
     try:
-        signature = inspect.signature(flow)
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some C callables have none: the call will tell
         return
     try:
         signature.bind(SOURCE)
     except TypeError as err:
-        name = getattr(flow, "__qualname__", None) or type(flow).__name__
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
         raise FlowDefinitionError(
-            f"flow {name}{signature} cannot be called with one argument (the flow input, e.g. `def flow(prompts):`): "
-            f"{err}"
+            f"{what} {name}{signature} cannot be called with one argument ({argument}): {err}"
         ) from None

@@ -23,6 +23,7 @@ import msgspec
 
 from .._core.config import to_config
 from .._core.errors import ConfigError, FlowError, PipelineClosedError
+from .._core.graph import check_one_argument
 from .._core.names import check_name
 from .._core.run_config import RunConfig
 from .._core.trace import Span, Timeline, chrome_trace, write_json
@@ -45,10 +46,22 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from .._core.batch import Sample
+    from .._core.graph import FlowGraph
     from .._core.model import Model
     from .._core.sampler import EpisodeBuffer
     from .learning import TrainResults
     from .stats import EngineStats
+
+
+def _check_trainer_configs(trainers: list[Model], *graphs: FlowGraph | None) -> None:
+    """Settings that a trainer group would silently ignore (it is no pool) are refused."""
+    pooled = {name for graph in graphs if graph is not None for name in graph.models}
+    for m in trainers:
+        if m.config.autoscale is not None and m.name not in pooled:
+            raise ConfigError(
+                f"trainer {m.name!r} has ModelConfig.autoscale, but a trainer is a data-parallel group that keeps "
+                "its world size; autoscale the inference models of the rollout flow instead"
+            )
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ class Engine:
         for model in models.values():  # `name` is a plain attribute: checked again once all are known
             check_name(model.name, f"model {type(model).__name__}")
         apply_model_configs(self.config, models)
+        _check_trainer_configs(self.trainers, self.rollout_graph, self.eval_graph)
         check(self.config, models, self.trainers, self.sync_pairs, self.rollout_graph, self.eval_graph)
         self.placement = Placement(self.config, models)
         for _, target in self.sync_pairs:
@@ -111,6 +125,7 @@ class Engine:
         self._learning.eval_dataset = list(items)
 
     def set_relay_sample_fn(self, fn: RelayFn) -> None:
+        check_one_argument(fn, "relay function", "the list of episodes the relay buffer holds")
         self._learning.relay_fn = fn
 
     @property

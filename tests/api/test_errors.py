@@ -253,3 +253,26 @@ def test_a_flow_of_the_wrong_arity_is_named_when_the_engine_is_built(role):
         r"missing a required argument: 'rewards'",
     ):
         flowrl.Engine(config={"sample_per_episode": 4, "pipeline": LOCAL}, **flows)
+
+
+def test_a_relay_function_of_the_wrong_arity_is_named_when_it_is_given():
+    engine = _engine()
+    with pytest.raises(
+        flowrl.FlowDefinitionError,
+        match=r"relay function _two_inputs\(prompts, rewards\) cannot be called with one argument \(the list of "
+        r"episodes the relay buffer holds\): missing a required argument: 'rewards'",
+    ):
+        engine.set_relay_sample_fn(_two_inputs)
+
+
+def test_autoscale_on_a_trainer_is_refused_when_the_engine_is_built():
+    policy = Scale("policy", {"batch_size": 2}, srcs=["x"], dst="y")
+    trainer = CountingTrainer("trainer", {"autoscale": {"max_replicas": 2}})
+    with pytest.raises(
+        flowrl.ConfigError, match=r"trainer 'trainer' has ModelConfig.autoscale, but a trainer is a data-parallel group"
+    ):
+        flowrl.Engine(
+            rollout=lambda x: policy.forward_step(x),
+            train=[trainer],
+            config={"sample_per_episode": 4, "pipeline": LOCAL},
+        )
