@@ -246,8 +246,12 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: not valid YAML: {at}{err.problem or err.context}") from err
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {err}") from err
-    except ValueError as err:  # the safe constructor's own parsing, e.g. a timestamp 2001-13-01
-        raise ConfigError(f"{where}: not valid YAML: {err}") from err
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        # the safe constructor trusts the resolver's patterns: a date 2001-13-01, or an explicit tag on a value
+        # it does not fit (!!float with no value, !!bool maybe, !!timestamp x) fails inside PyYAML
+        raise ConfigError(
+            f"{where}: not valid YAML: a value that does not fit its type ({type(err).__name__}: {err})"
+        ) from err
     finally:
         loader.dispose()
 

@@ -45,7 +45,10 @@ def one_error_line(capsys, command: str) -> str:
         (alias_bomb().encode(), "run.yaml: not valid YAML: line 5, column 5: aliases expand to more than 50000 nodes"),
         (b"a: &x [*x]\n", "run.yaml: not valid YAML: line 1, column 4: an alias refers to a node that contains it"),
         (b"a: " + b"[" * 5000, f"run.yaml: not valid YAML: line 1, column 67: nested deeper than {MAX_NESTING} levels"),
-        (b"a: 2001-13-01\n", "run.yaml: not valid YAML: month must be in 1..12"),
+        (
+            b"a: 2001-13-01\n",
+            "run.yaml: not valid YAML: a value that does not fit its type (ValueError: month must be in 1..12)",
+        ),
         (b"- models\n- dataset\n", "run.yaml: the top level must be a mapping with models, dataset and run, got list"),
         (b"a: !!python/object:os.system ls\n", "could not determine a constructor for the tag"),
         (b"x" * (MAX_CONFIG_BYTES + 1), f"run.yaml: larger than {MAX_CONFIG_BYTES} bytes"),
