@@ -20,3 +20,23 @@ def test_chrome_trace_names_tracks_and_round_trips():
     assert sorted(read_chrome_trace(json.loads(json.dumps(trace))), key=lambda s: s.start) == sorted(
         spans, key=lambda s: s.start
     )
+
+
+def test_read_chrome_trace_names_the_event_and_the_field_it_refuses():
+    import pytest
+
+    from flowrl import ConfigError
+
+    spans = [Span(group="policy", lane=0, name="policy.forward_step", start=1.0, end=2.0, args={"samples": 4})]
+    trace = json.loads(json.dumps(chrome_trace(spans)))
+    (x,) = [i for i, e in enumerate(trace["traceEvents"]) if e["ph"] == "X"]
+    for key, value, message in [
+        ("dur", float("nan"), rf"run/trace.json is not a flowrl trace: .* - at `\$.traceEvents\[{x}\].dur`"),
+        ("ts", -5.0, rf"Expected `float` >= 0.0 - at `\$.traceEvents\[{x}\].ts`"),
+        ("pid", 7, rf"traceEvents\[{x}\].pid: 7 is named by no process_name event"),
+        ("args", {"samples": -1}, rf"traceEvents\[{x}\].args.samples: expected a count of samples, got -1"),
+    ]:
+        bad = json.loads(json.dumps(trace))
+        bad["traceEvents"][x][key] = value
+        with pytest.raises(ConfigError, match=message):
+            read_chrome_trace(bad, "run/trace.json")
