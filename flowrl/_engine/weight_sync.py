@@ -173,6 +173,7 @@ class WeightSync:
         backend = self.deployment.backend
         if not isinstance(weights, Broadcast):
             loads = await _each([partial(backend.load_weights, h, version, weights) for h in handles])
+            _raise_first([err for err in loads if not _died(err)])  # a user's set_weights raising
             return _deaths(handles, loads), []
         rank0 = self.deployment.trainers[weights.trainer][0]
         group = await self._group(rank0, name, handles, weights.backend, reuse)
@@ -186,7 +187,9 @@ class WeightSync:
         )
         if (sent or any(loads)) and self.groups.get(name, (None, None))[1] is group:
             del self.groups[name]  # some ranks may not have joined this broadcast: never use it again
-        dead = _deaths(handles, loads, sent)
+        dead = _deaths(handles, loads)
+        if not dead:
+            _raise_first([sent, *loads])
         # a death breaks the collective for the others: those it failed for try again without it
         return dead, [h for h, err in zip(handles, loads, strict=True) if err is not None and not _died(err)]
 
@@ -227,12 +230,12 @@ def _died(err: Exception | None) -> bool:
     return isinstance(err, ReplicaDiedError)
 
 
-def _deaths(handles: list[ReplicaHandle], loads: list[Exception | None], sent: Exception | None = None) -> Deaths:
-    """The replicas whose process died loading; raises any other failure when none died (a
-    user's ``set_weights`` raising, or a broadcast that failed for another reason)."""
-    dead = [(h, err) for h, err in zip(handles, loads, strict=True) if isinstance(err, ReplicaDiedError)]
-    if not dead:
-        for err in [*loads, sent]:
-            if err is not None:
-                raise err
-    return dead
+def _deaths(handles: list[ReplicaHandle], loads: list[Exception | None]) -> Deaths:
+    """The replicas whose process died loading, with their errors."""
+    return [(h, err) for h, err in zip(handles, loads, strict=True) if isinstance(err, ReplicaDiedError)]
+
+
+def _raise_first(errors: list[Exception | None]) -> None:
+    for err in errors:
+        if err is not None:
+            raise err

@@ -8,10 +8,15 @@ import os
 import signal
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
 import flowrl
+from flowrl._backends.specs import ReplicaHandle
+from flowrl._backends.weight_share import Broadcast, Group
+from flowrl._core.errors import ReplicaDiedError, StageError
+from flowrl._engine.weight_sync import WeightSync
 from flowrl.testing import flowrl_actor_names
 
 torch = pytest.importorskip("torch")
@@ -137,3 +142,122 @@ def test_when_every_replica_dies_in_set_weights_the_run_fails_naming_the_model(r
     assert left_empty  # both died
     assert info.value.stage == "policy.set_weights"
     assert flowrl_actor_names() == []
+
+
+# ---- the broadcast sent again, on a scripted backend: a death in the middle of a collective
+# (the others' loads fail too) cannot be placed deterministically on a real gloo group ----
+
+
+class _Broken(StageError):
+    pass
+
+
+class _ScriptedBackend:
+    """Broadcasts whose outcome per (group, replica) the test scripts; records each load."""
+
+    def __init__(self, outcomes: dict[tuple[int, str], Exception]) -> None:
+        self.outcomes, self.groups, self.loaded = outcomes, [], []
+
+    async def serve_weights(self, rank: Any, world: int, backend: str, timeout_s: float) -> Group:
+        group = Group(id=f"g{len(self.groups)}", address="", port=0, world=world, backend=backend, timeout_s=timeout_s)
+        self.groups.append(group)
+        return group
+
+    async def send_weights(self, rank: Any, group: Group, snapshot: int, keep: list[str]) -> None:
+        if (int(group.id[1:]), "trainer") in self.outcomes:
+            raise self.outcomes[(int(group.id[1:]), "trainer")]
+
+    async def load_weights(self, handle: ReplicaHandle, version: int, weights: Any) -> None:
+        group = weights.group.id if isinstance(weights, Broadcast) and weights.group else "g-1"  # -1: by host
+        failure = self.outcomes.get((int(group[1:]), handle.model + str(handle.replica_id)))
+        if failure is not None:
+            raise failure
+        self.loaded.append((handle.replica_id, group, getattr(weights, "rank", 0), version))
+
+
+class _Deployment:
+    def __init__(self, backend: _ScriptedBackend, replicas: int) -> None:
+        self.backend, self.members = backend, anyio.Lock()
+        self.trainers = {"trainer": [ReplicaHandle("trainer", 0, "", object())]}
+        self.live = [ReplicaHandle("policy", r, "", object()) for r in range(replicas)]
+        self.retired: list[int] = []
+
+    def replicas_of(self, model: str) -> list[ReplicaHandle]:
+        return list(self.live)
+
+    def retire(self, handle: ReplicaHandle, err: ReplicaDiedError) -> None:
+        self.live.remove(handle)
+        self.retired.append(handle.replica_id)
+        if not self.live:
+            raise ReplicaDiedError(f"{err.message}; every replica of model 'policy' has died", err.stage, -1, [])
+
+
+def _sync(outcomes: dict[tuple[int, str], Exception], replicas: int = 3) -> tuple[WeightSync, _Deployment]:
+    deployment = _Deployment(_ScriptedBackend(outcomes), replicas)
+    pair = (flowrl.Model("trainer"), flowrl.Model("policy"))
+    config = flowrl.RunConfig(sample_per_episode=8, collective_timeout_s=5.0)
+    return WeightSync(config, [pair], deployment), deployment  # type: ignore[arg-type]
+
+
+def _broadcast() -> Broadcast:
+    return Broadcast(layout=[], sizes={}, backend="gloo", trainer="trainer", snapshot=0)
+
+
+def _died(replica: int) -> ReplicaDiedError:
+    return ReplicaDiedError("the replica's process died", "policy.set_weights", replica, [])
+
+
+def test_a_broadcast_broken_by_a_death_is_sent_again_to_the_survivors_it_missed_in_a_new_group():
+    broken = _Broken("RuntimeError: [gloo] Connection closed by peer", "policy.set_weights", 0, [])
+    # group 0: replica 1 dies mid-broadcast; replica 0 and the trainer see the collective break;
+    # replica 2 had received the weights already
+    sync, deployment = _sync({(0, "policy1"): _died(1), (0, "policy0"): broken, (0, "trainer"): broken})
+
+    async def main() -> None:
+        await sync.send("policy", 1, _broadcast())
+        assert deployment.retired == [1]
+        assert sync.versions == {"policy": 1}
+        assert "policy" not in sync.groups  # the failed broadcast's group is never used again
+        await sync.send("policy", 2, _broadcast())  # the next sync: the survivors, in a group of their own
+
+    anyio.run(main)
+    groups = deployment.backend.groups
+    assert [g.world for g in groups] == [4, 2, 3]  # all; replica 0 sent again; the survivors
+    assert deployment.backend.loaded == [
+        (2, "g0", 3, 1),
+        (0, "g1", 1, 1),  # sent again, alone with the trainer
+        (0, "g2", 1, 2),
+        (2, "g2", 2, 2),
+    ]
+    assert sync.groups["policy"][1] is groups[2]
+
+
+def test_a_failure_that_is_no_death_still_fails_the_sync():
+    user = StageError("ValueError: bad shape", "policy.set_weights", 0, [])
+    # one replica died, one raised; sent again, the one that raised raises again; by host, at once
+    sync, deployment = _sync(
+        {(0, "policy0"): user, (0, "policy1"): _died(1), (1, "policy0"): user, (-1, "policy0"): user}
+    )
+
+    async def main() -> None:
+        with pytest.raises(StageError, match="bad shape"):
+            await sync.send("policy", 1, _broadcast())
+        with pytest.raises(StageError, match="bad shape"):
+            await sync.send("policy", 2, {"w": np.zeros(1)})
+
+    anyio.run(main)
+    assert sync.versions == {"policy": -1}
+    assert deployment.retired == [1]
+    assert [g.world for g in deployment.backend.groups] == [4, 2]  # all; replica 0 again
+    assert deployment.backend.loaded == [(2, "g0", 3, 1), (2, "g-1", 0, 2)]  # the one left without fault
+
+
+def test_every_replica_dying_in_a_broadcast_fails_with_replica_died_error():
+    sync, deployment = _sync({(0, "policy0"): _died(0), (0, "policy1"): _died(1)}, replicas=2)
+
+    async def main() -> None:
+        with pytest.raises(ReplicaDiedError, match="every replica of model 'policy' has died"):
+            await sync.send("policy", 1, _broadcast())
+
+    anyio.run(main)
+    assert deployment.retired == [0, 1]
