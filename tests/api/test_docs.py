@@ -58,7 +58,9 @@ def flowrl_commands(page: Path) -> list[list[str]]:
 @pytest.mark.parametrize("page", [p for p in PAGES if flowrl_commands(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_flowrl_commands_run(page, tmp_path):
     """Each page's commands run in order in a fresh folder: in one process (FLOWRL_DEBUG=1) and
-    for 2 episodes, to keep the test short; the rest of each command as written."""
+    for 2 episodes, to keep the test short; the rest of each command as written. A `flowrl scale`
+    comes after its run has ended, so it must refuse (exit 2: no live run); the live case is
+    tests/engine/test_scale_requests.py's."""
     import os
     import shutil
     import subprocess
@@ -73,6 +75,9 @@ def test_docs_flowrl_commands_run(page, tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
+        if args[0] == "scale":  # written for another terminal while the run runs; here the run has ended
+            assert proc.returncode == 2 and "no live run" in proc.stderr, (command, proc.stderr[-3000:])
+            continue
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-3000:])
 
 
