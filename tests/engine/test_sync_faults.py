@@ -29,23 +29,29 @@ class Policy(flowrl.Model):
     """Reports the sum of the weights it computed with; a replica in ``dying`` that takes a
     token from ``tokens`` (a ``ray.util.queue.Queue``) in ``set_weights`` kills its own process."""
 
-    def __init__(self, name: str, config: Any, *, tokens: Any, dying: tuple[int, ...]) -> None:
+    def __init__(self, name: str, config: Any, *, tokens: Any, dying: tuple[int, ...], in_shard: bool = False) -> None:
         super().__init__(name, config)
-        self.tokens, self.dying = tokens, dying
+        self.tokens, self.dying, self.in_shard = tokens, dying, in_shard  # in_shard: dies in forward_step
+
+    def _maybe_die(self) -> None:
+        if self.replica_id in self.dying and not self.tokens.empty():
+            self.tokens.get()  # one death per token
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def setup(self) -> None:
         self.module = torch.nn.Linear(4, 1)
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        if self.in_shard:
+            self._maybe_die()
         return {
             f"{self.name}_w": [float(self.module.weight.detach().sum())] * len(batch),
             f"{self.name}_replica": [self.replica_id] * len(batch),
         }
 
     def set_weights(self, weights: Any) -> None:
-        if self.replica_id in self.dying and not self.tokens.empty():
-            self.tokens.get()  # one death per token
-            os.kill(os.getpid(), signal.SIGKILL)
+        if not self.in_shard:
+            self._maybe_die()
         super().set_weights(weights)
 
 
@@ -63,8 +69,12 @@ class Trainer(flowrl.Model):
         return {"w_sum": float(self.module.weight.detach().sum())}
 
 
-def _engine(tokens: Any, dying: tuple[int, ...], transport: str, **config: Any) -> flowrl.Engine:
-    policy = Policy("policy", {"num_replicas": 2, "batch_size": 1, **CPU}, tokens=tokens, dying=dying)
+def _engine(
+    tokens: Any, dying: tuple[int, ...], transport: str, in_shard: bool = False, **config: Any
+) -> flowrl.Engine:
+    policy = Policy(
+        "policy", {"num_replicas": 2, "batch_size": 1, **CPU}, tokens=tokens, dying=dying, in_shard=in_shard
+    )
     trainer = Trainer("trainer", {"weight_transport": transport, **CPU})
     engine = flowrl.Engine(
         rollout=lambda x: policy.forward_step(x),
@@ -123,6 +133,29 @@ def test_a_replica_killed_in_set_weights_is_retired_and_the_run_completes_on_the
     assert {s["policy_version"] for s in after} == {EPISODES}
     assert final.rollout.serving == {"policy": 2}
     assert flowrl_actor_names() == []  # the dead replica's actor too
+
+
+def test_a_replica_that_died_in_a_shard_gets_no_later_sync_and_the_run_completes(ray_cluster):
+    from ray.util.queue import Queue
+
+    tokens = Queue(actor_options={"num_cpus": 0})
+    tokens.put(True)  # replica 1 dies in its first shard
+    engine = _engine(tokens, (1,), "host", in_shard=True)
+    try:
+        with engine:
+            stats = engine.learn()
+            trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
+            after = engine._portal.call(engine._session.deployment.rollout.run, [{"x": np.ones(4)}] * 4)
+        left_empty = tokens.empty()
+    finally:
+        tokens.shutdown()
+    assert left_empty  # the death happened
+    policy = stats.rollout.stages["policy.forward_step"]
+    assert policy.samples == EPISODES * PER_EPISODE and policy.retried >= 1  # its shard ran again, counted once
+    assert [e.weight_versions["policy"] for e in stats.episodes] == [1, 2, 3]  # every sync sent to replica 0 only
+    assert stats.rollout.serving == {"policy": 1}
+    assert {(s["policy_replica"], round(s["policy_w"], 5)) for s in after} == {(0, round(trained, 5))}
+    assert flowrl_actor_names() == []
 
 
 def test_when_every_replica_dies_in_set_weights_the_run_fails_naming_the_model(ray_cluster):
