@@ -149,7 +149,10 @@ _DECODER = msgspec.msgpack.Decoder(ext_hook=_dec)
 
 def encode_state(state: Any) -> bytes:
     """``state`` (dicts, lists, scalars, strings, arrays, tensors) as bytes."""
-    return msgspec.msgpack.Encoder(enc_hook=_enc).encode(state)
+    try:
+        return msgspec.msgpack.Encoder(enc_hook=_enc).encode(state)
+    except OverflowError as err:
+        raise CheckpointError(f"cannot save an int outside [-2**63, 2**64 - 1] in a checkpoint ({err})") from err
 
 
 def decode_state(data: bytes, where: str | None = None) -> Any:
@@ -179,8 +182,9 @@ def _check_depth(state: Any) -> None:
             raise CheckpointError(f"containers nested more than {MAX_DEPTH} deep")
         if isinstance(node, dict):
             stack.extend((k, depth + 1) for k in node if isinstance(k, tuple))
-            node = node.values()
-        stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, tuple)))
+            node = list(node.values())
+        if isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, tuple)))
 
 
 def rng_state() -> dict[str, Any]:
@@ -264,9 +268,16 @@ def _bytes_tensor(value: Any) -> bool:
 
 
 def _bad_rng(where: str, part: str, want: str, given: Any) -> None:
-    shown = f"a {type(given).__name__}" + (f" of length {len(given)}" if hasattr(given, "__len__") else "")
     field = f" field {part!r}" if part else ""
-    raise CheckpointError(f"{where}{field}: expected {want}, got {shown}")
+    raise CheckpointError(f"{where}{field}: expected {want}, got {shown(given)}")
+
+
+def shown(value: Any) -> str:
+    """``value`` in an error: its type and length, not its (maybe large, maybe crafted) content."""
+    try:
+        return f"a {type(value).__name__} of length {len(value)}"
+    except TypeError:  # no length (a number, a 0-dim array)
+        return f"a {type(value).__name__}"
 
 
 class CheckpointDir:

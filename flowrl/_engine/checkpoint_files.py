@@ -22,7 +22,7 @@ from .._backends.replica import unviewed
 from .._core.batch import Sample
 from .._core.errors import CheckpointError
 from .._core.sampler import EpisodeBuffer
-from .._core.state_format import CheckpointDir, check_rng_state, decode_state, encode_state
+from .._core.state_format import CheckpointDir, check_rng_state, decode_state, encode_state, shown
 from .stats import Counts, EpisodeStats
 
 if TYPE_CHECKING:
@@ -286,14 +286,13 @@ def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
 
     def expect(ok: bool, field: str, value: Any, want: str) -> None:
         if not ok:
-            shown = f"a {type(value).__name__}" + (f" of length {len(value)}" if hasattr(value, "__len__") else "")
-            raise CheckpointError(f"checkpoint {folder}: {RELAY} field {field} is {shown}; expected {want}")
+            raise CheckpointError(f"checkpoint {folder}: {RELAY} field {field} is {shown(value)}; expected {want}")
 
     expect(isinstance(raw, list), "(the whole file)", raw, "a list of relay episodes")
     out: list[EpisodeBuffer] = []
     for i, e in enumerate(raw):
         keys = ("episode", "ids", "fields")
-        expect(isinstance(e, dict) and sorted(e) == sorted(keys), f"[{i}]", e, f"a dict with keys {list(keys)}")
+        expect(isinstance(e, dict) and set(e) == set(keys), f"[{i}]", e, f"a dict with keys {list(keys)}")
         first = out[-1].episode_id + 1 if out else 0
         episode, ids, fields = e["episode"], e["ids"], e["fields"]
         ok = type(episode) is int and first <= episode < state.episode
