@@ -1,5 +1,5 @@
-"""The Ray backend: one Ray actor per replica (``ray_actors``). It, the actors and
-``ray_wire`` (how shard data and replies travel) are the only modules that import ray.
+"""The Ray backend: one Ray actor per replica (``ray_actors``). It, the actors,
+``ray_wire`` (how shard data and replies travel) and ``ray_shipping`` are the only modules that import ray.
 
 Replicas on the driver's node also read shards from a Unix socket (``local_channel``), which
 costs far less than a Ray call.
@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import math
 import os
-import sys
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +25,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .._core.batch import Batch, approx_nbytes
 from .._core.config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
-from .._core.errors import ClusterError, ConfigError, FlowError, InputLostError, ReplicaDiedError, StageError, _shorten
+from .._core.errors import ClusterError, FlowError, InputLostError, ReplicaDiedError, StageError, _shorten
 from .local_channel import ERR, ChannelLost, ChannelServer, DriverEnd
 from .ray_actors import ReplicaActor, TrainerActor
+from .ray_shipping import check_picklable, ship_by_value
 from .ray_wire import (
     INLINE_BYTES,
     Inline,
@@ -45,7 +45,6 @@ from .ray_wire import (
 from .specs import Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 
 if TYPE_CHECKING:
-    from .._core.model import Model
     from .weight_share import Group
 
 
@@ -64,62 +63,6 @@ def _translate(err: Exception, stage: str, replica: int, ids: list[int]) -> Flow
     if isinstance(err, RayActorError):
         return ReplicaDiedError(f"the replica's process died: {err}", stage, replica, ids)
     return StageError(f"{type(err).__name__}: {err}", stage, replica, ids)
-
-
-def _ship_by_value(model: Model) -> None:
-    """Let replicas unpickle models defined in top-level modules (test files, scripts' helpers).
-
-    Workers do not share the driver's ``sys.path``; a class from a module outside any package
-    would not import there, so its module travels by value, as ``__main__`` already does. The
-    same holds for what the model holds: a reward function from a script's helper module, given
-    to a library model, names that module too.
-    """
-    held = [v for value in vars(model).values() for v in _shallow(value)]
-    for module_name in {cls.__module__ for cls in type(model).__mro__} | {_module_of(v) for v in held}:
-        module = sys.modules.get(module_name)
-        path = getattr(module, "__file__", None)
-        if module is None or not path or module_name == "__main__" or getattr(module, "__package__", None):
-            continue  # builtins, __main__ (already by value) and modules inside packages
-        if not path.startswith((sys.prefix, sys.base_prefix)):
-            ray.cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]  # cloudpickle's is unannotated
-
-
-def _check_picklable(model: Model) -> None:
-    """Refuse, before any actor starts, a model Ray could not send to its replicas (a lock, an
-    open file or a socket made in ``__init__``); the message names the attribute when one alone fails."""
-    err = _pickle_error(model)
-    if err is None:
-        return
-    culprit = next((k for k, v in vars(model).items() if _pickle_error(v) is not None), None)
-    what = "it" if culprit is None else f"its attribute {culprit!r} ({type(vars(model)[culprit]).__name__})"
-    raise ConfigError(
-        f"model {model.name!r} ({type(model).__name__}) cannot be sent to its replicas: {what} cannot be "
-        f"pickled ({type(err).__name__}: {err}); build it in setup(), which runs inside each replica"
-    ) from err
-
-
-def _pickle_error(value: Any) -> Exception | None:
-    try:
-        ray.cloudpickle.dumps(value)  # type: ignore[no-untyped-call]  # cloudpickle's is unannotated
-    except Exception as err:  # TypeError, PicklingError, AttributeError... by case
-        return err
-    return None
-
-
-def _shallow(value: Any) -> list[Any]:
-    """``value``, or the items of a list, tuple or dict (one level: models hold plain containers)."""
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, dict):
-        return [*value.keys(), *value.values()]
-    return [value]
-
-
-def _module_of(value: Any) -> str:
-    """The module a value's pickle names: a function's or class's own, else its type's."""
-    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        return str(getattr(value, "__module__", "") or "")
-    return type(value).__module__
 
 
 # Pipelines of this process that use a cluster flowrl started; the last one to close stops it.
@@ -181,7 +124,7 @@ class RayBackend:
         self._replies = Replies()
         self._server: ChannelServer | None = None
         self._channels: dict[Any, DriverEnd] = {}  # by actor handle
-        self._picklable: set[int] = set()  # ids of the models checked by _check_picklable
+        self._picklable: set[int] = set()  # ids of the models checked by check_picklable
 
     def _connect(self, specs: list[ReplicaSpec]) -> None:
         if self._connected:
@@ -204,8 +147,8 @@ class RayBackend:
 
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
         for model in {id(s.model): s.model for s in specs if id(s.model) not in self._picklable}.values():
-            _ship_by_value(model)  # what the actors will unpickle, checked as they will get it
-            _check_picklable(model)
+            ship_by_value(model)  # what the actors will unpickle, checked as they will get it
+            check_picklable(model)
             self._picklable.add(id(model))
         await anyio.to_thread.run_sync(self._connect, specs)
         nodes = [n.get("Resources", {}) for n in _ray_nodes() if n.get("Alive")]
@@ -265,7 +208,7 @@ class RayBackend:
             ) from err
 
     def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
-        _ship_by_value(spec.model)
+        ship_by_value(spec.model)
         name = f"flowrl-{self._tag}-{spec.model.name}-{spec.replica_id}"
         self._names[name] = self._names.get(name, 0) + 1
         if self._names[name] > 1:  # the same model in a second flow (evaluation) gets its own pool

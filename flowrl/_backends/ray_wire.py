@@ -79,7 +79,7 @@ def dumps(obj: Any) -> bytes:
 
     cloudpickle consults Python code for every object it writes (~3x the C pickler on a small
     shard). The C pickler names classes and functions by module, which the replica imports;
-    that fails for ``__main__`` and the modules sent by value (``_ship_by_value``), so a
+    that fails for ``__main__`` and the modules sent by value (``ray_shipping.ship_by_value``), so a
     stream naming one of them, or one the C pickler refuses (lambdas, local classes), is
     pickled again by cloudpickle. A false alarm (the name inside a string) only costs time.
     """
