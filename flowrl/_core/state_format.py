@@ -274,10 +274,12 @@ def _bad_rng(where: str, part: str, want: str, given: Any) -> None:
 
 def shown(value: Any) -> str:
     """``value`` in an error: its type and length, not its (maybe large, maybe crafted) content."""
+    kind = type(value).__name__
+    kind = f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
     try:
-        return f"a {type(value).__name__} of length {len(value)}"
+        return f"{kind} of length {len(value)}"
     except TypeError:  # no length (a number, a 0-dim array)
-        return f"a {type(value).__name__}"
+        return kind
 
 
 class CheckpointDir:
