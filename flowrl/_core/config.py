@@ -17,6 +17,19 @@ WeightTransport = Literal["host", "cuda_ipc", "nccl"]
 S = TypeVar("S", bound=msgspec.Struct)
 
 
+class Settings(msgspec.StructMeta):
+    """The metaclass of the config Structs: a keyword a Struct does not have, a missing required
+    one or a positional argument is a ``ConfigError`` naming the Struct and its keys (msgspec's
+    ``__init__`` raises ``TypeError``), like every other config mistake."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except TypeError as err:
+            keys = ", ".join(getattr(cls, "__struct_fields__", ()))
+            raise ConfigError(f"{cls.__name__}: {err}; its keys are {keys}") from err
+
+
 def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
     # msgspec checks Literal fields when decoding, not when a Struct is built in code
     choices = get_args(allowed)
@@ -67,7 +80,7 @@ def _check_finite(where: str, value: Any) -> None:
         raise ConfigError(f"{where} must be a finite number, got {value!r}")
 
 
-class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """Grow and shrink one model's pool while runs go on, between ``min_replicas`` and
     ``max_replicas`` and within the cluster's free resources.
 
@@ -102,7 +115,7 @@ class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
 
 
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """How one model runs: replica count, per-call batch size, resources, splitter policy.
 
     The replica count is either ``num_replicas`` or, ChatLearn-style, ``num_gpu`` divided by
@@ -202,7 +215,7 @@ def check_progress(owner: str, value: str | bool) -> None:
         raise ConfigError(f"{owner}.progress must be one of {list(PROGRESS)} (or a YAML bare off/on), got {value!r}")
 
 
-class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """How a pipeline runs.
 
     ``max_inflight`` bounds every queue of the pipeline: samples admitted from the input but

@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from .._core.config import _check_types, _non_negative, _one_of, _positive
+from .._core.config import Settings, _check_types, _non_negative, _one_of, _positive
 from .._core.errors import ConfigError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -24,7 +24,7 @@ def _constant_length(owner: str, aggregation: str, max_tokens: int | None) -> No
         )
 
 
-class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """Where a model's weights and tokenizer come from.
 
     ``path``: a local folder (or hub-style name already in the local cache) that
@@ -61,7 +61,7 @@ class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"LM.seed must be in [-2**63, 2**64), torch.manual_seed's range; got {self.seed}")
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """How the policy samples: one response per sample (``RunConfig.num_samples_per_prompt``
     sets how many samples share a prompt). ``temperature=0`` is greedy. ``stop_token_ids``
     end a response besides the tokenizer's eos. ``chat_template``: render prompts with the
@@ -88,7 +88,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
 
 
-class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """AdamW and its learning-rate schedule; ``total_steps`` (optimizer steps) bounds the
     linear and cosine decays (0: no decay), after ``warmup_steps`` of linear warm-up."""
 
@@ -115,7 +115,7 @@ class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             )
 
 
-class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """How a trainer steps. ``micro_batch_tokens``: the most tokens (prompt + response) a
     micro-batch holds (0: ``RunConfig.train_micro_batch_size`` rows); ``fsdp``: shard the model
     over the data-parallel ranks with FSDP2 (``"auto"``: when there is more than one rank);
@@ -138,7 +138,7 @@ class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         _positive("Train", temperature=self.temperature)
 
 
-class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """The GRPO objective: group-normalised advantages (``scale="none"``: not divided by the
     group's std, as Dr. GRPO), the clipped ratio (``clip_high`` for an asymmetric upper
     bound), a KL term to the reference with estimator ``kl`` and weight ``kl_coef`` (0: no
@@ -162,7 +162,7 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         _constant_length("GRPO", self.aggregation, self.max_tokens)
 
 
-class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """The PPO objective with GAE: per-token rewards are the KL penalty (``kl_coef``, estimator
     ``kl``) plus the score at the last token; advantages by GAE(``gamma``, ``lam``) over the
     value model's estimates; clipped ratio; value loss clipped by ``value_clip``."""

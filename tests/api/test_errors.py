@@ -276,3 +276,22 @@ def test_autoscale_on_a_trainer_is_refused_when_the_engine_is_built():
             train=[trainer],
             config={"sample_per_episode": 4, "pipeline": LOCAL},
         )
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: flowrl.ModelConfig(batchsize=2),
+            r"ModelConfig: Unexpected keyword argument 'batchsize'; its keys are ",
+        ),
+        (lambda: flowrl.RunConfig(), r"RunConfig: Missing required argument 'sample_per_episode'"),
+        (lambda: flowrl.PipelineConfig(4), r"PipelineConfig: Extra positional arguments provided"),
+        (lambda: flowrl.Autoscale(max_replica=2), r"Autoscale: Unexpected keyword argument 'max_replica'"),
+    ],
+    ids=["unknown", "missing", "positional", "nested-struct"],
+)
+def test_a_config_built_with_a_wrong_keyword_is_a_config_error_listing_its_keys(build, message):
+    with pytest.raises(flowrl.ConfigError, match=message) as caught:
+        build()
+    assert isinstance(caught.value.__cause__, TypeError)  # msgspec's own, chained
