@@ -12,13 +12,22 @@ from typing import Any
 
 import msgspec
 
-from .config import ModelConfig, PipelineConfig, _check_types, _non_negative, _positive, check_progress, to_config
+from .config import (
+    ModelConfig,
+    PipelineConfig,
+    Settings,
+    _check_types,
+    _non_negative,
+    _positive,
+    check_progress,
+    to_config,
+)
 from .errors import ConfigError
 from .names import check_name
 from .staleness import STALE_POLICIES
 
 
-class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """Episodes, training sizes, relay, sync and evaluation cadence, colocation, per-model configs.
 
     ``train_global_batch_size`` defaults to ``sample_per_episode`` and
