@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from .._core.run_config import RunConfig
     from .deployment import Deployment
 
+    Expect = Callable[[bool, str, Any, str], None]  # raises a CheckpointError naming the field
+
 STATE, RELAY = "engine.json", "relay.msgpack"
 FORMAT = 1
 # engine.json grows by one episode's stats (~0.3-1 KB of JSON) per episode: 128 MiB holds over
@@ -219,34 +221,41 @@ def check_state(state: EngineState, folder: Path) -> None:
 
     def expect(ok: bool, field: str, value: Any, want: str) -> None:
         if not ok:
-            raise CheckpointError(f"checkpoint {folder}: {STATE} field {field} is {value!r}; expected {want}")
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise CheckpointError(f"checkpoint {folder}: {STATE} field {field} is {shown}; expected {want}")
 
+    _check_progress(state, expect)
+    _check_models(state, expect)
+    _check_counts(state, expect)
+
+
+def _check_progress(state: EngineState, expect: Expect) -> None:
+    """Counters in range; one stats entry per episode done, in order (the list a resumed run's
+    stats continue); the sampler no further than the episodes done drew."""
     for key in ("episode", "next_sample_id", "eval_next_id", "eval_runs", "sampler_position"):
         value = getattr(state, key)
         expect(0 <= value <= _MAX_COUNT, key, value, "an int in [0, 2**62]")
     e = state.episode
-    # one stats entry per episode done, in order: the list the run's stats and metrics continue
     expect(len(state.episodes) == e, "episodes", f"{len(state.episodes)} entries", f"one per episode done ({e})")
     bad = next((i for i, s in enumerate(state.episodes) if s.episode != i), None)
     expect(bad is None, f"episodes[{bad}].episode", bad is not None and state.episodes[bad].episode, f"{bad}")
-    # every episode drew its prompts once (a dataset set again starts over at 0): at most that many
+    # the position counts prompts drawn over every pass (it passes dataset_size as the sampler
+    # wraps); each episode drew once, and a dataset set again starts over at 0
     prompts = e * (state.sample_per_episode // max(1, state.num_samples_per_prompt))
-    expect(
-        state.sampler_position <= prompts,
-        "sampler_position",
-        state.sampler_position,
-        f"<= {prompts} (prompts drawn by {e} episodes)",
-    )
-    for name, v in state.weight_versions.items():  # at most one sync per episode
-        expect(0 <= v <= e, f"weight_versions[{name!r}]", v, f"a version in [0, {e}] (one sync per episode at most)")
+    drawn = f"<= {prompts} (prompts drawn by {e} episodes)"
+    expect(state.sampler_position <= prompts, "sampler_position", state.sampler_position, drawn)
+
+
+def _check_models(state: EngineState, expect: Expect) -> None:
+    """Weight versions: at most one sync per episode (-1, "unknown", only lives between a failed
+    send and the restore that follows it, never in a checkpoint); synced models have synced."""
+    for name, v in state.weight_versions.items():
+        expect(0 <= v <= state.episode, f"weight_versions[{name!r}]", v, f"a version in [0, {state.episode}]")
     for name in state.synced:
-        v = state.weight_versions.get(name, 0)
-        expect(
-            v >= 1 and state.synced.count(name) == 1, "synced", state.synced, "models synced once or more, once each"
-        )
+        ok = state.weight_versions.get(name, 0) >= 1 and state.synced.count(name) == 1
+        expect(ok, "synced", state.synced, "models of weight_versions synced at least once, each named once")
     for name, ranks in state.trainer_ranks.items():
         expect(1 <= ranks <= _MAX_COUNT, f"trainer_ranks[{name!r}]", ranks, "at least 1 rank")
-    _check_counts(state, expect)
 
 
 async def _trainer_states(backend: Trainers, ranks: list[ReplicaHandle]) -> list[tuple[bytes | None, bytes]]:
@@ -267,7 +276,7 @@ def _episode_state(episode: EpisodeBuffer) -> dict[str, Any]:
     return {"episode": episode.episode_id, "ids": [s.id for s in samples], "fields": [dict(s) for s in samples]}
 
 
-def _check_counts(state: EngineState, expect: Callable[[bool, str, Any, str], None]) -> None:
+def _check_counts(state: EngineState, expect: Expect) -> None:
     """Per trainer of ``trainer_ranks``, per rank (of this run or an earlier one, which had
     other rank counts): [samples, steps, busy s], none negative."""
     counts = state.trainer_counts
