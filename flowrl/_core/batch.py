@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
-from .errors import FlowDefinitionError, FlowError
+from .errors import FlowDefinitionError, FlowError, MissingFieldError
 
 if TYPE_CHECKING:
     import torch
@@ -138,6 +138,14 @@ def _rebuild(ids: _Packed, fields: dict[str, _Packed]) -> Batch:
     return batch
 
 
+def _id_array(values: object, where: str) -> np.ndarray:
+    """Sample ids or row numbers as a flat int64 array."""
+    try:
+        return np.asarray(values, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as err:
+        raise FlowDefinitionError(f"{where}: expected a sequence of ints, got {values!r}") from err
+
+
 class Batch:
     """Several samples as columns. ``len(batch)`` is the number of samples.
 
@@ -151,8 +159,12 @@ class Batch:
     def __init__(
         self, ids: Sequence[int] | np.ndarray, fields: Mapping[str, Column] | None = None, *, _check: bool = True
     ) -> None:
-        self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self.ids = _id_array(ids, "Batch(ids=...)")
         self._fields: dict[str, Column] = {}
+        if _check and fields is not None and not isinstance(fields, Mapping):
+            raise FlowDefinitionError(
+                f"Batch(fields=...): expected a mapping of field -> column, got {type(fields).__name__}"
+            )
         for name, value in (fields or {}).items():
             if _check:
                 self._check_column(name, value)
@@ -176,6 +188,11 @@ class Batch:
     def concat(batches: Sequence[Batch]) -> Batch:
         if not batches:
             return Batch([])
+        bad = next((b for b in batches if not isinstance(b, Batch)), None)
+        if bad is not None:
+            raise FlowDefinitionError(
+                f"Batch.concat: expected a list of Batches, got a {type(bad).__name__} among them"
+            )
         names = batches[0].keys()
         for b in batches[1:]:
             if b.keys() != names:
@@ -191,7 +208,7 @@ class Batch:
         try:
             return self._fields[name]
         except KeyError:
-            raise KeyError(f"field {name!r} is not in this batch; it has {sorted(self._fields)}") from None
+            raise MissingFieldError(f"field {name!r} is not in this batch; it has {sorted(self._fields)}") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._fields
@@ -218,11 +235,19 @@ class Batch:
 
     # ---- row operations ----
     def select(self, rows: Sequence[int] | np.ndarray) -> Batch:
-        idx = np.asarray(rows, dtype=np.int64).reshape(-1)
-        return Batch(self.ids[idx], {n: _take(v, idx) for n, v in self._fields.items()}, _check=False)
+        idx = _id_array(rows, "Batch.select(rows)")
+        try:
+            ids = self.ids[idx]
+        except IndexError as err:  # checked here, not before: the valid path costs nothing more
+            raise FlowDefinitionError(
+                f"Batch.select: rows {idx.tolist()} out of range for {len(self)} samples"
+            ) from err
+        return Batch(ids, {n: _take(v, idx) for n, v in self._fields.items()}, _check=False)
 
     def merge(self, other: Batch) -> Batch:
         """The union of two batches' fields for the same samples in the same order."""
+        if not isinstance(other, Batch):
+            raise FlowDefinitionError(f"Batch.merge: expected a Batch, got {type(other).__name__}")
         # ids are always flat int64: comparing their bytes is ~10x cheaper than array_equal
         if self.ids is not other.ids and self.ids.tobytes() != other.ids.tobytes():
             raise FlowError(f"cannot merge batches of different samples: {self.ids.tolist()} vs {other.ids.tolist()}")
@@ -237,6 +262,8 @@ class Batch:
         return Batch(self.ids.copy(), {n: _copy(v) for n, v in self._fields.items()}, _check=False)
 
     def row(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise FlowDefinitionError(f"Batch.row({i}): out of range for {len(self)} samples")
         return {n: v[i] for n, v in self._fields.items()}
 
     def __reduce__(self) -> tuple[Callable[[_Packed, dict[str, _Packed]], Batch], tuple[_Packed, dict[str, _Packed]]]:
@@ -270,7 +297,7 @@ class Sample(Mapping[str, Any]):
         try:
             return self._fields[name]
         except KeyError:
-            raise KeyError(f"sample {self.id} has no field {name!r}; it has {sorted(self._fields)}") from None
+            raise MissingFieldError(f"sample {self.id} has no field {name!r}; it has {sorted(self._fields)}") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)

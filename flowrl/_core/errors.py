@@ -20,6 +20,14 @@ class FlowDefinitionError(FlowError):
     """A flow cannot be built: bad wiring, a field nobody writes, two writers of a field."""
 
 
+class MissingFieldError(FlowDefinitionError, KeyError):
+    """A batch or sample has no field of that name. Also a ``KeyError``, so mapping reads
+    (``in``, ``.get``, ``dict(batch)``) behave as they do on a dict."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 class PipelineClosedError(FlowError):
     """The pipeline (or engine) was used after it closed or failed, or a stream was superseded."""
 

@@ -169,6 +169,8 @@ def check_one_argument(fn: Callable[..., Any], what: str, argument: str) -> None
     """Refuse ``fn`` when it cannot be called with one argument, naming it and its signature, before
     a bare TypeError from the call would (a wrong ``rollout=``, ``eval_flow=`` or relay function is
     found when it is given, not when it first runs)."""
+    if not callable(fn):
+        raise FlowDefinitionError(f"{what} must be a function of one argument ({argument}), got {type(fn).__name__}")
     if hasattr(fn, "__flowrl_step__"):  # a model's step as the flow (``run_flow(policy.forward_step, ...)``)
         return  # its signature is the replica's (batch, iteration); given a stage output, it records a stage
     try:

@@ -34,6 +34,8 @@ def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
         return None
     if isinstance(value, str):
         value = (value,)
+    if not isinstance(value, Iterable) or isinstance(value, Mapping):
+        raise ConfigError(f"@flowrl.step({what}=...) takes field names (a list of strings), got {type(value).__name__}")
     names = frozenset(value)
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
@@ -57,6 +59,10 @@ def step(
     writers of one field. Declared writes are also checked against every shard's output.
     Without declarations, two writers of a field are caught when the first shard returns.
     """
+    if fn is not None and not callable(fn):
+        raise ConfigError(
+            f"@flowrl.step decorates a method, got {type(fn).__name__}; use @flowrl.step or @flowrl.step(reads=[...])"
+        )
     info = StepInfo(_fields(reads, "reads"), _fields(writes, "writes"))
 
     def mark(f: F) -> F:

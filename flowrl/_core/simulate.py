@@ -69,8 +69,17 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     cost_hint_sigma: float | None = None
 
     def __post_init__(self) -> None:
+        if not self.stages or self.samples <= 0:
+            raise ConfigError(
+                f"Workload needs at least one stage and samples > 0, got {len(self.stages)} stage(s) and "
+                f"samples={self.samples}"
+            )
         seen = {INPUT}
         for st in self.stages:
+            if not isinstance(st, SimStage):
+                raise ConfigError(f"Workload.stages: expected SimStage items, got a {type(st).__name__}")
+            if st.name in seen:
+                raise ConfigError(f"Workload.stages: two stages are named {st.name!r}; stage names must be unique")
             missing = [i for i in st.inputs if i not in seen]
             if missing:
                 raise ConfigError(f"stage {st.name!r} reads {missing}, which no earlier stage (or 'input') is")
@@ -105,6 +114,8 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.makespan_s / self.lower_bound_s if self.lower_bound_s else 1.0
 
     def idle_fraction(self, stage: str) -> float:
+        if stage not in self.busy_s:
+            raise ConfigError(f"idle_fraction: no stage {stage!r}; the stages are {sorted(self.busy_s)}")
         busy = self.busy_s[stage]
         return 1.0 - sum(busy) / (len(busy) * self.makespan_s) if self.makespan_s else 0.0
 
@@ -155,6 +166,8 @@ def least_work(cost: StageCost, tail: np.ndarray, batch_size: int) -> float:
 
 
 def simulate(workload: Workload) -> SimResult:
+    if not isinstance(workload, Workload):
+        raise ConfigError(f"simulate: expected a flowrl.Workload, got {type(workload).__name__}")
     sim = _Sim(workload)
     sim.run()
     return sim.result()

@@ -21,6 +21,7 @@ import anyio
 import anyio.from_thread
 import msgspec
 
+from .._core.checks import file_path
 from .._core.config import to_config
 from .._core.errors import ConfigError, FlowError, PipelineClosedError
 from .._core.graph import check_one_argument
@@ -33,8 +34,8 @@ from .checkpoints import Checkpoints
 from .deployment import Deployment, deploy
 from .elastic import Elasticity
 from .episodes import EpisodeLoop
-from .learning import LearningState, RelayFn
-from .models import all_models, apply_model_configs, check, trainer_models
+from .learning import LearningState, RelayFn, dataset_items
+from .models import all_models, apply_model_configs, check, sync_pairs, trainer_models
 from .overlap import Overlap, overlapped
 from .placement import Placement
 from .run_folder import RunDir
@@ -96,7 +97,7 @@ class Engine:
         self.trainers = trainer_models(train)
         self.rollout_graph = build_flow(rollout)
         self.eval_graph = build_flow(eval_flow) if eval_flow is not None else None
-        self.sync_pairs = list(sync)
+        self.sync_pairs = sync_pairs(sync)
         models = all_models(self.rollout_graph, self.eval_graph, self.trainers)
         for model in models.values():  # `name` is a plain attribute: checked again once all are known
             check_name(model.name, f"model {type(model).__name__}")
@@ -122,7 +123,7 @@ class Engine:
         self._learning.set_dataset(items)
 
     def set_eval_dataset(self, items: Sequence[Mapping[str, Any]]) -> None:
-        self._learning.eval_dataset = list(items)
+        self._learning.eval_dataset = dataset_items(items, "eval dataset", "engine.set_eval_dataset(items)")
 
     def set_relay_sample_fn(self, fn: RelayFn) -> None:
         check_one_argument(fn, "relay function", "the list of episodes the relay buffer holds")
@@ -299,4 +300,4 @@ class Engine:
 
     def write_trace(self, path: str | Path) -> Path:
         """Write ``spans()`` as a Chrome trace (JSON; Perfetto and chrome://tracing open it)."""
-        return write_json(path, chrome_trace(self.spans()))
+        return write_json(file_path(path, "Engine.write_trace(path)"), chrome_trace(self.spans()))

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._core.batch import Sample
+from .._core.checks import item_source
 from .._core.errors import ConfigError, FlowDefinitionError
 from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
 from .checkpoint_files import EngineState, sampling
@@ -46,13 +47,7 @@ class LearningState:
         self._marks: dict[int, tuple[int, int]] = {}
 
     def set_dataset(self, items: Sequence[Mapping[str, Any]]) -> None:
-        items = list(items)
-        bad = next((i for i, item in enumerate(items) if not isinstance(item, Mapping)), None)
-        if bad is not None:
-            raise ConfigError(
-                f"dataset item {bad} is a {type(items[bad]).__name__}; items must be mappings of field -> value, "
-                "e.g. {'prompt': x}"
-            )
+        items = dataset_items(items, "dataset", "engine.set_dataset(items)")
         cfg = self.config
         if cfg.num_samples_per_prompt > 1 and any(f in item for item in items for f in GROUP_FIELDS):
             raise ConfigError(
@@ -164,3 +159,16 @@ def relayed(fn: RelayFn, episodes: list[EpisodeBuffer]) -> list[Sample]:
             "flowrl.Sample (from its episodes' .samples)"
         )
     return samples
+
+
+def dataset_items(items: object, what: str, where: str) -> list[Mapping[str, Any]]:
+    """``items`` as a list of mappings, or a ConfigError naming the first that is not one."""
+    item_source(items, where)
+    rows: list[Mapping[str, Any]] = list(items)  # type: ignore[call-overload]  # item_source refused the rest
+    bad = next((i for i, item in enumerate(rows) if not isinstance(item, Mapping)), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{what} item {bad} is a {type(rows[bad]).__name__}; items must be mappings of field -> value, "
+            "e.g. {'prompt': x}"
+        )
+    return rows

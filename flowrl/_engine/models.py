@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from .._core.errors import ConfigError, FlowDefinitionError
@@ -24,11 +25,34 @@ def trainer_models(train: Sequence[Model] | Flow) -> list[Model]:
         if bad:
             raise FlowDefinitionError(f"a train flow calls train_step only; it calls {bad}")
         return list(dict.fromkeys(graph.models[s.model] for s in graph.stages.values()))
+    if isinstance(train, Model):
+        raise FlowDefinitionError(
+            f"Engine(train=...): expected a list of models, got one model; use train=[{train.name}]"
+        )
+    if isinstance(train, (str, bytes)) or not isinstance(train, Iterable):
+        raise FlowDefinitionError(
+            f"Engine(train=...): expected a list of models that define train_step, or a flow calling them, "
+            f"got {type(train).__name__}"
+        )
     models = list(train)
     for m in models:
         if not isinstance(m, Model) or getattr(type(m), "train_step", None) is None:
             raise FlowDefinitionError(f"train: expected models that define train_step, got {m!r}")
     return models
+
+
+def sync_pairs(sync: object) -> list[tuple[Model, Model]]:
+    """``Engine(sync=...)`` as a list of (trainer, rollout model) pairs of models."""
+    if isinstance(sync, (str, bytes, Mapping)) or not isinstance(sync, Iterable):
+        raise ConfigError(f"Engine(sync=...): expected a list of (trainer, model) pairs, got {type(sync).__name__}")
+    pairs = list(sync)
+    for pos, pair in enumerate(pairs):
+        ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(m, Model) for m in pair)
+        if not ok:
+            raise ConfigError(
+                f"Engine(sync=...) item {pos}: expected a (trainer, model) pair of flowrl.Models, got {pair!r}"
+            )
+    return [(trainer, target) for trainer, target in pairs]
 
 
 def all_models(rollout: FlowGraph, evaluation: FlowGraph | None, trainers: list[Model]) -> dict[str, Model]:

@@ -11,6 +11,7 @@ import anyio.from_thread
 
 from .._backends.select import make_backend
 from .._backends.specs import ReplicaSpec, default_spec
+from .._core.checks import field_names, file_path, item_source
 from .._core.config import PipelineConfig, to_config
 from .._core.errors import FlowError, PipelineClosedError
 from .._core.graph import FlowGraph, trace
@@ -32,7 +33,7 @@ Flow = Callable[[Node], Any]
 def build_flow(flow: Flow, input_fields: Iterable[str] | None = None) -> FlowGraph:
     """Trace ``flow`` and check what can be checked before anything starts."""
     graph = trace(flow)
-    graph.validate(None if input_fields is None else frozenset(input_fields))
+    graph.validate(field_names(input_fields, "input_fields"))
     return graph
 
 
@@ -173,6 +174,8 @@ class Pipeline:
         """Run ``items`` through the flow and return the finished samples (only ``fields``, if given)."""
         if self._stack is None or self._pipe is None or self._portal is None:
             raise PipelineClosedError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
+        item_source(items, "Pipeline.run(items=...)")
+        field_names(fields, "Pipeline.run(fields=...)")
         pipe = self._pipe
         try:
             return self._portal.call(lambda: pipe.run(items, ordered=ordered, fields=fields))
@@ -202,7 +205,7 @@ class Pipeline:
         """Write the timeline (a span per shard) as a Chrome trace; also after the block."""
         if self._pipe is None:
             raise FlowError("the pipeline was never opened")
-        return self._pipe.write_trace(path)
+        return self._pipe.write_trace(file_path(path, "Pipeline.write_trace(path)"))
 
 
 def run_flow(
@@ -213,5 +216,6 @@ def run_flow(
     input_fields: Iterable[str] | None = None,
 ) -> tuple[list[Sample], PipelineStats]:
     """One call for scripts: open a pipeline, run ``items`` once, close it."""
+    item_source(items, "run_flow(items=...)")  # before any replica starts
     with Pipeline(flow, config, input_fields=input_fields) as pipe:
         return pipe.run(items), pipe.stats()

@@ -16,6 +16,7 @@ import anyio
 import anyio.lowlevel
 
 from .._core.batch import Sample
+from .._core.checks import item_source
 from .._core.errors import FlowDefinitionError, InputLostError, PipelineClosedError
 from .inflight import Run
 
@@ -118,6 +119,7 @@ class Runs:
 
     async def begin(self, ordered: bool | None, fields: frozenset[str] | None, items: Any) -> Run:
         """Start a run over ``items`` (superseding one left unfinished); admission starts too."""
+        item_source(items, "AsyncPipeline.run/stream(items=...)")  # not once admission has started
         async with self._begin_lock:
             self._supervisor.raise_if_failed()
             previous = self.current

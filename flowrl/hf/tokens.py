@@ -8,9 +8,12 @@ trainer as a tensor in one step and a list in the next. A step pads what it comp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+from .._core.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -34,6 +37,10 @@ class Padded(NamedTuple):
 
 def left_pad(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` left-padded (the layout generation continues from): ids and attention mask."""
+    _check_rows("left_pad", "rows", rows)
+    rows = [torch.as_tensor(r) for r in rows]  # a list of ids assigns like a tensor
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise ConfigError(f"left_pad: pad_id must be an int token id, got {pad_id!r}")
     width = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -46,6 +53,7 @@ def left_pad(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, t
 
 def right_pad(rows: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
     """``rows`` (1-D, any dtype) right-padded with ``value`` into one ``[n, max_len]`` tensor."""
+    _check_rows("right_pad", "rows", rows)
     if len(rows) == 0:
         return torch.zeros((0, 0))
     return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True, padding_value=value)
@@ -54,8 +62,12 @@ def right_pad(rows: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
 def join(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad_id: int) -> Padded:
     """Each prompt followed by its response, right-padded: positions count from 0 in every
     row, as in generation (where left pads are skipped by the position ids)."""
+    _check_rows("join", "prompts", prompts)
+    _check_rows("join", "responses", responses)
     if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts and {len(responses)} responses")
+        raise ConfigError(
+            f"join: expected one response per prompt, got {len(prompts)} prompts and {len(responses)} responses"
+        )
     rows = [
         torch.cat([torch.as_tensor(p).long(), torch.as_tensor(r).long()])
         for p, r in zip(prompts, responses, strict=False)
@@ -78,6 +90,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     Computed as ``logit[target] - logsumexp(logits)``: no ``[n, T, vocab]`` log-softmax
     tensor is kept, which for a 150k vocabulary is most of a step's memory.
     """
+    _check_logits("token_logprobs", logits, targets, temperature)
     scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
     picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
@@ -102,6 +115,16 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of each response under ``logits`` (``[n, T, V]`` over ``join``'s
     layout): ``[n, R]`` right-padded with 0, and the ``[n, R]`` mask of real tokens."""
+    if not isinstance(padded, Padded):
+        raise ConfigError(
+            f"sequence_logprobs: padded must be the Padded that join() returns, got {type(padded).__name__}"
+        )
+    if not isinstance(logits, torch.Tensor) or logits.shape[:2] != padded.input_ids.shape:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ConfigError(
+            f"sequence_logprobs: logits must be [n, T, V] with [n, T] = {tuple(padded.input_ids.shape)} "
+            f"(padded.input_ids), got {got}"
+        )
     next_logp = token_logprobs(logits[:, :-1], padded.input_ids[:, 1:], temperature)
     # position t of next_logp is log p(token t+1); response token j of row i is token p_len+j
     shifted = torch.nn.functional.pad(next_logp, (1, 0))
@@ -151,3 +174,32 @@ def token_micro_batches(lengths: Sequence[int], budget: int, rows: int) -> list[
     if current:
         out.append(current)
     return out
+
+
+def _check_rows(fn: str, name: str, rows: Any) -> None:
+    """Refuse ``rows`` unless it is a sequence of 1-D tensors (a token id list each)."""
+    # a list column of a batch may be a list or an object array of tensors or numpy arrays
+    if isinstance(rows, (str, bytes, Mapping)) or not hasattr(rows, "__len__") or not hasattr(rows, "__getitem__"):
+        raise ConfigError(f"{fn}: {name} must be a list of 1-D tensors, got {type(rows).__name__}")
+    bad = next((i for i, r in enumerate(rows) if getattr(r, "ndim", 1) != 1 or isinstance(r, (str, bytes))), None)
+    if bad is not None:
+        row = rows[bad]
+        got = f"shape {tuple(row.shape)}" if hasattr(row, "shape") else type(row).__name__
+        raise ConfigError(f"{fn}: {name}[{bad}] must be a 1-D tensor, got {got}")
+
+
+def _check_logits(fn: str, logits: object, targets: object, temperature: object) -> None:
+    """``logits`` ``[..., V]`` over integer ``targets`` ``[...]``, and a temperature > 0."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise ConfigError(
+            f"{fn}: logits and targets must be tensors, got {type(logits).__name__} and {type(targets).__name__}"
+        )
+    if logits.dim() != targets.dim() + 1 or logits.shape[:-1] != targets.shape:
+        raise ConfigError(
+            f"{fn}: logits must be targets' shape plus a vocabulary dimension, got logits {tuple(logits.shape)} "
+            f"and targets {tuple(targets.shape)}"
+        )
+    if targets.is_floating_point() or targets.is_complex():
+        raise ConfigError(f"{fn}: targets must be integer token ids, got dtype {targets.dtype}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ConfigError(f"{fn}: temperature must be a number > 0, got {temperature!r}")

@@ -7,6 +7,7 @@ trainer is reported where it was made rather than as a broadcasting error deep i
 
 from __future__ import annotations
 
+from numbers import Real
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,7 +61,14 @@ def choice(fn: str, name: str, value: object, allowed: Sequence[str]) -> None:
         raise ConfigError(f"{fn}: {name} must be one of {names}, got {value!r}")
 
 
+def number(fn: str, name: str, value: object) -> float:
+    """``value`` as a real number; a string, a tensor or ``None`` is refused by name."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ConfigError(f"{fn}: {name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def positive(fn: str, name: str, value: float | None, *, above: float = 0.0) -> None:
     """Reject a number that is not strictly greater than ``above`` (``None`` passes)."""
-    if value is not None and not value > above:
+    if value is not None and not number(fn, name, value) > above:
         raise ConfigError(f"{fn}: {name} must be > {above:g}, got {value!r}")

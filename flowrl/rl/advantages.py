@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 
 from .._core.errors import ConfigError
-from ._checks import any_tensor, choice, floats, mask_like, positive, same_shape
+from ._checks import any_tensor, choice, floats, mask_like, number, positive, same_shape
 from .losses import KL_KINDS, KLKind, kl_estimate
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def token_rewards(
     empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
     if empty:
         raise ConfigError(f"{fn}: every row of mask needs at least one valid token, rows {empty} have none")
-    penalty = -kl_coef * kl_estimate(policy, ref, kl)
+    penalty = -number(fn, "kl_coef", kl_coef) * kl_estimate(policy, ref, kl)
     rewards = torch.where(valid, penalty, 0.0)
     positions = torch.arange(policy.shape[1], device=policy.device).expand_as(valid)
     last = torch.where(valid, positions, -1).argmax(dim=1)
@@ -189,7 +189,10 @@ def _group_index(
     fn: str, groups: torch.Tensor | Sequence[int], values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's dense group index, and each group's size (as ``values``' dtype)."""
-    keys = torch.as_tensor(groups, device=values.device)
+    try:
+        keys = torch.as_tensor(groups, device=values.device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ConfigError(f"{fn}: groups must be a tensor or sequence of int group keys, got {groups!r}") from err
     if keys.dim() != 1 or keys.shape[0] != values.shape[0]:
         raise ConfigError(
             f"{fn}: groups must hold one group key per score ({values.shape[0]}), got shape {tuple(keys.shape)}"
@@ -207,5 +210,5 @@ def _group_sums(values: torch.Tensor, inverse: torch.Tensor, counts: torch.Tenso
 
 
 def _unit_interval(fn: str, name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
+    if not 0.0 <= number(fn, name, value) <= 1.0:
         raise ConfigError(f"{fn}: {name} must be in [0, 1], got {value!r}")

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 import torch
 
 from .._core.errors import ConfigError
-from ._checks import any_tensor, choice, floats, mask_like, positive, same_shape
+from ._checks import any_tensor, choice, floats, mask_like, number, positive, same_shape
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 """How per-token values become one scalar; see :func:`aggregate`."""
@@ -146,7 +146,7 @@ def policy_loss(
     old = same_shape(fn, "old_logprobs", old_logprobs, logp, "logprobs").detach()
     adv = _token_advantages(fn, advantages, logp)
     weights = mask_like(fn, mask, logp, "logprobs")
-    positive(fn, "clip", clip)
+    positive(fn, "clip", number(fn, "clip", clip))  # required: None is not "no clip" here
     positive(fn, "clip_high", clip_high)
     positive(fn, "dual_clip", dual_clip, above=1.0)
     _check_reduction(fn, "aggregation", aggregation, (num_tokens, num_sequences, max_tokens))
@@ -265,5 +265,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     z = any_tensor(fn, "logits", logits)
     if z.dim() == 0:
         raise ConfigError(f"{fn}: logits must have a vocabulary dimension [..., V], got a 0-d tensor")
+    if not z.is_floating_point():
+        raise ConfigError(f"{fn}: logits must be a floating-point tensor, got dtype {z.dtype}")
     finite = z.masked_fill(torch.isneginf(z), 0.0)
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * finite).sum(dim=-1)
