@@ -25,9 +25,10 @@ from typing import Any, cast
 import msgspec
 
 from .._core.config import ModelConfig, to_config
+from .._core.config_files import apply_override, read_config_file
 from .._core.errors import ConfigError, FlowError
 from .._core.model import Model
-from .._core.run_config import RunConfig, _apply_override, read_config_file
+from .._core.run_config import RunConfig
 from .._engine.engine import Engine
 from .._engine.rlhf import RLHFEngine
 
@@ -50,7 +51,7 @@ def load_run_file(path: str | Path, overrides: Iterable[str] = ()) -> RunFile:
     """The file at ``path`` with ``key.sub=value`` overrides applied, checked."""
     merged = read_config_file(Path(path), "a mapping with models, dataset and run")
     for item in overrides:
-        _apply_override(merged, item)
+        apply_override(merged, item)
     return to_config(RunFile, merged, str(path))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import flowrl
-from flowrl._core.run_config import MAX_CONFIG_BYTES, MAX_NESTING
+from flowrl._core.config_files import MAX_CONFIG_BYTES, MAX_NESTING
 from flowrl._core.trace import Span, chrome_trace, read_trace_file
 from flowrl._tools.cli import main
 

@@ -39,4 +39,4 @@ def test_flowrl_trace_names_what_is_missing(tmp_path, capsys):
     assert f"no trace at {tmp_path / 'trace.json'}" in capsys.readouterr().err
     (tmp_path / "trace.json").write_text('{"not": "a trace"}')
     assert main(["trace", str(tmp_path), "--no-png"]) == 2
-    assert "is not a flowrl trace (KeyError" in capsys.readouterr().err
+    assert "is not a flowrl trace: Object missing required field `traceEvents`" in capsys.readouterr().err
