@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._backends.specs import default_spec
+from .._core import checks
 from .._core.autoscale import ScaleEvent
 from .._core.errors import ConfigError, FlowError
 
@@ -111,6 +112,7 @@ class Membership:
 
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:
         """Start ``count`` replicas of ``model``; they pull shards as soon as they are set up."""
+        checks.count(count, f"add_replicas({model!r}, count)")
         async with self._resizing:
             return await self._add(model, count, "requested", None)
 
@@ -162,6 +164,7 @@ class Membership:
     async def remove_replicas(self, model: str, count: int = 1) -> list[int]:
         """Stop ``count`` replicas of ``model`` (the least busy, then the newest): each is cut no
         new shard, finishes those it holds, then its actor stops."""
+        checks.count(count, f"remove_replicas({model!r}, count)")
         async with self._resizing:
             return await self._remove(model, count, "requested", None)
 

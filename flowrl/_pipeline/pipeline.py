@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from .._core import checks
 from .._core.errors import PipelineClosedError, ReplicaDiedError
 from .._core.scheduler import PoolScheduler
 from .._core.stats import PipelineStats, StatsRecorder
@@ -142,7 +143,7 @@ class AsyncPipeline:
         ``fields`` limits what comes back to the driver: only the objects holding those fields
         are fetched; everything else stays in the object store.
         """
-        wanted = None if fields is None else frozenset([fields] if isinstance(fields, str) else fields)
+        wanted = checks.field_names(fields, "AsyncPipeline.stream(fields=...)")
         run = await self._runs.begin(ordered, wanted, items)
         view = self._show(run)
         try:
@@ -235,7 +236,7 @@ class AsyncPipeline:
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the pipeline's timeline as a Chrome trace (JSON; Perfetto opens it)."""
-        return write_json(path, chrome_trace(self.timeline.spans))
+        return write_json(checks.file_path(path, "AsyncPipeline.write_trace(path)"), chrome_trace(self.timeline.spans))
 
     # ---- elastic pools ----
     def serving(self, model: str) -> list[int]:

@@ -369,3 +369,34 @@ def test_no_entry_point_lets_a_bare_python_error_escape_for_a_wrong_type(entry, 
         entry(value)
     except flowrl.FlowError:
         pass
+
+
+def _on_async_pipeline(call: Callable[[Any], Any]) -> Any:
+    async def go() -> Any:
+        async with flowrl.open_pipeline(flow, LOCAL) as pipe:
+            return await call(pipe)
+
+    return asyncio.run(go())
+
+
+async def _stream_fields(pipe: Any) -> Any:
+    return [s async for s in pipe.stream(ITEMS, fields=3)]
+
+
+async def _write_trace(pipe: Any) -> Any:
+    return pipe.write_trace(3)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (_stream_fields, r"AsyncPipeline.stream\(fields=...\): expected field names \(a list of strings\), got int"),
+        (lambda pipe: pipe.add_replicas("policy", "2"), r"add_replicas\('policy', count\): expected an int >= 1"),
+        (lambda pipe: pipe.remove_replicas("policy", 0), r"remove_replicas\('policy', count\): expected an int >= 1"),
+        (_write_trace, r"AsyncPipeline.write_trace\(path\): expected a file path"),
+    ],
+    ids=["stream-fields", "add-replicas-str", "remove-replicas-0", "write-trace-int"],
+)
+def test_a_wrong_argument_to_an_open_async_pipeline_is_a_config_error(call, message):
+    with pytest.raises(flowrl.ConfigError, match=message):
+        _on_async_pipeline(call)
