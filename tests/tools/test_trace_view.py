@@ -40,3 +40,18 @@ def test_flowrl_trace_names_what_is_missing(tmp_path, capsys):
     (tmp_path / "trace.json").write_text('{"not": "a trace"}')
     assert main(["trace", str(tmp_path), "--no-png"]) == 2
     assert "is not a flowrl trace: Object missing required field `traceEvents`" in capsys.readouterr().err
+
+
+def test_a_chart_of_more_rows_than_a_png_holds_is_refused_in_one_line_and_the_summary_still_prints(tmp_path, capsys):
+    from flowrl._core.trace import Span, chrome_trace, write_json
+    from flowrl._tools.cli import main
+    from flowrl._tools.timeline_view import MAX_CHART_ROWS
+
+    spans = [Span(group="policy", lane=i, name="forward_step", start=0.0, end=1.0) for i in range(MAX_CHART_ROWS + 1)]
+    write_json(tmp_path / "trace.json", chrome_trace(spans))
+    assert main(["trace", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert f"{MAX_CHART_ROWS + 1} rows" in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "policy" in captured.out  # the summary came first
+    assert not (tmp_path / "timeline.png").exists()
+    assert main(["trace", str(tmp_path), "--no-png"]) == 0
