@@ -114,11 +114,12 @@ def _numpy(code: int, dtype: str, shape: list[int], raw: memoryview) -> Any:
     if code == _SCALAR and shape:
         raise CheckpointError(f"a numpy scalar with shape {shape}")
     _fits(dtype, shape, kind.itemsize, raw)
-    array = np.frombuffer(raw, dtype=kind).reshape(shape).copy()
-    if kind.kind == "b" and array.view(np.uint8).max(initial=0) > 1:
+    # checked on the raw bytes: a 0-dim array cannot be viewed with another itemsize
+    if kind.kind == "b" and np.frombuffer(raw, np.uint8).max(initial=0) > 1:
         raise CheckpointError("a numpy bool array holds bytes other than 0 and 1")
-    if kind.kind == "U" and array.view(np.dtype("u4").newbyteorder(kind.byteorder)).max(initial=0) > 0x10FFFF:
+    if kind.kind == "U" and np.frombuffer(raw, np.dtype("u4").newbyteorder(kind.byteorder)).max(initial=0) > 0x10FFFF:
         raise CheckpointError("a numpy string array holds a code point past U+10FFFF")
+    array = np.frombuffer(raw, dtype=kind).reshape(shape).copy()
     return array[()] if code == _SCALAR else array
 
 

@@ -200,7 +200,9 @@ def _read_state(folder: Path) -> EngineState:
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as err:
         raise CheckpointError(f"checkpoint {folder}: {STATE} is not a flowrl engine state ({err})") from err
     if state.format != FORMAT:
-        raise CheckpointError(f"checkpoint {folder}: format {state.format}, this flowrl reads format {FORMAT}")
+        raise CheckpointError(
+            f"checkpoint {folder}: {STATE} field format is {state.format}; this flowrl reads format {FORMAT}"
+        )
     return state
 
 

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import flowrl
@@ -49,7 +49,8 @@ def arrays(draw: st.DrawFn) -> np.ndarray:
         if kind.kind == "b":
             raw = bytes(b & 1 for b in raw)
     array = np.frombuffer(raw, dtype=kind).reshape(shape).copy()
-    return array[()] if not shape and draw(st.booleans()) else array  # numpy scalars too
+    scalar = not shape and kind.kind not in "SU" and draw(st.booleans())  # an empty str scalar has itemsize 0
+    return array[()] if scalar else array  # numpy scalars too
 
 
 @st.composite
@@ -170,9 +171,11 @@ def test_headers_that_lie_load_only_what_the_file_holds(code, dtype, shape, raw,
 
 
 @given(st.integers(1, 3000), st.sampled_from([b"\x91", b"\x81\xa1k", b"\x81\x00"]))
+@example(MAX_DEPTH, b"\x91")
+@example(MAX_DEPTH + 1, b"\x91")
 def test_deep_nesting_is_refused_past_the_bound(depth, opener):
     state = read(opener * depth + b"\xc0")
-    assert (state is None) == (depth >= MAX_DEPTH)  # the value inside is one level more
+    assert (state is None) == (depth > MAX_DEPTH)  # MAX_DEPTH containers, the innermost holding None
 
 
 # ---- the engine's files ----

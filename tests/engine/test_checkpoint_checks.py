@@ -79,6 +79,7 @@ def test_the_untampered_copy_resumes(copy):
         ({"trainer_ranks": {"learner": 0}}, r"field trainer_ranks\['learner'\] is 0; expected at least 1 rank"),
         ({"trainer_counts": {"learner": {"0": [8, -1, 0.5]}}}, r"field trainer_counts\['learner'\]\[0\]"),
         ({"synced": ["policy", "policy"]}, r"field synced is \['policy', 'policy'\]"),
+        ({"format": 0}, r"field format is 0; this flowrl reads format 1"),
         ({"episodes": []}, r"field episodes is '0 entries'; expected one per episode done \(3\)"),
         ({"episode": "x"}, r"is not a flowrl engine state \(Expected `int`, got `str` - at `\$.episode`\)"),
     ],
