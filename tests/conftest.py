@@ -26,12 +26,17 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 # The fuzzers (hypothesis): in the default run a fixed seed and a bounded budget, so CI is
-# repeatable and short; FLOWRL_FUZZ=long for the longer run docs/reliability.md reports.
+# repeatable and short; FLOWRL_FUZZ=long for the longer run docs/reliability.md reports
+# (FLOWRL_FUZZ_EXAMPLES cases per test, 20,000 by default; a new random seed each run).
 settings.register_profile(
     "ci", derandomize=True, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
-    "long", max_examples=20_000, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    "long",
+    max_examples=int(os.environ.get("FLOWRL_FUZZ_EXAMPLES", "20000")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
 )
 settings.load_profile("long" if os.environ.get("FLOWRL_FUZZ") == "long" else "ci")
 
