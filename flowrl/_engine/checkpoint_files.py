@@ -20,7 +20,7 @@ import msgspec
 
 from .._backends.replica import unviewed
 from .._core.batch import Sample
-from .._core.errors import CheckpointError
+from .._core.errors import CheckpointError, ReplicaDiedError, StageError
 from .._core.sampler import EpisodeBuffer
 from .._core.state_format import CheckpointDir, check_rng_state, decode_state, encode_state, shown
 from .stats import Counts, EpisodeStats
@@ -170,9 +170,19 @@ class CheckpointFiles:
         for name, ranks in deployment.trainers.items():
             model = CheckpointDir.read(folder, _model_file(name))
             rngs = _read_rngs(folder, _rng_file(name))
-            async with anyio.create_task_group() as tg:
-                for r, rank in enumerate(ranks):
-                    tg.start_soon(deployment.backend.load_state, rank, model, rngs[r] if r < len(rngs) else None)
+            try:
+                async with anyio.create_task_group() as tg:
+                    for r, rank in enumerate(ranks):
+                        tg.start_soon(deployment.backend.load_state, rank, model, rngs[r] if r < len(rngs) else None)
+            except* ReplicaDiedError:
+                raise  # a rank died: the caller rebuilds the group
+            except* StageError as group:
+                # decoded on the rank (the driver never holds the whole model): a damaged file, or a
+                # state the model's restore_state refuses, is a checkpoint that does not fit this run
+                err = group.exceptions[0]
+                raise CheckpointError(
+                    f"checkpoint {folder}: trainer {name!r} cannot restore {_model_file(name)}: {err}"
+                ) from err
 
     @staticmethod
     def synced_weights(folder: Path, target: str) -> Any:

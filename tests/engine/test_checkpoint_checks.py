@@ -171,7 +171,10 @@ def test_a_model_file_whose_tensor_lies_fails_the_restore_naming_the_damage(copy
     state = decode_state((copy / "learner.model.msgpack").read_bytes())
     raw = encode_state(state).replace(b"float32", b"float64", 1)  # same bytes, twice the itemsize
     (copy / "learner.model.msgpack").write_bytes(raw)
-    with pytest.raises(flowrl.FlowError, match=r"learner.restore_state.*is damaged: an array of dtype float64"):
+    with pytest.raises(
+        flowrl.CheckpointError,
+        match=r"trainer 'learner' cannot restore learner.model.msgpack: .*is damaged: an array of dtype float64",
+    ):
         resume(copy)
 
 
