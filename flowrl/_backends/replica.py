@@ -19,7 +19,8 @@ from .._core.batch import Batch, approx_nbytes, column_length
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowError, OutputError, StageError
 from .._core.model import Model, step_info, step_target
-from .._core.state_format import decode_state, encode_state, rng_state, set_rng_state
+from .._core.rng_state import rng_state, set_rng_state
+from .._core.state_format import decode_state, encode_state
 from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
 
 Fetch = Callable[[list[Any]], list[Batch]]

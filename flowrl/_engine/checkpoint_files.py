@@ -21,8 +21,9 @@ import msgspec
 from .._backends.replica import unviewed
 from .._core.batch import Sample
 from .._core.errors import CheckpointError, ReplicaDiedError, StageError
+from .._core.rng_state import check_rng_state
 from .._core.sampler import EpisodeBuffer
-from .._core.state_format import CheckpointDir, check_rng_state, decode_state, encode_state, shown
+from .._core.state_format import CheckpointDir, decode_state, encode_state, shown
 from .stats import Counts, EpisodeStats
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl._core.state_format import CheckpointDir, decode_state, encode_state, rng_state, set_rng_state
+from flowrl._core.rng_state import rng_state, set_rng_state
+from flowrl._core.state_format import CheckpointDir, decode_state, encode_state
 
 
 @pytest.mark.parametrize(
