@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+from .checks import field_names
 from .config import ModelConfig, to_config
 from .errors import ConfigError, FlowDefinitionError
 from .names import check_name
@@ -27,20 +28,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Methods that are steps without a decorator (ChatLearn's names).
 STEP_NAMES = ("forward_step", "eval_step", "train_step")
-
-
-def _fields(value: Iterable[str] | None, what: str) -> frozenset[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Iterable) or isinstance(value, Mapping):
-        raise ConfigError(f"@flowrl.step({what}=...) takes field names (a list of strings), got {type(value).__name__}")
-    names = frozenset(value)
-    bad = [n for n in names if not isinstance(n, str) or not n]
-    if bad:
-        raise ConfigError(f"@flowrl.step({what}=...) takes field names (non-empty strings), got {bad}")
-    return names
 
 
 @overload
@@ -63,7 +50,7 @@ def step(
         raise ConfigError(
             f"@flowrl.step decorates a method, got {type(fn).__name__}; use @flowrl.step or @flowrl.step(reads=[...])"
         )
-    info = StepInfo(_fields(reads, "reads"), _fields(writes, "writes"))
+    info = StepInfo(field_names(reads, "@flowrl.step(reads=...)"), field_names(writes, "@flowrl.step(writes=...)"))
 
     def mark(f: F) -> F:
         f.__flowrl_step__ = info  # type: ignore[attr-defined]

@@ -105,7 +105,12 @@ CASES: list[tuple[str, Callable[[], Any], type[flowrl.FlowError], str]] = [
         "field names must be non-empty strings",
     ),
     ("Pipeline.run-fields-int", lambda: _pipeline_run(ITEMS, fields=3), flowrl.ConfigError, "Pipeline.run(fields=...)"),
-    ("step-reads-int", lambda: flowrl.step(reads=5), flowrl.ConfigError, "@flowrl.step(reads=...) takes field names"),
+    (
+        "step-reads-int",
+        lambda: flowrl.step(reads=5),
+        flowrl.ConfigError,
+        "@flowrl.step(reads=...): expected field names",
+    ),
     ("step-not-callable", lambda: flowrl.step(3), flowrl.ConfigError, "@flowrl.step decorates a method, got int"),
     # paths (was TypeError from pathlib)
     (

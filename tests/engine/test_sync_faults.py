@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from _linear_models import LinearTrainer
 
 import flowrl
 from flowrl._backends.specs import ReplicaHandle
@@ -55,27 +56,13 @@ class Policy(flowrl.Model):
         super().set_weights(weights)
 
 
-class Trainer(flowrl.Model):
-    def setup(self) -> None:
-        torch.manual_seed(0)
-        self.module = torch.nn.Linear(4, 1)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
-
-    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        loss = (self.module(torch.as_tensor(np.asarray(batch["x"], dtype=np.float32))).squeeze(1) - 1).pow(2).mean()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        return {"w_sum": float(self.module.weight.detach().sum())}
-
-
 def _engine(
     tokens: Any, dying: tuple[int, ...], transport: str, in_shard: bool = False, **config: Any
 ) -> flowrl.Engine:
     policy = Policy(
         "policy", {"num_replicas": 2, "batch_size": 1, **CPU}, tokens=tokens, dying=dying, in_shard=in_shard
     )
-    trainer = Trainer("trainer", {"weight_transport": transport, **CPU})
+    trainer = LinearTrainer("trainer", {"weight_transport": transport, **CPU})
     engine = flowrl.Engine(
         rollout=lambda x: policy.forward_step(x),
         train=[trainer],

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _linear_models import LinearTrainer
 
 import flowrl
 from flowrl.testing import flowrl_actor_names
@@ -30,24 +31,10 @@ class Policy(flowrl.Model):
         }
 
 
-class Trainer(flowrl.Model):
-    def setup(self) -> None:
-        torch.manual_seed(0)
-        self.module = torch.nn.Linear(4, 1)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
-
-    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        loss = (self.module(torch.as_tensor(np.asarray(batch["x"], dtype=np.float32))).squeeze(1) - 1).pow(2).mean()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        return {"w_sum": float(self.module.weight.detach().sum())}
-
-
 @pytest.mark.parametrize("backend", ["ray", "inprocess"])
 def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, backend):
     policy = Policy("policy", {"num_replicas": 2, "batch_size": 1, **CPU})
-    trainer = Trainer("trainer", {"weight_transport": "nccl", **CPU})
+    trainer = LinearTrainer("trainer", {"weight_transport": "nccl", **CPU})
     engine = flowrl.Engine(
         rollout=lambda x: policy.forward_step(x),
         train=[trainer],
@@ -81,7 +68,7 @@ def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, b
 def test_one_trainer_feeding_two_models_broadcasts_one_snapshot_that_a_later_join_still_gets(ray_cluster):
     policy = Policy("policy", {"num_replicas": 1, "batch_size": 1, **CPU})
     critic = Policy("critic", {"num_replicas": 1, "batch_size": 1, **CPU})
-    trainer = Trainer("trainer", {"weight_transport": "nccl", **CPU})
+    trainer = LinearTrainer("trainer", {"weight_transport": "nccl", **CPU})
     engine = flowrl.Engine(
         rollout=lambda x: critic.forward_step(policy.forward_step(x)),
         train=[trainer],
