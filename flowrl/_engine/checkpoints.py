@@ -49,6 +49,11 @@ class Checkpoints:
     def due(self, episodes_done: int) -> bool:
         return self.files.due(episodes_done)
 
+    @property
+    def folder(self) -> Path | None:
+        """The last checkpoint written or resumed from."""
+        return self._folder
+
     async def begin(self) -> None:
         """Once per engine: resume from a checkpoint, or write the first one (after 0 or the
         resumed episodes) so that a trainer rank dying early has one to be rebuilt from."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from .._core.errors import CheckpointError
 from .._core.staleness import histogram
 from .._core.trace import ENGINE
 from .._pipeline.progress import Progress
@@ -61,6 +62,12 @@ class EpisodeLoop:
         """Episodes up to ``target`` episodes done (a resumed run starts after its checkpoint's)."""
         await self.checkpoints.begin()
         learning, cfg = self.learning, self.config
+        if learning.episode > target:  # a checkpoint past this run's end would skip training silently
+            raise CheckpointError(
+                f"checkpoint {self.checkpoints.folder} is after episode {learning.episode}, past this run's end: "
+                f"learn() runs up to episode {target} (RunConfig.num_episode={cfg.num_episode} per learn() call); "
+                "raise num_episode or resume from an earlier checkpoint (RunConfig.resume)"
+            )
         self._progress = Progress(cfg.progress, target, learning.episode)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._progress.watch, self.deployment.rollout, cfg.sample_per_episode)

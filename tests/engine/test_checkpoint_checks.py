@@ -205,3 +205,12 @@ def test_a_model_name_with_a_separator_names_no_checkpoint_file(copy, tmp_path, 
         anyio.run(CheckpointFiles.restore_trainers, copy, Stub(name))
     with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
         CheckpointFiles.synced_weights(copy, name)
+
+
+def test_a_checkpoint_past_the_runs_end_is_refused_instead_of_skipping_training(copy):
+    with pytest.raises(
+        flowrl.CheckpointError, match=r"is after episode 3, past this run's end: learn\(\) runs up to episode 2"
+    ):
+        resume(copy, num_episode=2)
+    engine, _ = make_engine(checkpoint_dir=str(copy.parent), num_episode=3, **INPROCESS)
+    assert len(engine.learn().episodes) == 3  # at its end: a rerun of a finished run trains nothing more
