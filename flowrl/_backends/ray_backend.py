@@ -139,7 +139,9 @@ class RayBackend:
                 # An embedded cluster gets enough logical CPUs for the pools it is started for:
                 # replicas mostly wait on accelerators, so CPU tokens only gate placement.
                 cpus = self.config.ray_init_cpus or max(os.cpu_count() or 1, math.ceil(sum(s.num_cpus for s in specs)))
-                ray.init(num_cpus=cpus, num_gpus=self.config.ray_init_gpus, **kwargs)
+                # address="local": a new cluster, never one found running on this machine (give
+                # PipelineConfig.ray_address or RAY_ADDRESS to use one)
+                ray.init(address="local", num_cpus=cpus, num_gpus=self.config.ray_init_gpus, **kwargs)
             _owned["started"] = True
         if _owned["started"]:
             _owned["users"] += 1

@@ -17,13 +17,14 @@ from collections import Counter
 import msgspec
 import numpy as np
 
+from .config import Settings, _check_types, _non_negative
 from .errors import ConfigError
 from .scheduler import Assignment, PoolScheduler
 
 INPUT = "input"
 
 
-class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """Seconds of one call: ``call_s + n * per_sample_s + max over its samples of a tail``.
 
     The tail of a sample is log-normal with median ``tail_median_s`` and shape ``tail_sigma``
@@ -35,8 +36,18 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     tail_median_s: float = 0.0
     tail_sigma: float = 0.0
 
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _non_negative(
+            "StageCost",
+            call_s=self.call_s,
+            per_sample_s=self.per_sample_s,
+            tail_median_s=self.tail_median_s,
+            tail_sigma=self.tail_sigma,
+        )
 
-class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+
+class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     name: str
     replicas: int
     batch_size: int
@@ -45,8 +56,11 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     splitter: str = "guided"
     prefetch: int = 2  # as ModelConfig's
 
+    def __post_init__(self) -> None:
+        _check_types(self)
 
-class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+
+class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """Stages in flow order (each reads ``input`` or earlier stages), samples, seed, and the
     runtime's cost per call (0 for the zero-overhead yardstick).
 
@@ -69,6 +83,11 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     cost_hint_sigma: float | None = None
 
     def __post_init__(self) -> None:
+        items = self.stages if isinstance(self.stages, list) else []
+        odd = next((st for st in items if not isinstance(st, SimStage)), None)
+        if odd is not None:  # named before the type walk, whose message would be about a missing field
+            raise ConfigError(f"Workload.stages: expected SimStage items, got a {type(odd).__name__}")
+        _check_types(self)
         if not self.stages or self.samples <= 0:
             raise ConfigError(
                 f"Workload needs at least one stage and samples > 0, got {len(self.stages)} stage(s) and "
@@ -76,8 +95,6 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         seen = {INPUT}
         for st in self.stages:
-            if not isinstance(st, SimStage):
-                raise ConfigError(f"Workload.stages: expected SimStage items, got a {type(st).__name__}")
             if st.name in seen:
                 raise ConfigError(f"Workload.stages: two stages are named {st.name!r}; stage names must be unique")
             missing = [i for i in st.inputs if i not in seen]

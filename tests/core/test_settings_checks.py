@@ -12,18 +12,21 @@ import pytest
 
 from flowrl._core import config as core_config
 from flowrl._core import run_config
+from flowrl._core import simulate as sim
 from flowrl._core.config import _holds_float, to_config
 from flowrl._core.errors import ConfigError, FlowDefinitionError
 from flowrl._core.graph import trace
 from flowrl._core.run_config import RunConfig
 from flowrl.hf import config as hf_config
 
-MODULES = (core_config, run_config, hf_config)
+MODULES = (core_config, run_config, hf_config, sim)
 # The least each config Struct needs besides its defaults.
 REQUIRED: dict[str, dict[str, Any]] = {
     "Autoscale": {"max_replicas": 1},
     "RunConfig": {"sample_per_episode": 1},
     "LM": {"path": "some/folder"},
+    "SimStage": {"name": "a", "replicas": 1, "batch_size": 1},
+    "Workload": {"stages": [sim.SimStage(name="a", replicas=1, batch_size=1)], "samples": 1},
 }
 
 
@@ -68,6 +71,7 @@ def test_the_introspection_finds_the_config_structs_and_their_float_fields():
     fields = {f"{c.__name__}.{f.name}" for c, f in FLOAT_FIELDS}
     assert {"ModelConfig.call_timeout_s", "ModelConfig.cpus_per_replica", "Autoscale.every_s", "Optim.betas"} <= fields
     assert {"RunConfig.collective_timeout_s", "PipelineConfig.setup_timeout_s", "Sampling.temperature"} <= fields
+    assert {"StageCost.call_s", "Workload.overhead_s", "Workload.cost_hint_sigma"} <= fields  # the simulator's
 
 
 @pytest.mark.parametrize("cls", _config_structs(), ids=lambda c: c.__name__)
