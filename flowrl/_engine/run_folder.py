@@ -13,6 +13,7 @@ Ray backend exports through ``ray.util.metrics`` after every episode.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import stat
@@ -23,8 +24,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from .._core.errors import ConfigError
-from .._core.trace import Span, chrome_trace, write_json
+from .._core.errors import ConfigError, FlowError
+from .._core.trace import Span, chrome_trace
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -140,9 +141,19 @@ def _alive(pid: int) -> bool:
 
 
 class RunDir:
+    """The files an engine writes into ``RunConfig.run_dir``. A run folder may hold what nobody
+    meant for it: a symlink or FIFO where a file goes is refused when the engine is built, and
+    every write is opened so that it neither follows a link nor waits on a FIFO."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for name in (METRICS, TRACE):
+                with contextlib.suppress(FileNotFoundError):
+                    refuse_irregular(self.path / name, os.lstat(self.path / name), 2**62)
+        except (OSError, ConfigError) as err:
+            raise ConfigError(f"RunConfig.run_dir={str(path)!r} cannot hold a run's files: {err}") from err
 
     def episode(self, stats: EngineStats) -> None:
         """Append the last episode of ``stats`` to ``metrics.jsonl``."""
@@ -154,11 +165,22 @@ class RunDir:
             "rollout_blocked_s": stats.rollout.blocked_s if stats.rollout is not None else 0.0,
             "rollout_serving": stats.rollout.serving if stats.rollout is not None else {},
         }
-        with open(self.path / METRICS, "ab") as f:
-            f.write(msgspec.json.encode(line) + b"\n")
+        path = self.path / METRICS
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            with os.fdopen(os.open(path, flags, 0o644), "ab") as f:
+                refuse_irregular(path, os.fstat(f.fileno()), 2**62)
+                f.write(msgspec.json.encode(line) + b"\n")
+        except (OSError, ConfigError) as err:  # a full disk, or a FIFO or link put there since
+            raise FlowError(f"run folder {self.path}: cannot append to {METRICS} ({err})") from err
 
     def trace(self, spans: list[Span]) -> Path:
-        return write_json(self.path / TRACE, chrome_trace(spans))
+        path = self.path / TRACE
+        try:
+            write_atomic(path, json.dumps(chrome_trace(spans)).encode())
+        except OSError as err:
+            raise FlowError(f"run folder {self.path}: cannot write {TRACE} ({err})") from err
+        return path
 
 
 Metric = tuple[str, str, dict[str, str], float]  # name, description, tags, value
