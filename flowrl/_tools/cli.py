@@ -86,15 +86,10 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def scale_main(args: argparse.Namespace) -> int:
-    from .._core.errors import FlowError
     from .._engine.elastic import parse_sizes, request_scale
 
-    try:
-        sizes = parse_sizes(args.sizes)
-        path = request_scale(args.run_dir, sizes)  # refuses when no run is live there
-    except FlowError as err:
-        print(f"flowrl scale: {err}", file=sys.stderr)
-        return 2
+    sizes = parse_sizes(args.sizes)
+    path = request_scale(args.run_dir, sizes)  # refuses when no run is live there
     print(f"requested {sizes} in {path}; the engine writes scale.done.json (or scale.failed.json) when applied")
     return 0
 

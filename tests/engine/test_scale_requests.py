@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream
 
 MODELS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}
+SCALE = "flowrl scale: ConfigError: "  # how the command prints a mistake (one line, exit 2)
 
 
 def inprocess_engine(run_dir: Path, **config: Any) -> flowrl.Engine:
@@ -141,7 +142,9 @@ def test_a_run_does_not_remove_a_marker_another_run_wrote_over_its_own(tmp_path)
 def test_flowrl_scale_exits_2_when_no_run_is_live(tmp_path, capsys):
     assert main(["scale", str(tmp_path), "policy=2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"flowrl scale: no live run in {tmp_path}: no live.json") and err.count("\n") == 1
+    assert (
+        err.startswith(f"flowrl scale: ConfigError: no live run in {tmp_path}: no live.json") and err.count("\n") == 1
+    )
     assert not (tmp_path / REQUEST).exists()
 
 
@@ -166,7 +169,11 @@ def test_flowrl_scale_exits_2_on_a_marker_of_no_live_run(tmp_path, capsys, plant
     plant(tmp_path)
     assert main(["scale", str(tmp_path), "policy=2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"flowrl scale: no live run in {tmp_path}") and message in err and err.count("\n") == 1
+    assert (
+        err.startswith(f"flowrl scale: ConfigError: no live run in {tmp_path}")
+        and message in err
+        and err.count("\n") == 1
+    )
     assert not (tmp_path / REQUEST).exists()
 
 
@@ -358,7 +365,9 @@ def test_flowrl_scale_refuses_what_is_not_a_count(tmp_path, capsys, items, bad):
     marker(tmp_path)  # a live run: only the count is wrong
     assert main(["scale", str(tmp_path), *items]) == 2
     err = capsys.readouterr().err
-    expected = f"flowrl scale: {bad!r}: expected MODEL=N with N a whole number from 1 to 10,000 in ASCII digits"
+    expected = (
+        f"flowrl scale: ConfigError: {bad!r}: expected MODEL=N with N a whole number from 1 to 10,000 in ASCII digits"
+    )
     assert err.startswith(expected) and err.count("\n") == 1
     assert not (tmp_path / REQUEST).exists()
 
@@ -366,7 +375,9 @@ def test_flowrl_scale_refuses_what_is_not_a_count(tmp_path, capsys, items, bad):
 def test_flowrl_scale_refuses_a_model_given_twice(tmp_path, capsys):
     marker(tmp_path)
     assert main(["scale", str(tmp_path), "policy=2", "reward=1", "policy=3"]) == 2
-    assert capsys.readouterr().err == "flowrl scale: 'policy=3': model 'policy' is given twice (once each)\n"
+    assert (
+        capsys.readouterr().err == "flowrl scale: ConfigError: 'policy=3': model 'policy' is given twice (once each)\n"
+    )
 
 
 @pytest.mark.parametrize("count, n", [("1", 1), ("0004", 4), (str(MAX_REPLICAS), MAX_REPLICAS)])
