@@ -94,6 +94,8 @@ def _parse_toml(text: str, path: Path) -> Any:
         raise ConfigError(f"{path}: not valid TOML: {err}") from err
     except RecursionError as err:  # tomllib recurses once per nested array or inline table
         raise ConfigError(f"{path}: nested deeper than {MAX_NESTING} levels") from err
+    except ValueError as err:  # an integer past Python's digit limit (int_max_str_digits)
+        raise ConfigError(f"{path}: not valid TOML: {err}") from err
     if _depth(data) > MAX_NESTING:
         raise ConfigError(f"{path}: nested deeper than {MAX_NESTING} levels")
     return data

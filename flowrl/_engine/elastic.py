@@ -24,6 +24,7 @@ import anyio
 import msgspec
 
 from .._core.errors import ConfigError, FlowError
+from .._core.names import check_name
 from .run_folder import LiveRun, find_live_run, live_run, read_regular, refuse_irregular, write_atomic
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ def parse_sizes(items: Sequence[str]) -> dict[str, int]:
             )
         if name in sizes:
             raise ConfigError(f"{item!r}: model {name!r} is given twice (once each)")
+        check_name(name, f"{item!r}")
         sizes[name] = int(count)
     return sizes
 
@@ -83,7 +85,16 @@ def request_scale(run_dir: str | Path, sizes: Mapping[str, int]) -> Path:
             f"request_scale({folder}, {dict(sizes)!r}): expected model -> replicas from 1 to {MAX_REPLICAS:,} ({err})"
         ) from err
     run = find_live_run(folder)
-    write_atomic(folder / REQUEST, msgspec.json.encode(ScaleRequest(run=run.run_id, sizes=checked)))
+    unknown = sorted(n for n in checked if run.models and n not in run.models)
+    if unknown:
+        raise ConfigError(
+            f"the run live in {folder} has no rollout model {', '.join(map(repr, unknown))} to resize; its rollout "
+            f"models are {run.models}"
+        )
+    try:
+        write_atomic(folder / REQUEST, msgspec.json.encode(ScaleRequest(run=run.run_id, sizes=checked)))
+    except OSError as err:  # a folder planted at the request path, a full disk, no permission
+        raise ConfigError(f"cannot leave a request at {folder / REQUEST}: {err}") from err
     return folder / REQUEST
 
 
@@ -184,7 +195,7 @@ class Elasticity:
         """Mark ``folder`` live and apply the resize requests ``flowrl scale`` leaves there for
         this run, until cancelled; under ``tg.start`` it returns once the marker is written."""
         await anyio.to_thread.run_sync(clear_requests, folder)  # before the marker: no request can be ours yet
-        with live_run(folder) as run:
+        with live_run(folder, sorted(self.rollout.placement)) as run:
             inbox = Inbox(folder, run.run_id)
             task_status.started(run)
             while True:

@@ -34,16 +34,17 @@ if TYPE_CHECKING:
     from .stats import EngineStats, EpisodeStats, TrainerStats
 
 METRICS, TRACE, LIVE = "metrics.jsonl", "trace.json", "live.json"
-LIVE_MAX_BYTES = 4096  # a marker flowrl writes is ~130 bytes: anything larger is not one
+LIVE_MAX_BYTES = 64 * 1024  # a marker is ~150 bytes and a name per rollout model: more is not one
 
 
 class LiveRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``RUN_DIR/live.json``: the run that serves scale requests in this folder now."""
 
     run_id: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]  # uuid4 hex, one per learn()
-    pid: Annotated[int, msgspec.Meta(ge=1)]
+    pid: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]  # a pid_t: os.kill refuses larger ones
     host: str
     started: float  # time.time() when the run began
+    models: list[str] = []  # the rollout models `flowrl scale` may resize (empty: not said)
 
 
 def read_regular(path: Path, limit: int) -> bytes:
@@ -91,10 +92,11 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def live_run(folder: Path) -> Iterator[LiveRun]:
+def live_run(folder: Path, models: list[str]) -> Iterator[LiveRun]:
     """``folder/live.json`` while the block runs, removed when it ends however it ends (a killed
     process leaves it: readers check the pid)."""
-    run = LiveRun(run_id=uuid.uuid4().hex, pid=os.getpid(), host=socket.gethostname(), started=time.time())
+    host, started = socket.gethostname(), time.time()
+    run = LiveRun(run_id=uuid.uuid4().hex, pid=os.getpid(), host=host, started=started, models=models)
     write_atomic(folder / LIVE, msgspec.json.encode(run))
     try:
         yield run

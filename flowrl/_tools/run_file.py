@@ -171,6 +171,8 @@ def _custom_engine(spec: RunFile, models: dict[str, Model], config: RunConfig) -
     trainers = [models[n] for n in spec.train]
     others = {n: m for n, m in models.items() if m not in trainers}
     evaluate = _function(spec.eval_flow, "eval_flow") if spec.eval_flow is not None else None
+    for key, function in (("flow", flow), ("eval_flow", evaluate)):
+        _takes_the_models(key, getattr(spec, key), function, others)
     return Engine(
         rollout=lambda prompts: flow(prompts, **others),
         train=trainers,
@@ -178,3 +180,21 @@ def _custom_engine(spec: RunFile, models: dict[str, Model], config: RunConfig) -
         sync=[(models[a], models[b]) for a, b in spec.sync],
         eval_flow=(lambda prompts: evaluate(prompts, **others)) if evaluate is not None else None,
     )
+
+
+def _takes_the_models(key: str, target: str, function: Any, models: dict[str, Model]) -> None:
+    """``function`` is called as ``function(prompts, **models)``: refuse, before anything runs, one
+    that cannot take that call (a flow written for other model names, or no flow at all)."""
+    if function is None:
+        return
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
+        return
+    try:
+        signature.bind(None, **models)
+    except TypeError as err:
+        raise ConfigError(
+            f"{key}: {target} is called as {key}(prompts, {', '.join(f'{n}=...' for n in models)}) with the models "
+            f"that are not trainers, and cannot take that call ({err}); its parameters are {signature}"
+        ) from err

@@ -94,6 +94,7 @@ def test_the_marker_is_there_while_learn_runs_and_gone_after(tmp_path):
     engine.learn()
     assert len(seen) == 2 and seen[0] == seen[1]  # one marker for the whole learn()
     assert seen[0].pid == os.getpid() and len(seen[0].run_id) == 32
+    assert seen[0].models == ["policy"]  # what flowrl scale may resize: the rollout's models, not the trainer
     assert not (tmp_path / LIVE).exists()
 
 
@@ -131,7 +132,7 @@ def test_each_learn_call_is_a_run_of_its_own(tmp_path):
 
 
 def test_a_run_does_not_remove_a_marker_another_run_wrote_over_its_own(tmp_path):
-    with live_run(tmp_path):
+    with live_run(tmp_path, ["policy"]):
         marker(tmp_path, run_id="cd" * 16)  # a second run in the same folder
     assert find_live_run(tmp_path).run_id == "cd" * 16
 
@@ -159,11 +160,12 @@ def dead_pid() -> int:
         (lambda d: marker(d, pid=dead_pid()), "names process"),
         (lambda d: (d / LIVE).write_bytes(b"{not json"), "is not a run marker"),
         (lambda d: marker(d, run_id="../../etc"), "is not a run marker"),
-        (lambda d: (d / LIVE).write_bytes(b" " * 5000), "expected a regular file of at most 4096 bytes, it has 5000"),
+        (lambda d: (d / LIVE).write_bytes(b" " * 70_000), "of at most 65536 bytes, it has 70000"),
+        (lambda d: marker(d, pid=2**40), "is not a run marker"),  # os.kill would raise OverflowError
         (lambda d: os.mkfifo(d / LIVE), "expected a regular file, found a FIFO"),  # must not block the command
         (lambda d: (d / LIVE).symlink_to("/dev/zero"), "expected a regular file, found a symbolic link"),
     ],
-    ids=["dead-pid", "not-json", "bad-run-id", "oversized", "fifo", "symlink"],
+    ids=["dead-pid", "not-json", "bad-run-id", "oversized", "pid-past-pid_t", "fifo", "symlink"],
 )
 def test_flowrl_scale_exits_2_on_a_marker_of_no_live_run(tmp_path, capsys, plant, message):
     plant(tmp_path)
@@ -392,3 +394,24 @@ def test_request_scale_refuses_what_is_not_a_count(tmp_path, sizes):
     marker(tmp_path)
     with pytest.raises(flowrl.ConfigError, match="expected model -> replicas from 1 to 10,000"):
         request_scale(tmp_path, sizes)
+
+
+def test_flowrl_scale_refuses_a_model_the_live_run_cannot_resize_or_a_name_outside_the_rule(tmp_path, capsys):
+    marker(tmp_path, models=["policy", "reward"])
+    assert main(["scale", str(tmp_path), "critic=2"]) == 2
+    assert capsys.readouterr().err == (
+        f"{SCALE}the run live in {tmp_path} has no rollout model 'critic' to resize; its rollout models are "
+        "['policy', 'reward']\n"
+    )
+    assert main(["scale", str(tmp_path), "pölicy=2"]) == 2
+    assert "a model name must be 1 to 128 characters" in capsys.readouterr().err
+    assert not (tmp_path / REQUEST).exists()
+    assert main(["scale", str(tmp_path), "reward=2"]) == 0
+
+
+def test_a_folder_at_the_request_path_is_refused_by_the_command_in_one_line(tmp_path, capsys):
+    marker(tmp_path)
+    (tmp_path / REQUEST).mkdir()
+    assert main(["scale", str(tmp_path), "policy=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{SCALE}cannot leave a request at {tmp_path / REQUEST}: ") and err.count("\n") == 1

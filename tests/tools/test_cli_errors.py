@@ -161,6 +161,11 @@ def user_module(tmp_path, monkeypatch):
         (["dataset=cli_err_user:rollout", "relay=cli_err_user:NUMBER"], "dataset: building cli_err_user:rollout"),
         (["flow=cli_err_user:NUMBER"], "flow: cli_err_user:NUMBER is a int; expected a function"),
         (["flow=..cli_err_user:rollout"], "flow: importing module '..cli_err_user' failed: TypeError"),
+        (
+            ["flow=os.path:join"],  # called as flow(prompts, gen=...): it takes no such keyword
+            "flow: os.path:join is called as flow(prompts, gen=...) with the models that are not trainers, and "
+            "cannot take that call (got an unexpected keyword argument 'gen')",
+        ),
     ],
 )
 def test_constructor_arguments_and_resolved_objects_are_named(user_module, capsys, overrides, message):
@@ -256,3 +261,11 @@ def test_the_flowrl_command_exits_2_with_one_line(tmp_path):
         f"flowrl run: ConfigError: {tmp_path / 'bomb.yaml'}: not valid YAML: line 5, column 5: aliases expand to "
         "more than 50000 nodes"
     ]
+
+
+def test_a_toml_integer_past_pythons_digit_limit_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text("x = " + "1" * 5001 + "\n")
+    assert main(["run", str(path)]) == 2
+    line = one_error_line(capsys, "run")
+    assert line.startswith(f"flowrl run: ConfigError: {path}: not valid TOML: ") and "digits" in line, line
