@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from decimal import Decimal
+from numbers import Integral, Real
 from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
-import numpy as np
 
 from .errors import ConfigError
 
@@ -49,20 +50,38 @@ def _non_negative(owner: str, **values: float | None) -> None:
             raise ConfigError(f"{owner}.{key} must be >= 0, got {value!r}")
 
 
-def _check_types(config: msgspec.Struct) -> None:
-    """Each field's value against its annotation, and every number of a float field finite.
-    msgspec checks a config given as a mapping; one built directly (``ModelConfig(batch_size=2.5)``)
-    is checked only here. Every config Struct calls this from ``__post_init__``."""
+# The runtime keeps counts, ids and sizes in 64-bit integers (numpy arrays, msgpack, Ray): every
+# int setting stays within +-2**62 (room for a sum of two), unless its Struct gives it a rule of its own.
+INT_LIMIT = 1 << 62
+# Shards in flight per replica: each one is a slot the scheduler keeps and loops over, so a huge
+# number never ends its set-up loop (an in-process engine or the simulator hangs). One running and
+# one waiting hide a call's latency; more than a few hundred only queue work a replica cannot start.
+MAX_PREFETCH = 256
+# Autoscale measures the pools every ``every_s``: below 10 ms the driver's event loop would spend
+# itself measuring (a busy loop), and no pool grows or shrinks that fast anyway.
+MIN_EVERY_S = 0.01
+
+
+def _check_types(config: msgspec.Struct, *, own_int_range: Collection[str] = ()) -> None:
+    """Each field's value against its annotation; every number finite (Decimal, Fraction and
+    numpy scalars too, checked before any comparison) and every int, nested sequences included,
+    within ``[-INT_LIMIT, INT_LIMIT]`` (the fields in ``own_int_range`` are checked by their
+    Struct). msgspec checks a config given as a mapping; one built directly
+    (``ModelConfig(batch_size=2.5)``) is checked only here. Every config Struct calls this from
+    ``__post_init__``."""
     owner = type(config).__name__
     for field in msgspec.structs.fields(config):
         value = getattr(config, field.name)
         plain = value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value  # np.int64(4)
+        # numbers first: msgspec itself raises a bare ValueError on a signalling Decimal NaN
+        _check_numbers(f"{owner}.{field.name}", value, ints=field.name not in own_int_range)
         try:
-            msgspec.convert(plain, field.type)
+            converted = msgspec.convert(plain, field.type)
         except msgspec.ValidationError as err:
             raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
-        if _holds_float(field.type):
-            _check_finite(f"{owner}.{field.name}", value)
+        if isinstance(value, Decimal):  # msgspec takes a Decimal for a float: kept as the float
+            _check_numbers(f"{owner}.{field.name}", converted)  # Decimal("1e400") is a float inf
+            msgspec.structs.force_setattr(config, field.name, converted)
 
 
 def _holds_float(annotation: Any) -> bool:
@@ -70,14 +89,38 @@ def _holds_float(annotation: Any) -> bool:
     return annotation is float or any(_holds_float(arg) for arg in get_args(annotation))
 
 
-def _check_finite(where: str, value: Any) -> None:
-    # NaN passes every comparison check (``nan <= 0`` is False) and inf means "never" only by
-    # accident: both are refused wherever a float is set, nested sequences included.
+def _check_numbers(where: str, value: Any, *, ints: bool = True) -> None:
+    # NaN passes every comparison check (``nan <= 0`` is False; a Decimal NaN raises instead) and
+    # inf means "never" only by accident: both are refused wherever a number is set, nested
+    # sequences included. An int beyond INT_LIMIT overflows the runtime's 64-bit counters later.
     if isinstance(value, (list, tuple)):
         for item in value:
-            _check_finite(where, item)
-    elif isinstance(value, (float, np.floating)) and not math.isfinite(value):
+            _check_numbers(where, item, ints=ints)
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, Integral):
+        if ints and not -INT_LIMIT <= int(value) <= INT_LIMIT:
+            raise ConfigError(
+                f"{where} must be within [-2**62, 2**62] (the runtime counts in 64-bit integers), got {value!r}"
+            )
+    elif isinstance(value, (Real, Decimal)) and not _finite(value):
         raise ConfigError(f"{where} must be a finite number, got {value!r}")
+
+
+def _finite(value: Real | Decimal) -> bool:
+    if isinstance(value, Decimal):
+        return value.is_finite()
+    try:
+        return math.isfinite(value)
+    except (ValueError, OverflowError):  # a Fraction beyond a float's range
+        return False
+
+
+def _at_most(owner: str, bound: float, why: str, **values: float | None) -> None:
+    shown = f"{bound:g}" if isinstance(bound, float) else str(bound)
+    for key, value in values.items():
+        if value is not None and value > bound:
+            raise ConfigError(f"{owner}.{key} must be <= {shown} ({why}), got {value!r}")
 
 
 class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -107,6 +150,11 @@ class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             patience=self.patience,
             every_s=self.every_s,
         )
+        if self.every_s < MIN_EVERY_S:
+            raise ConfigError(
+                f"Autoscale.every_s must be >= {MIN_EVERY_S} s (a shorter period polls the pools in a busy "
+                f"loop), got {self.every_s!r}"
+            )
         if self.max_replicas < self.min_replicas:
             raise ConfigError(f"Autoscale.max_replicas={self.max_replicas} is below min_replicas={self.min_replicas}")
         if not 0 < self.shrink_starved <= 1:
@@ -160,6 +208,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             call_timeout_s=self.call_timeout_s,
         )
         _non_negative("ModelConfig", gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica)
+        _at_most("ModelConfig", MAX_PREFETCH, "shards in flight per replica", prefetch=self.prefetch)
         if self.num_gpu is not None:
             per = self.tensor_parallel_size * self.pipeline_parallel_size
             if self.num_gpu % per:

@@ -98,6 +98,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             max_staleness=self.max_staleness,
             seed=self.seed,  # numpy's generators take no negative seed: refused here, not at the first shuffle
         )
+        for key in ("run_dir", "checkpoint_dir", "resume"):
+            path = getattr(self, key)
+            if isinstance(path, str) and "\x00" in path:  # the OS refuses it, with a bare ValueError, only later
+                raise ConfigError(f"RunConfig.{key} is a path and cannot hold a NUL character (\\x00), got {path!r}")
         if self.on_stale not in STALE_POLICIES:
             raise ConfigError(f"RunConfig.on_stale must be one of {list(STALE_POLICIES)}, got {self.on_stale!r}")
         if self.checkpoint_every and not self.checkpoint_dir:

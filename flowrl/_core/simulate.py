@@ -17,11 +17,19 @@ from collections import Counter
 import msgspec
 import numpy as np
 
-from .config import Settings, _check_types, _non_negative
+from .config import MAX_PREFETCH, Settings, _at_most, _check_types, _non_negative
 from .errors import ConfigError
 from .scheduler import Assignment, PoolScheduler
 
 INPUT = "input"
+# Bounds that keep a simulation finite and in memory: every time is a float64 sum of costs (a
+# cost of 1e308 s overflows to inf, then NaN), and the simulator holds arrays and lists of
+# samples x stages and replicas x stages. Far beyond any run flowrl schedules.
+MAX_SECONDS = 1e9  # about 30 years, per cost term
+MAX_SIGMA = 20.0  # a log-normal shape: exp(20 * z) already spans hundreds of orders of magnitude
+MAX_SAMPLES = 1 << 24
+MAX_REPLICAS = 10_000
+MAX_BATCH = 1 << 20
 
 
 class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -45,6 +53,15 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             tail_median_s=self.tail_median_s,
             tail_sigma=self.tail_sigma,
         )
+        _at_most(
+            "StageCost",
+            MAX_SECONDS,
+            "seconds; the simulator's sums must stay finite",
+            call_s=self.call_s,
+            per_sample_s=self.per_sample_s,
+            tail_median_s=self.tail_median_s,
+        )
+        _at_most("StageCost", MAX_SIGMA, "a log-normal shape; the tails must stay finite", tail_sigma=self.tail_sigma)
 
 
 class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -58,6 +75,11 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _at_most("SimStage", MAX_REPLICAS, "the simulator keeps a list per replica", replicas=self.replicas)
+        _at_most("SimStage", MAX_BATCH, "samples per call", batch_size=self.batch_size)
+        _at_most(
+            "SimStage", MAX_PREFETCH, "shards in flight per replica, as ModelConfig.prefetch", prefetch=self.prefetch
+        )
 
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -108,6 +130,11 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if bad:
                 raise ConfigError(f"stage {st.name!r}: {', '.join(bad)} must be > 0, got {bad}")
             seen.add(st.name)
+        _non_negative("Workload", seed=self.seed)  # numpy's generators take no negative seed
+        _at_most("Workload", MAX_SAMPLES, "the simulator keeps arrays of samples x stages", samples=self.samples)
+        seconds = "seconds; the simulator's sums must stay finite"
+        _at_most("Workload", MAX_SECONDS, seconds, overhead_s=self.overhead_s, dispatch_s=self.dispatch_s)
+        _at_most("Workload", MAX_SIGMA, "a log-normal shape", cost_hint_sigma=self.cost_hint_sigma)
         negative = {k: v for k, v in (("overhead_s", self.overhead_s), ("dispatch_s", self.dispatch_s)) if v < 0}
         if negative:
             raise ConfigError(f"Workload: {', '.join(negative)} must be >= 0, got {negative}")

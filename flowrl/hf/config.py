@@ -16,6 +16,14 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 KLKind = Literal["k1", "k2", "k3", "abs"]
 
 
+def _within(owner: str, low: float, high: float, why: str, *, high_open: bool = False, **values: float) -> None:
+    """Each value in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
+    for key, value in values.items():
+        if not (low <= value < high if high_open else low <= value <= high):
+            shown = f"[{low:g}, {high:g}{')' if high_open else ']'}"
+            raise ConfigError(f"{owner}.{key} must be in {shown} ({why}), got {value!r}")
+
+
 def _constant_length(owner: str, aggregation: str, max_tokens: int | None) -> None:
     if aggregation == "seq-mean-token-sum-norm" and max_tokens is None:
         raise ConfigError(
@@ -46,7 +54,7 @@ class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _check_types(self, own_int_range=("seed",))  # torch's seed range is its own, checked below
         _one_of("LM", "dtype", self.dtype, Dtype)
         if (self.path is None) == (self.config is None):
             raise ConfigError(
@@ -86,6 +94,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         _non_negative("Sampling", temperature=self.temperature, top_k=self.top_k)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
+        if any(i < 0 for i in self.stop_token_ids):
+            raise ConfigError(f"Sampling.stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
 
 
 class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -107,7 +117,12 @@ class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         _one_of("Optim", "schedule", self.schedule, Schedule)
         _positive("Optim", lr=self.lr, max_grad_norm=self.max_grad_norm)
         _non_negative("Optim", weight_decay=self.weight_decay, warmup_steps=self.warmup_steps)
-        _non_negative("Optim", total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
+        _non_negative("Optim", total_steps=self.total_steps)
+        # eps > 0 (torch takes 0, but then a parameter whose gradient is 0 divides 0 by 0: NaN)
+        _positive("Optim", eps=self.eps)
+        betas = {"betas[0]": self.betas[0], "betas[1]": self.betas[1]}
+        _within("Optim", 0.0, 1.0, "AdamW's averaging factors", high_open=True, **betas)
+        _within("Optim", 0.0, 1.0, "a fraction of lr the decay ends at", min_lr_ratio=self.min_lr_ratio)
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ConfigError(
                 f"Optim.schedule={self.schedule!r} decays until total_steps, which must exceed "
@@ -182,6 +197,7 @@ class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
         _one_of("PPO", "kl", self.kl, KLKind)
         _one_of("PPO", "aggregation", self.aggregation, Aggregation)
         _positive("PPO", clip=self.clip, clip_high=self.clip_high, value_clip=self.value_clip)
-        _non_negative("PPO", kl_coef=self.kl_coef, gamma=self.gamma, lam=self.lam)
+        _non_negative("PPO", kl_coef=self.kl_coef)
+        _within("PPO", 0.0, 1.0, "a discount of GAE", gamma=self.gamma, lam=self.lam)
         _positive("PPO", max_tokens=self.max_tokens)
         _constant_length("PPO", self.aggregation, self.max_tokens)
