@@ -58,6 +58,8 @@ def check_rng_state(state: Any, where: str = "the random generator state") -> No
         and (py[2] is None or type(py[2]) is float)
     ):
         _bad_rng(where, "python", "[3, 624 words and an index <= 624 (ints < 2**32), None or a float]", py)
+    if _degenerate(py[1][0], any(py[1][1:624])):
+        _bad_rng(where, "python", f"a valid Mersenne Twister state ({_ZERO})", py)
     _check_numpy_rng(state["numpy"], where)
     if "torch" in state:
         import torch
@@ -86,6 +88,18 @@ def _check_numpy_rng(np_state: Any, where: str) -> None:
     ):
         want = "{bit_generator: 'MT19937', state: {key: 624 uint32, pos: 0..624}, has_gauss: 0 or 1, gauss: float}"
         _bad_rng(where, "numpy", want, np_state)
+    assert isinstance(key, np.ndarray)
+    if _degenerate(int(key[0]), bool(key[1:].any())):
+        _bad_rng(where, "numpy", f"a valid MT19937 key ({_ZERO})", np_state)
+
+
+_ZERO = "not all zero: the top bit of the first word or any other word set"
+
+
+def _degenerate(first: int, rest: bool) -> bool:
+    """A Mersenne Twister state that only the top bit of its first word and the other 623
+    words make up, all zero: the generator's one invalid state (it would draw zeros forever)."""
+    return not first & 0x80000000 and not rest
 
 
 def _bytes_tensor(value: Any) -> bool:

@@ -17,10 +17,13 @@ never read.
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 import re
 import shutil
+import stat
 import struct
 import sys
 import uuid
@@ -47,6 +50,8 @@ _TORCH_DTYPES = frozenset(
     "float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu".split()
 )
 _HEAD_DECODER = msgspec.msgpack.Decoder(tuple[str, list[int]])
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+log = logging.getLogger("flowrl")
 
 
 def _ext(code: int, dtype: str, shape: tuple[int, ...], raw: bytes) -> msgspec.msgpack.Ext:
@@ -203,13 +208,33 @@ class CheckpointDir:
     def __init__(self, root: str | Path, keep: int = 0) -> None:
         self.root = Path(root)
         self.keep = keep
+        self._warned: set[str] = set()  # links named like a checkpoint, logged once each
 
     def episodes(self) -> list[int]:
-        """Episodes with a complete checkpoint, oldest first."""
-        if not self.root.is_dir():
+        """Episodes with a complete checkpoint, oldest first: real folders only. A symbolic link
+        named like one is ignored (logged once): resuming from it, or pruning it, would act on
+        another folder. No root: none. A root that cannot be listed (a name too long, a NUL in
+        it): the OSError or ValueError, for the caller to name the setting."""
+        try:
+            with os.scandir(self.root) as entries:
+                found = [(e.name, e.is_symlink(), e.is_dir(follow_symlinks=False)) for e in entries]
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        found = (_NAME.match(p.name) for p in self.root.iterdir() if p.is_dir())
-        return sorted(int(m.group(1)) for m in found if m)
+        done = []
+        for name, link, folder in found:
+            m = _NAME.match(name)
+            if m and link and name not in self._warned:
+                self._warned.add(name)
+                log.warning("checkpoint folder %s: %s is a symbolic link, not a checkpoint; ignored", self.root, name)
+            if m and folder and not link:
+                done.append(int(m.group(1)))
+        return sorted(done)
+
+    @staticmethod
+    def number(folder: Path) -> int | None:
+        """The episode ``folder``'s name says it holds (``episode-000004``: 4); None for another name."""
+        m = _NAME.match(folder.name)
+        return int(m.group(1)) if m else None
 
     def path(self, episode: int) -> Path:
         return self.root / f"episode-{episode:06d}"
@@ -266,17 +291,47 @@ class CheckpointDir:
 
     @staticmethod
     def read(folder: Path, name: str, limit: int | None = None) -> bytes:
-        """File ``name`` of checkpoint ``folder``; ``limit``: the most bytes it may have."""
+        """File ``name`` of checkpoint ``folder``; ``limit``: the most bytes it may have. Only a
+        regular file is read: opened without following a link or waiting on a FIFO or device
+        (O_NOFOLLOW | O_NONBLOCK), then checked with fstat on what was opened, and read to its
+        size (a file that grows or shrinks meanwhile is refused)."""
         path = inside(folder, name)
         try:
-            if limit is not None and path.stat().st_size > limit:
+            fd = os.open(path, _READ_FLAGS)
+        except OSError as err:
+            if err.errno == errno.ELOOP:  # O_NOFOLLOW met a link (one inside the folder: inside() let it by)
                 raise CheckpointError(
-                    f"checkpoint {folder}: {name} has {path.stat().st_size} bytes, more than the {limit} such a "
-                    "file can have"
+                    f"checkpoint {folder}: {name} is a symbolic link; expected a regular file"
+                ) from err
+            raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({err})") from err
+        try:
+            st = os.fstat(fd)  # what was opened: the path may have been swapped since
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"checkpoint {folder}: {name} is {_kind(st.st_mode)}; expected a regular file")
+            if limit is not None and st.st_size > limit:
+                raise CheckpointError(
+                    f"checkpoint {folder}: {name} has {st.st_size} bytes, more than the {limit} such a file can have"
                 )
-            return path.read_bytes()
+            f, fd = os.fdopen(fd, "rb"), -1  # closes it from here on
+            with f:
+                data = f.read(st.st_size + 1)
         except OSError as err:
             raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({err})") from err
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if len(data) != st.st_size:
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} changed while read ({st.st_size} bytes, then {len(data)}"
+                f"{' or more' if len(data) > st.st_size else ''}); expected a file no one writes"
+            )
+        return data
+
+
+def _kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
+    kinds += [(stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISLNK, "a symbolic link")]
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def inside(folder: Path, name: str) -> Path:
@@ -307,7 +362,9 @@ def _swap(tmp: Path, final: Path) -> None:
     """``tmp`` renamed to ``final``; a checkpoint already there (the same episode again, a
     rolled-back run) is replaced whole, and put back if the rename fails."""
     old = None
-    if final.exists():
+    if final.is_symlink():  # a link named like this checkpoint (episodes() ignores it): not followed
+        final.unlink()
+    elif final.exists():
         old = final.with_name(f".tmp-old-{uuid.uuid4().hex[:8]}")
         final.rename(old)
     try:

@@ -12,6 +12,8 @@ msgpack format of ``_core.state_format``.
 from __future__ import annotations
 
 import math
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ import msgspec
 
 from .._backends.replica import unviewed
 from .._core.batch import Sample
-from .._core.errors import CheckpointError, ReplicaDiedError, StageError
+from .._core.errors import CheckpointError, ConfigError, ReplicaDiedError, StageError
 from .._core.rng_state import check_rng_state
 from .._core.sampler import EpisodeBuffer
 from .._core.state_format import CheckpointDir, decode_state, encode_state, shown
@@ -103,8 +105,21 @@ class CheckpointFiles:
         return self.writes and episodes_done % self.config.checkpoint_every == 0
 
     def source(self) -> Path | None:
-        """The checkpoint a run starts from, per ``RunConfig.resume``; None: from scratch."""
+        """The checkpoint a run starts from, per ``RunConfig.resume``; None: from scratch. A path
+        the system cannot use (a NUL in it, a name too long) is a ConfigError naming the setting."""
         resume = self.config.resume
+        key = "checkpoint_dir" if resume in ("never", "auto") else "resume"
+        try:
+            return self._source(resume)
+        except (OSError, ValueError) as err:
+            value = getattr(self.config, key)
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise ConfigError(
+                f"RunConfig.{key}={shown} cannot be used as a folder ({type(err).__name__}: "
+                f"{getattr(err, 'strerror', None) or err}); expected the path of a folder"
+            ) from err
+
+    def _source(self, resume: str) -> Path | None:
         if resume == "never":
             done = self.dir.episodes() if self.dir is not None else []
             if done:
@@ -116,7 +131,11 @@ class CheckpointFiles:
         if resume == "auto":
             return self.dir.latest() if self.dir is not None else None
         path = Path(resume)
-        if not (path / STATE).is_file():
+        try:
+            found = stat.S_ISREG(os.stat(path / STATE).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            found = False  # other errors (a NUL in it, a name too long): the path cannot be one
+        if not found:
             raise CheckpointError(
                 f'RunConfig.resume={resume!r}: not a checkpoint folder (no {STATE} in it); give "auto", "never" '
                 "or a folder such as <checkpoint_dir>/episode-000004"
@@ -163,14 +182,23 @@ class CheckpointFiles:
                 "synced model with weights other than its trainer's"
             )
         check_state(state, folder)
-        return state, _read_relay(folder, state)
+        named = CheckpointDir.number(folder)
+        if named is not None and named != state.episode:
+            raise CheckpointError(
+                f"checkpoint {folder}: the folder's name says episode {named}, its {STATE} field episode is "
+                f"{state.episode!r}; a folder copied or renamed would run episodes again or skip them"
+            )
+        relay = _read_relay(folder, state)
+        for name, ranks in state.trainer_ranks.items():  # checked before any rank loads anything
+            _read_rngs(folder, _rng_file(name), ranks)
+        return state, relay
 
     @staticmethod
     async def restore_trainers(folder: Path, deployment: Deployment) -> None:
         """Every rank loads rank 0's model state and, where the checkpoint has it, its own generators."""
         for name, ranks in deployment.trainers.items():
             model = CheckpointDir.read(folder, _model_file(name))
-            rngs = _read_rngs(folder, _rng_file(name))
+            rngs = _read_rngs(folder, _rng_file(name), None)  # its length checked by load()
             try:
                 async with anyio.create_task_group() as tg:
                     for r, rank in enumerate(ranks):
@@ -312,6 +340,7 @@ def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
 
     expect(isinstance(raw, list), "(the whole file)", raw, "a list of relay episodes")
     out: list[EpisodeBuffer] = []
+    seen: set[int] = set()  # sample ids are unique across the relay (the pipeline numbers each once)
     for i, e in enumerate(raw):
         keys = ("episode", "ids", "fields")
         expect(isinstance(e, dict) and set(e) == set(keys), f"[{i}]", e, f"a dict with keys {list(keys)}")
@@ -319,8 +348,11 @@ def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
         episode, ids, fields = e["episode"], e["ids"], e["fields"]
         ok = type(episode) is int and first <= episode < state.episode
         expect(ok, f"[{i}].episode", episode, f"an episode done after the one before, in [{first}, {state.episode})")
-        ok = isinstance(ids, list) and all(type(x) is int and x >= 0 for x in ids)
-        expect(ok, f"[{i}].ids", ids, "a list of sample ids (ints >= 0)")
+        top = state.next_sample_id
+        ok = isinstance(ids, list) and all(type(x) is int and 0 <= x < top for x in ids)
+        expect(ok, f"[{i}].ids", ids, f"a list of sample ids (ints in [0, {top}): {STATE} field next_sample_id)")
+        again = _repeated(ids, seen)
+        expect(again is None, f"[{i}].ids", ids, f"sample ids each once in the relay (id {again} is there twice)")
         ok = isinstance(fields, list) and len(fields) == len(ids)
         expect(ok, f"[{i}].fields", fields, f"a list of {len(ids)} samples' fields (one per id)")
         bad = next(
@@ -331,14 +363,30 @@ def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
     return out
 
 
-def _read_rngs(folder: Path, name: str) -> list[bytes]:
+def _repeated(ids: list[int], seen: set[int]) -> int | None:
+    """The first of ``ids`` already in ``seen`` (or twice in ``ids``); the others join ``seen``."""
+    for x in ids:
+        if x in seen:
+            return x
+        seen.add(x)
+    return None
+
+
+def _read_rngs(folder: Path, name: str, ranks: int | None) -> list[bytes]:
     """Each rank's random generator state in ``folder`` (rank order, as the bytes the rank
-    wrote), each checked here so that a bad one is named before any rank loads anything."""
+    wrote), each checked here so that a bad one is named before any rank loads anything;
+    ``ranks``: how many the checkpoint's trainer had (``trainer_ranks``), one state each."""
     rngs = decode_state(CheckpointDir.read(folder, name), where=str(folder / name))
     if not isinstance(rngs, list) or not all(isinstance(r, bytes) for r in rngs):
         raise CheckpointError(
             f"checkpoint {folder}: {name} is a {type(rngs).__name__}; expected a list of encoded generator states, "
             "one per rank"
+        )
+    if ranks is not None and len(rngs) != ranks:
+        raise CheckpointError(
+            f"checkpoint {folder}: {name} holds {len(rngs)} generator states; expected one per rank of the "
+            f"trainer that wrote it ({STATE} field trainer_ranks says {ranks}); its ranks' generators would not be "
+            "restored"
         )
     for r, rng in enumerate(rngs):
         where = f"checkpoint {folder}: {name} rank {r}"

@@ -22,6 +22,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import flowrl
+from flowrl._core.rng_state import rng_state
 from flowrl._core.state_format import MAX_DEPTH, decode_state, encode_state
 from flowrl._engine.checkpoint_files import RELAY, STATE, CheckpointFiles, EngineState
 from flowrl._engine.stats import EpisodeStats
@@ -210,6 +211,8 @@ def relay_state() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[CheckpointFiles, Path]:
     root = tmp_path_factory.mktemp("fuzz")
+    # the generators of engine_state's 2 ranks: load() checks there is one per rank
+    (root / "learner.rng.msgpack").write_bytes(encode_state([encode_state(rng_state())] * 2))
     config = flowrl.RunConfig(sample_per_episode=4, checkpoint_dir=str(root / "none"))
     return CheckpointFiles(config), root
 

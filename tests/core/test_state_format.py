@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import stat
 import struct
 import tracemalloc
 from pathlib import Path
@@ -292,3 +293,104 @@ def test_a_file_over_its_limit_is_refused_before_reading(tmp_path):
     folder = CheckpointDir(tmp_path).write(1, {"engine.json": b"{}" * 100})
     with pytest.raises(flowrl.CheckpointError, match="engine.json has 200 bytes, more than the 64"):
         CheckpointDir.read(folder, "engine.json", limit=64)
+
+
+# ---- only regular files are read, only real folders are checkpoints ----
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _device(path: Path) -> None:
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 5))  # /dev/zero's: endless bytes
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+
+
+def _link_in(path: Path) -> None:
+    os.mkfifo(path.parent / "pipe")  # a link that stays inside the folder, to a FIFO
+    path.symlink_to(path.parent / "pipe")
+
+
+@pytest.mark.timeout(30)  # before the fix a FIFO blocked the read forever
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (_fifo, "is a FIFO; expected a regular file"),
+        (_device, "is a device; expected a regular file"),
+        (lambda p: p.mkdir(), "is a folder; expected a regular file"),
+        (_link_in, "is a symbolic link; expected a regular file"),
+    ],
+)
+def test_a_fifo_device_folder_or_link_in_the_checkpoint_is_refused_without_blocking(tmp_path, make, message):
+    folder = CheckpointDir(tmp_path).write(1, {"other": b"x"})
+    make(folder / "engine.json")
+    with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {folder}: engine.json {message}"):
+        CheckpointDir.read(folder, "engine.json")
+    with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {folder}: engine.json {message}"):
+        CheckpointDir.read(folder, "engine.json", limit=64)
+
+
+def test_a_link_to_dev_zero_is_refused(tmp_path):
+    folder = CheckpointDir(tmp_path).write(1, {"other": b"x"})
+    (folder / "engine.json").symlink_to("/dev/zero")
+    with pytest.raises(flowrl.CheckpointError, match="'engine.json' would lead out"):
+        CheckpointDir.read(folder, "engine.json")
+
+
+def test_a_file_that_grows_while_read_is_refused(tmp_path, monkeypatch):
+    folder = CheckpointDir(tmp_path).write(1, {"a": b"four"})
+    real = os.fstat
+
+    def earlier(fd: int) -> os.stat_result:  # the size fstat saw before a writer appended
+        st = real(fd)
+        return os.stat_result((st.st_mode, *st[1:6], 2, *st[7:]))
+
+    monkeypatch.setattr(os, "fstat", earlier)
+    with pytest.raises(flowrl.CheckpointError, match=r"a changed while read \(2 bytes, then 3 or more\)"):
+        CheckpointDir.read(folder, "a")
+
+
+def test_a_link_named_like_a_checkpoint_is_neither_resumed_from_nor_pruned(tmp_path, caplog):
+    elsewhere = CheckpointDir(tmp_path / "elsewhere").write(50, {"a": b"outside"})
+    store = CheckpointDir(tmp_path / "ckpt", keep=1)
+    store.write(1, {"a": b"one"})
+    (tmp_path / "ckpt" / "episode-000050").symlink_to(elsewhere)
+    (tmp_path / "ckpt" / "episode-000060").symlink_to(tmp_path / "nowhere")
+    with caplog.at_level("WARNING", logger="flowrl"):
+        assert store.episodes() == [1] and store.latest() == store.path(1)
+        assert store.episodes() == [1]
+    assert sum("episode-000050 is a symbolic link" in r.message for r in caplog.records) == 1
+    store.write(2, {"a": b"two"})  # prunes episode 1, never touches the links
+    assert store.episodes() == [2] and (elsewhere / "a").read_bytes() == b"outside"
+    assert (tmp_path / "ckpt" / "episode-000050").is_symlink()
+    store.write(50, {"a": b"fifty"})  # writing that episode replaces the link, not what it points to
+    assert store.read(store.path(50), "a") == b"fifty" and (elsewhere / "a").read_bytes() == b"outside"
+    assert not (tmp_path / "ckpt" / "episode-000050").is_symlink()
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        (("python", "1"), "field 'python': expected a valid Mersenne Twister state"),
+        (("numpy", "state", "key"), "field 'numpy': expected a valid MT19937 key"),
+    ],
+)
+def test_an_all_zero_mersenne_twister_state_is_refused(path, message):
+    import random
+
+    state = decode_state(encode_state(rng_state()))
+    if path[0] == "python":
+        state["python"][1] = [0] * 624 + [624]
+    else:
+        state["numpy"]["state"]["key"] = np.zeros(624, dtype=np.uint32)
+    before = random.getstate()
+    with pytest.raises(flowrl.CheckpointError, match=message):
+        set_rng_state(state, "learner.rng.msgpack rank 0")
+    assert random.getstate() == before
+    if path[0] == "python":
+        state["python"][1][0] = 0x80000000  # only the top bit of the first word: a valid state
+    else:
+        state["numpy"]["state"]["key"][5] = 1
+    set_rng_state(state)
+    random.setstate(before)

@@ -7,7 +7,9 @@ and core/test_fuzz_state_format.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import struct
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ from flowrl._core.state_format import decode_state, encode_state
 from flowrl._engine.checkpoint_files import CheckpointFiles
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}
@@ -214,3 +217,95 @@ def test_a_checkpoint_past_the_runs_end_is_refused_instead_of_skipping_training(
         resume(copy, num_episode=2)
     engine, _ = make_engine(checkpoint_dir=str(copy.parent), num_episode=3, **INPROCESS)
     assert len(engine.learn().episodes) == 3  # at its end: a rerun of a finished run trains nothing more
+
+
+# ---- what is read: regular files only, the folder's number, ids, one generator per rank ----
+@pytest.mark.timeout(120)  # before the fix a FIFO made resume wait forever
+@pytest.mark.parametrize(
+    "name",
+    ["engine.json", "relay.msgpack", "learner.rng.msgpack", "learner.model.msgpack", "policy.synced.msgpack"],
+)
+def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_without_blocking(copy, name):
+    (copy / name).unlink()
+    os.mkfifo(copy / name)
+    with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {copy}: {name} is a FIFO; expected a regular file"):
+        resume(copy)
+
+
+@pytest.mark.timeout(120)
+def test_a_device_in_place_of_a_checkpoint_file_is_refused(copy):
+    (copy / "relay.msgpack").unlink()
+    try:
+        os.mknod(copy / "relay.msgpack", stat.S_IFCHR | 0o644, os.makedev(1, 5))  # /dev/zero's
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+    with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {copy}: relay.msgpack is a device"):
+        resume(copy)
+
+
+def test_a_checkpoint_copied_under_another_episodes_name_is_refused(copy):
+    shutil.copytree(copy, copy.parent / "episode-000009")
+    with pytest.raises(
+        flowrl.CheckpointError,
+        match=r"episode-000009: the folder's name says episode 9, its engine.json field episode is 3",
+    ):
+        resume(copy, num_episode=12)
+
+
+def test_a_linked_episode_folder_is_not_resumed_from(copy, tmp_path):
+    shutil.copytree(copy, tmp_path / "elsewhere")
+    edit_json(tmp_path / "elsewhere", episode=9)  # would be refused, were it read
+    (copy.parent / "episode-000009").symlink_to(tmp_path / "elsewhere")
+    resume(copy, num_episode=4)  # from episode 3, the latest real one
+    assert (copy.parent / "episode-000009").is_symlink() and (tmp_path / "elsewhere" / "engine.json").exists()
+
+
+def _relay_ids(folder: Path, edit: Callable[[list[Any], int], None]) -> None:
+    relay = decode_state((folder / "relay.msgpack").read_bytes())
+    edit(relay, json.loads((folder / "engine.json").read_text())["next_sample_id"])
+    (folder / "relay.msgpack").write_bytes(encode_state(relay))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r, top: r[0]["ids"].__setitem__(0, top), r"\[0\].ids is a list of length 8; expected a list of sample"),
+        (lambda r, top: r[0]["ids"].__setitem__(0, 2**62 + 1), r"\[0\].ids .*ints in \[0, \d+\)"),
+        (lambda r, top: r[0]["ids"].__setitem__(1, r[0]["ids"][0]), r"\[0\].ids .*each once in the relay \(id \d+"),
+        (
+            lambda r, top: r.insert(0, {**r[0], "episode": r[0]["episode"] - 1}),
+            r"\[1\].ids .*each once in the relay \(id \d+ is there twice\)",
+        ),
+    ],
+)
+def test_relay_sample_ids_past_the_numbering_or_twice_are_refused(copy, edit, message):
+    _relay_ids(copy, edit)
+    with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {copy}: relay.msgpack field {message}"):
+        resume(copy)
+
+
+@pytest.mark.parametrize("count", [0, 2])
+def test_a_generator_file_with_another_count_than_the_ranks_is_refused(copy, count):
+    rngs = decode_state((copy / "learner.rng.msgpack").read_bytes())
+    (copy / "learner.rng.msgpack").write_bytes(encode_state((rngs * 2)[:count]))
+    with pytest.raises(
+        flowrl.CheckpointError,
+        match=rf"learner.rng.msgpack holds {count} generator states; expected one per rank .*trainer_ranks says 1",
+    ):
+        resume(copy)
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"checkpoint_dir": "a\0b"}, "checkpoint_dir"),
+        ({"checkpoint_dir": "x" * 5000}, "checkpoint_dir"),
+        ({"checkpoint_dir": "x" * 5000, "resume": "never"}, "checkpoint_dir"),
+        ({"resume": "a\0b"}, "resume"),
+        ({"resume": "x" * 5000}, "resume"),
+    ],
+)
+def test_a_checkpoint_path_the_system_cannot_use_is_a_config_error(config, key):
+    # a NUL is refused by RunConfig itself already; a name too long by the checkpoint folder
+    with pytest.raises(flowrl.ConfigError, match=rf"RunConfig.{key}(=.* cannot be used as a folder| is a path)"):
+        CheckpointFiles(flowrl.RunConfig(sample_per_episode=8, **config))
