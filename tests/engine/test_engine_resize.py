@@ -10,12 +10,13 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import pytest
 from _resume_models import make_engine
 
 import flowrl
-from flowrl._engine.elastic import DONE, FAILED, request_scale
-from flowrl._engine.run_folder import LIVE
+from flowrl._engine.elastic import DONE, FAILED, REQUEST, ScaleRequest, request_scale
+from flowrl._engine.run_folder import LIVE, write_atomic
 from flowrl.testing import flowrl_actor_names
 
 if TYPE_CHECKING:
@@ -114,7 +115,10 @@ def test_flowrl_scale_asks_a_running_engine_to_resize(ray_cluster, tmp_path):
                 )
                 assert out.returncode == 0, out.stderr
                 assert await handled.receive() == "policy"
-                request_scale(tmp_path, {"nope": 2})  # a mistake is written back, the engine goes on
+                with pytest.raises(flowrl.ConfigError, match=r"has no rollout model 'nope' to resize"):
+                    request_scale(tmp_path, {"nope": 2})  # the command knows the run's models
+                # one written by hand gets past it: the engine writes the mistake back and goes on
+                write_atomic(tmp_path / REQUEST, msgspec.json.encode(ScaleRequest(run=run.run_id, sizes={"nope": 2})))
                 assert await handled.receive() == "nope"
                 tg.cancel_scope.cancel()
             return rollout.serving("policy"), run.run_id
