@@ -1,4 +1,4 @@
-"""Checkpoints are checked when an engine resumes from one (in process): a tampered
+"""Checkpoints are checked when an engine resumes from one (in process, and two cases on Ray): a tampered
 engine.json or relay.msgpack, a synced model renamed since, a file whose array lies about its
 bytes, and model names that would lead file names out of the checkpoint folder are each a
 CheckpointError that names the file and the field (the format alone: core/test_state_format.py
@@ -309,3 +309,33 @@ def test_a_checkpoint_path_the_system_cannot_use_is_a_config_error(config, key):
     # a NUL is refused by RunConfig itself already; a name too long by the checkpoint folder
     with pytest.raises(flowrl.ConfigError, match=rf"RunConfig.{key}(=.* cannot be used as a folder| is a path)"):
         CheckpointFiles(flowrl.RunConfig(sample_per_episode=8, **config))
+
+
+# ---- the same on a Ray cluster: the model file is decoded by the trainer's actors ----
+def _lying_model_file(folder: Path) -> None:
+    raw = encode_state(decode_state((folder / "learner.model.msgpack").read_bytes()))
+    (folder / "learner.model.msgpack").write_bytes(raw.replace(b"float32", b"float64", 1))
+
+
+def _fifo_relay(folder: Path) -> None:
+    (folder / "relay.msgpack").unlink()
+    os.mkfifo(folder / "relay.msgpack")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (_lying_model_file, r"trainer 'learner' cannot restore learner.model.msgpack: .*is damaged: an array of dtype"),
+        (_fifo_relay, r"relay.msgpack is a FIFO; expected a regular file"),
+    ],
+    ids=["model-file-decoded-by-the-ranks", "fifo-read-by-the-driver"],
+)
+def test_a_tampered_checkpoint_is_refused_by_name_on_ray_and_leaves_no_actor(ray_cluster, copy, tamper, message):
+    from flowrl.testing import flowrl_actor_names
+
+    tamper(copy)
+    engine, _ = make_engine(checkpoint_dir=str(copy.parent), policy_replicas=1, ranks=2)
+    with pytest.raises(flowrl.CheckpointError, match=message):
+        engine.learn()
+    assert flowrl_actor_names() == []
