@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -58,9 +57,7 @@ def one_error_line(capsys, command: str) -> str:
 def test_a_bad_run_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     path = tmp_path / "run.yaml"
     path.write_bytes(content)
-    started = time.perf_counter()
     assert main(["run", str(path)]) == 2
-    assert time.perf_counter() - started < 5  # the bomb is refused before it expands
     line = one_error_line(capsys, "run")
     assert line.startswith("flowrl run: ConfigError: ") and message in line, line
 

@@ -8,7 +8,6 @@ as malformed, yaml.CSafeLoader refuses as well."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -63,17 +62,14 @@ def expanded_size(value: object, cap: int) -> int:
 
 def check_yaml(text: str) -> None:
     """The bounded loader on ``text`` against libyaml's unbounded safe loader."""
-    started = time.perf_counter()
     try:
         value = parse_yaml(text, "fuzz.yaml")
     except ConfigError as err:
-        assert time.perf_counter() - started < 10
         if any(bound in str(err) for bound in BOUNDS):
             return  # the reference might expand a bomb: not asked
         with pytest.raises((yaml.YAMLError, ValueError, TypeError, KeyError, IndexError, AttributeError)):
             yaml.load(text, Loader=yaml.CSafeLoader)
         return
-    assert time.perf_counter() - started < 10
     assert expanded_size(value, MAX_YAML_NODES) <= MAX_YAML_NODES
     assert repr(value) == repr(yaml.load(text, Loader=yaml.CSafeLoader))  # repr: NaN equals itself
 
@@ -109,7 +105,6 @@ def check_run_file(folder: Path, content: bytes, suffix: str) -> None:
     """``flowrl run``'s loading on a file: a RunFile and RunConfig, or a FlowError naming the file."""
     path = folder / f"run{suffix}"
     path.write_bytes(content)
-    started = time.perf_counter()
     try:
         spec = load_run_file(path)
         to_config(RunConfig, spec.run, "run")
@@ -119,7 +114,6 @@ def check_run_file(folder: Path, content: bytes, suffix: str) -> None:
         RunConfig.load(path)
     except FlowError:
         pass
-    assert time.perf_counter() - started < 10
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +174,6 @@ def test_alias_structures_load_exactly_or_are_refused_past_the_bound(levels, fan
         nodes += 1 + size
     if merge:
         nodes += 1 + 1 + (1 + 1 + (1 + fanout)) + 1 + 1 + (1 + 2 + 2)
-    started = time.perf_counter()
     if cycle:  # found when the walk reaches it: after the expansion bound if that is passed first
         refusal = "contains it" if nodes <= MAX_YAML_NODES else "contains it|aliases expand"
         with pytest.raises(ConfigError, match=refusal):
@@ -196,7 +189,6 @@ def test_alias_structures_load_exactly_or_are_refused_past_the_bound(levels, fan
         assert value[f"a{levels - 1}"] == expected
         if merge:
             assert value["n"] == {"k": ["x"] * fanout, "j": 1}
-    assert time.perf_counter() - started < 5
 
 
 @given(depth=st.integers(1, 3 * MAX_NESTING), flow=st.booleans())

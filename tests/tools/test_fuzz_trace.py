@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import math
-import time
 
 import pytest
 from hypothesis import given
@@ -74,10 +73,8 @@ TOKENS = [
 def run_trace(path) -> int:
     """`flowrl trace PATH --no-png` in process: its exit code; a FlowError shows as one line on stderr."""
     out, err = io.StringIO(), io.StringIO()
-    started = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["trace", str(path), "--no-png"])
-    assert time.perf_counter() - started < 10
     if code == 2:
         lines = err.getvalue().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"flowrl trace: ConfigError: {path}"), err.getvalue()
