@@ -9,6 +9,7 @@ stage. Clocks of different nodes are not aligned beyond what the OS keeps them.
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 ENGINE = "engine"
+SCALE = "autoscale"  # the group of the instants that mark a pool resized
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,38 +56,76 @@ class Timeline:
         return list(self._spans) if self.limit else []
 
 
+def is_scale_event(span: Span) -> bool:
+    """Whether ``span`` marks a pool resized (an instant of the ``autoscale`` group, or ``eval:autoscale``)."""
+    return span.group.rpartition(":")[2] == SCALE
+
+
 def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
-    """``spans`` as a Chrome trace: a process per model (the engine first), a thread per
-    replica or rank, a complete event ("X") per span, times in microseconds."""
+    """``spans`` as a Chrome trace (the Trace Event Format's JSON object form): a process per model
+    (the engine first), a thread per replica or rank, a complete event ("X") per span, an instant
+    ("i") and a ``replicas`` counter step ("C") per scale event, times in microseconds."""
     spans = sorted(spans, key=lambda s: s.start)
     groups = sorted({s.group for s in spans}, key=lambda g: (g != ENGINE, g))
     pid = {g: i + 1 for i, g in enumerate(groups)}
     events: list[dict[str, Any]] = []
     for g in groups:
-        events.append({"ph": "M", "name": "process_name", "pid": pid[g], "tid": 0, "args": {"name": g}})
-        events.append(
-            {"ph": "M", "name": "process_sort_index", "pid": pid[g], "tid": 0, "args": {"sort_index": pid[g]}}
-        )
-        for lane in sorted({s.lane for s in spans if s.group == g}):
-            label = "phases" if g == ENGINE else f"{g}[{lane}]"
-            events.append({"ph": "M", "name": "thread_name", "pid": pid[g], "tid": lane, "args": {"name": label}})
+        events += _names(g, pid[g], sorted({s.lane for s in spans if s.group == g}))
     origin = spans[0].start if spans else 0.0
+    counted: set[str] = set()
     for s in spans:
         # start and end rounded, the duration their difference: spans that touch still touch
         start, end = round((s.start - origin) * 1e6, 3), round((max(s.end, s.start) - origin) * 1e6, 3)
-        events.append(
-            {
-                "ph": "X",
-                "name": s.name,
-                "cat": s.group,
-                "pid": pid[s.group],
-                "tid": s.lane,
-                "ts": start,
-                "dur": round(end - start, 3),
-                "args": s.args,
-            }
-        )
+        where = {"name": s.name, "cat": s.group, "pid": pid[s.group], "tid": s.lane, "ts": start}
+        if is_scale_event(s):
+            events.append({"ph": "i", "s": "p", **where, "args": _finite(s.args)})
+            events += _replicas(s, pid[s.group], start, counted)
+        else:
+            events.append({"ph": "X", **where, "dur": round(end - start, 3), "args": _finite(s.args)})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
+
+
+def _names(group: str, pid: int, lanes: list[int]) -> list[dict[str, Any]]:
+    """The metadata events that name ``group``'s process and its lanes' threads."""
+    out: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": group}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+    ]
+    for lane in lanes:
+        label = "phases" if group == ENGINE else f"{group}[{lane}]"
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane, "args": {"name": label}})
+    return out
+
+
+def _replicas(s: Span, pid: int, ts: float, counted: set[str]) -> list[dict[str, Any]]:
+    """A scale event as steps of its model's ``replicas`` counter (Perfetto draws a counter track
+    per model): the size before, at the timeline's start, the first time the model is seen."""
+    model, before, after = (
+        str(s.args.get("model", s.name.rpartition(" ")[2])),
+        s.args.get("before"),
+        s.args.get("after"),
+    )
+    if type(before) is not int or type(after) is not int:
+        return []
+    out = (
+        []
+        if model in counted
+        else [{"ph": "C", "name": "replicas", "pid": pid, "tid": 0, "ts": 0.0, "args": {model: before}}]
+    )
+    counted.add(model)
+    return [*out, {"ph": "C", "name": "replicas", "pid": pid, "tid": 0, "ts": ts, "args": {model: after}}]
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities spelled as strings: JSON has no such numbers, and Perfetto
+    refuses a file that holds them."""
+    if type(value) is float:
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not all(type(v) is int for v in value):
+        return [_finite(v) for v in value]
+    return value
 
 
 # The engine keeps 200,000 spans (Timeline's limit): with shards of a few hundred ids that is
@@ -99,8 +139,8 @@ _Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_LANES)]
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True):
-    """One Chrome trace event as ``chrome_trace`` writes it: "M" names a process or thread, "X" is a span
-    (other phases are left alone)."""
+    """One Chrome trace event as ``chrome_trace`` writes it: "M" names a process or thread, "X" is a span,
+    "i" (or "I") an instant, read as a span of no length (other phases are left alone)."""
 
     ph: str
     name: str = ""
@@ -155,6 +195,9 @@ def read_chrome_trace(data: Mapping[str, Any], where: str = "trace") -> list[Spa
     return _spans(trace, where)
 
 
+_SPANS = frozenset({"X", "i", "I"})  # the phases read as spans
+
+
 def _spans(trace: _Trace, where: str) -> list[Span]:
     names: dict[int, str] = {}
     for i, e in enumerate(trace.traceEvents):
@@ -164,13 +207,16 @@ def _spans(trace: _Trace, where: str) -> list[Span]:
                 raise ConfigError(f"{where}: traceEvents[{i}].args.name: expected the process's name, got {name!r:.80}")
             names[e.pid] = name
     origin = trace.otherData.origin_unix_s
-    return [_span(i, e, names, origin, where) for i, e in enumerate(trace.traceEvents) if e.ph == "X"]
+    return [_span(i, e, names, origin, where) for i, e in enumerate(trace.traceEvents) if e.ph in _SPANS]
 
 
 def _span(i: int, e: _Event, names: dict[int, str], origin: float, where: str) -> Span:
     at = f"{where}: traceEvents[{i}]"
-    if e.ts is None or e.dur is None:
-        raise ConfigError(f"{at}: a complete event (ph X) needs ts and dur")
+    dur = 0.0 if e.ph != "X" else e.dur
+    if e.ts is None or dur is None:
+        raise ConfigError(
+            f"{at}: a complete event (ph X) needs ts and dur" if e.ph == "X" else f"{at}: an instant needs ts"
+        )
     if e.pid not in names:
         raise ConfigError(f"{at}.pid: {e.pid} is named by no process_name event")
     samples = e.args.get("samples", 0)
@@ -181,7 +227,7 @@ def _span(i: int, e: _Event, names: dict[int, str], origin: float, where: str) -
         lane=e.tid,
         name=e.name,
         start=origin + e.ts / 1e6,
-        end=origin + (e.ts + e.dur) / 1e6,
+        end=origin + (e.ts + dur) / 1e6,
         args=e.args,
     )
 

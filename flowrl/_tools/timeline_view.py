@@ -1,26 +1,90 @@
 """Reading a timeline: the summary table and the utilisation chart of ``flowrl trace``.
 
-The chart has a row per replica (and trainer rank), time across, a bar per shard coloured by
-stage; the engine's phases run along the top. Idle time is the white between bars. It needs
-matplotlib (``pip install 'flowrl[plot]'``).
+The chart has a row per replica (and trainer rank), time across, a bar per shard in its model's
+colour (hatched by stage when a model has several); the engine's phases, startup included, run
+along the top in colours of their own, and every pool resize is a dashed line across all rows.
+Idle time is the white between bars. It needs matplotlib (``pip install 'flowrl[plot]'``).
+
+A model's colour comes from its name alone (a stable hash into ``PALETTE``), so a model keeps
+its colour from run to run and in its evaluation pool; two names of one picture that hash to
+the same colour are told apart by probing on, in name order, which depends only on the names.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .._core.errors import ConfigError
-from .._core.trace import ENGINE, Span
+from .._core.trace import ENGINE, Span, is_scale_event
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # matplotlib refuses images taller than 2**16 pixels: 0.3 inch a row at 110 dpi allows ~1,980
 MAX_CHART_ROWS = 1_000
-PHASE_COLOURS = {"rollout": "#4c72b0", "train": "#dd8452", "sync": "#55a868", "eval": "#8172b3"}
+STARTUP = "startup"  # the engine's span before its first episode
+# 21 colours at least 26 apart in CIELAB (tab10, then the farthest of ColorBrewer's sets): the
+# engine's phases take five, models the other sixteen, so a phase never looks like a model
+PHASE_COLOURS = {
+    STARTUP: "#7f7f7f",
+    "rollout": "#393b79",
+    "train": "#a6761d",
+    "sync": "#1b9e77",
+    "eval": "#637939",
+}
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+    "#fdc086",
+    "#a1d99b",
+    "#f0027f",
+    "#decbe4",
+    "#fb8072",
+    "#e6ab02",
+    "#fbb4ae",
+)
+SCALE_COLOUR = "#000000"  # resize lines: black and dashed, like no bar
+HATCHES = ("", "//", "..", "xx", "\\\\", "oo", "++", "--")  # a model's stages, in name order
+
+
+def model_of(group: str) -> str:
+    """The model a timeline group belongs to: an evaluation pool's ``eval:policy`` is ``policy``."""
+    return group.rpartition(":")[2]
+
+
+def model_colours(models: Iterable[str]) -> dict[str, str]:
+    """A colour per model name: its hash's slot of ``PALETTE``, or the next free one in name order
+    when an earlier name holds it (up to 16 names are all distinct; more share, in turn)."""
+    out: dict[str, str] = {}
+    taken: set[int] = set()
+    for name in sorted(set(models)):
+        slot = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % len(PALETTE)
+        if len(taken) == len(PALETTE):
+            taken.clear()  # every colour used once: the 17th name starts the palette again
+        while slot in taken:
+            slot = (slot + 1) % len(PALETTE)
+        taken.add(slot)
+        out[name] = PALETTE[slot]
+    return out
 
 
 def summary(spans: list[Span]) -> list[dict[str, object]]:
-    """Per group (model, trainer, or the engine's phases): lanes, spans, samples, busy seconds
-    and the busy fraction of its lanes over the whole timeline."""
+    """Per group (model, trainer, the engine's phases, ``startup``: the engine's time before its
+    first episode, ``autoscale``: the resizes): lanes, spans, samples, busy seconds and the busy
+    fraction of its lanes over the whole timeline."""
     if not spans:
         return []
     start, end = min(s.start for s in spans), max(s.end for s in spans)
@@ -28,13 +92,14 @@ def summary(spans: list[Span]) -> list[dict[str, object]]:
     rows: dict[str, dict[str, float]] = defaultdict(lambda: {"spans": 0, "samples": 0, "busy_s": 0.0})
     lanes: dict[str, set[int]] = defaultdict(set)
     for s in spans:
-        row = rows[s.group]
+        group = STARTUP if s.group == ENGINE and s.name == STARTUP else s.group
+        row = rows[group]
         row["spans"] += 1
         row["samples"] += int(s.args.get("samples", 0))
         row["busy_s"] += s.end - s.start
-        lanes[s.group].add(s.lane)
+        lanes[group].add(s.lane)
     out = []
-    for group in sorted(rows, key=lambda g: (g != ENGINE, g)):
+    for group in sorted(rows, key=lambda g: (g != STARTUP, g != ENGINE, g)):
         row, n = rows[group], len(lanes[group])
         out.append(
             {
@@ -60,56 +125,138 @@ def format_summary(rows: list[dict[str, object]], length_s: float) -> str:
 
 def render_png(spans: list[Span], path: str | Path, title: str = "") -> Path:
     """The utilisation chart of ``spans`` as a PNG."""
+    path = Path(path)
+    fig = draw_timeline(spans, title, where=str(path))
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return path
+
+
+def draw_timeline(spans: list[Span], title: str = "", where: str = "the chart") -> Figure:
+    """The utilisation chart of ``spans`` as a matplotlib Figure (closed by the caller): its bars
+    carry the gid ``bars:<group>[<lane>]:<span name>``, its resize lines ``scale:<span name>``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
 
-    origin = min(s.start for s in spans)
-    tracks = sorted({(s.group, s.lane) for s in spans}, key=lambda t: (t[0] != ENGINE, t[0], t[1]))
+    bars = [s for s in spans if not is_scale_event(s)]
+    tracks = sorted({(s.group, s.lane) for s in bars}, key=lambda t: (t[0] != ENGINE, t[0], t[1]))
     if len(tracks) > MAX_CHART_ROWS:
         raise ConfigError(
-            f"{path}: the chart would have {len(tracks)} rows (replicas and ranks), more than {MAX_CHART_ROWS} "
+            f"{where}: the chart would have {len(tracks)} rows (replicas and ranks), more than {MAX_CHART_ROWS} "
             "fit in a PNG; --no-png prints the summary only"
         )
-    row = {t: len(tracks) - 1 - i for i, t in enumerate(tracks)}
-    names = sorted({s.name for s in spans if s.group != ENGINE})
-    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
-    colour = {n: cmap(i % cmap.N) for i, n in enumerate(names)} | PHASE_COLOURS
-    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.3 * len(tracks)))
-    by_track: dict[tuple[str, int], list[tuple[float, float, str]]] = defaultdict(list)
-    for s in spans:
-        by_track[(s.group, s.lane)].append((s.start - origin, max(s.end - s.start, 1e-6), s.name))
-    for track, bars in by_track.items():
-        ax.broken_barh(
-            [(x, w) for x, w, _ in bars],
-            (row[track] - 0.4, 0.8),
-            facecolors=[colour.get(n, "grey") for _, _, n in bars],
-            linewidth=0,
-        )
+    origin = min(s.start for s in spans)
+    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.3 * max(len(tracks), 1)))
+    styles = _styles(bars)
+    _draw_bars(ax, bars, tracks, origin, styles)
+    scales = _draw_scale_events(ax, [s for s in spans if is_scale_event(s)], origin)
     ax.set_yticks(range(len(tracks)))
     ax.set_yticklabels([("phases" if g == ENGINE else f"{g}[{lane}]") for g, lane in reversed(tracks)], fontsize=8)
+    ax.set_ylim(-0.6, max(len(tracks), 1) - 0.4)
     ax.set_xlabel("seconds")
-    ax.set_xlim(0, max(s.end for s in spans) - origin)
-    handles = [
-        Rectangle((0, 0), 1, 1, color=colour[n])
-        for n in [*names, *(p for p in PHASE_COLOURS if any(s.name == p for s in spans))]
-    ]
-    labels = [*names, *(p for p in PHASE_COLOURS if any(s.name == p for s in spans))]
-    ax.legend(
-        handles,
-        labels,
-        loc="lower left",
-        bbox_to_anchor=(0.0, 1.0),
-        ncol=min(len(labels), 6),
-        fontsize=8,
-        frameon=False,
-    )
+    ax.set_xlim(0, max(max(s.end for s in spans) - origin, 1e-6))
+    _legend(ax, styles, scales)
     fig.suptitle(title or "busy time per replica (white: idle)", fontsize=10)
+    ax.set_axisbelow(True)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+Style = tuple[str, str]  # face colour, hatch
+
+
+def _styles(bars: list[Span]) -> dict[tuple[str, str], Style]:
+    """(model or ``engine``, span name) -> its style: a phase's colour, or its model's colour with a
+    hatch per stage (the first stage of a model plain)."""
+    stages: dict[str, set[str]] = defaultdict(set)
+    for s in bars:
+        if s.group != ENGINE:
+            stages[model_of(s.group)].add(s.name)
+    colours = model_colours(stages)
+    out: dict[tuple[str, str], Style] = {
+        (ENGINE, n): (PHASE_COLOURS.get(n, "#c7c7c7"), "") for n in {s.name for s in bars if s.group == ENGINE}
+    }
+    for model, names in stages.items():
+        for i, name in enumerate(sorted(names)):
+            out[(model, name)] = (colours[model], HATCHES[i % len(HATCHES)])
+    return out
+
+
+def _draw_bars(
+    ax: Axes, bars: list[Span], tracks: list[tuple[str, int]], origin: float, styles: dict[tuple[str, str], Style]
+) -> None:
+    row = {t: len(tracks) - 1 - i for i, t in enumerate(tracks)}
+    runs: dict[tuple[str, int, str], list[tuple[float, float]]] = defaultdict(list)
+    for s in bars:
+        runs[(s.group, s.lane, s.name)].append((s.start - origin, max(s.end - s.start, 1e-6)))
+    for (group, lane, name), xs in runs.items():
+        colour, hatch = styles[(group if group == ENGINE else model_of(group), name)]
+        collection = ax.broken_barh(
+            xs, (row[(group, lane)] - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0, hatch=hatch
+        )
+        collection.set_gid(f"bars:{group}[{lane}]:{name}")
+        collection.set_zorder(2)
+
+
+def _draw_scale_events(ax: Axes, events: list[Span], origin: float) -> int:
+    """A dashed line across every row per resize, above the bars, labelled with what changed."""
+    for s in sorted(events, key=lambda s: s.start):
+        x = s.start - origin
+        ax.axvline(x, color=SCALE_COLOUR, linestyle="--", linewidth=1.2, zorder=5, gid=f"scale:{s.name}")
+        before, after = s.args.get("before"), s.args.get("after")
+        label = s.name if before is None or after is None else f"{s.name} {before}→{after}"
+        ax.text(
+            x,
+            0.98,
+            f" {label}",
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            zorder=6,
+            gid=f"scale-label:{s.name}",
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
+        )
+    return len(events)
+
+
+def _legend(ax: Axes, styles: dict[tuple[str, str], Style], scales: int) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+
+    handles: list[Any] = []
+    labels: list[str] = []
+    by_model: dict[str, list[str]] = defaultdict(list)
+    for model, name in sorted(k for k in styles if k[0] != ENGINE):
+        by_model[model].append(name)
+    for model, names in by_model.items():
+        for name in names:
+            colour, hatch = styles[(model, name)]
+            handles.append(Rectangle((0, 0), 1, 1, facecolor=colour, hatch=hatch, edgecolor="white", linewidth=0))
+            labels.append(model if len(names) == 1 else f"{model}: {name.rpartition('.')[2]}")
+    phases = [p for p in PHASE_COLOURS if (ENGINE, p) in styles]
+    phases += sorted(n for g, n in styles if g == ENGINE and n not in PHASE_COLOURS)
+    for phase in phases:
+        handles.append(Rectangle((0, 0), 1, 1, facecolor=styles[(ENGINE, phase)][0], linewidth=0))
+        labels.append(phase)
+    if scales:
+        handles.append(Line2D([0], [0], color=SCALE_COLOUR, linestyle="--", linewidth=1.2))
+        labels.append("resize")
+    if handles:
+        ax.legend(
+            handles,
+            labels,
+            loc="lower left",
+            bbox_to_anchor=(0.0, 1.0),
+            ncol=min(len(labels), 6),
+            fontsize=8,
+            frameon=False,
+        )

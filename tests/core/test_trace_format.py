@@ -40,3 +40,101 @@ def test_read_chrome_trace_names_the_event_and_the_field_it_refuses():
         bad["traceEvents"][x][key] = value
         with pytest.raises(ConfigError, match=message):
             read_chrome_trace(bad, "run/trace.json")
+
+
+def _scale(model: str, at: float, before: int, after: int) -> Span:
+    action = "grow" if after > before else "shrink"
+    return Span(
+        group="autoscale",
+        lane=0,
+        name=f"{action} {model}",
+        start=at,
+        end=at,
+        args={"before": before, "after": after, "reason": "requested"},
+    )
+
+
+def _run_spans() -> list[Span]:
+    """An engine's timeline in small: startup, two episodes' phases, two replicas, a trainer, resizes."""
+    spans = [
+        Span(group="engine", lane=0, name="startup", start=100.0, end=104.0),
+        Span(group="engine", lane=0, name="rollout", start=104.0, end=106.0, args={"episode": 0}),
+        Span(group="engine", lane=0, name="train", start=106.0, end=107.0, args={"episode": 0}),
+        Span(group="engine", lane=1, name="rollout", start=106.5, end=108.0, args={"episode": 1}),
+        Span(group="engine", lane=2, name="sync", start=107.0, end=107.25, args={"episode": 0}),
+        Span(
+            group="trainer", lane=0, name="train_step", start=106.1, end=106.9, args={"samples": 4, "ids": [0, 1, 2, 3]}
+        ),
+        _scale("policy", 105.0, 1, 2),
+        _scale("policy", 107.5, 2, 1),
+    ]
+    for r, (start, end) in enumerate([(104.0, 105.9), (105.0, 106.0)]):
+        spans.append(
+            Span(group="policy", lane=r, name="policy.forward_step", start=start, end=end, args={"samples": 2})
+        )
+    return spans
+
+
+def test_a_run_with_every_kind_of_span_is_a_trace_perfetto_reads():
+    from _traces import Complete, Counter, Instant, assert_trace_event_format
+
+    trace = chrome_trace(_run_spans())
+    parsed = assert_trace_event_format(trace)
+    kinds = [type(e) for e in parsed.traceEvents]
+    assert kinds.count(Complete) == 8 and kinds.count(Instant) == 2
+    # the pool's size as a counter: 1 from the start (startup, at 100 s), 2 from 105 s, 1 from 107.5 s
+    steps = [(e.ts, e.args) for e in parsed.traceEvents if isinstance(e, Counter)]
+    assert steps == [(0.0, {"policy": 1.0}), (5e6, {"policy": 2.0}), (7.5e6, {"policy": 1.0})]
+    instants = [e for e in parsed.traceEvents if isinstance(e, Instant)]
+    assert [(e.name, e.s, e.ts) for e in instants] == [("grow policy", "p", 5e6), ("shrink policy", "p", 7.5e6)]
+
+
+def test_scale_events_read_back_as_spans_of_no_length():
+    spans = _run_spans()
+    back = read_chrome_trace(json.loads(json.dumps(chrome_trace(spans))))
+    key = lambda s: (s.start, s.group, s.lane, s.name)  # noqa: E731
+    assert sorted(back, key=key) == sorted(spans, key=key)
+    assert [s.name for s in back if s.start == s.end] == ["grow policy", "shrink policy"]
+
+
+def test_numbers_json_cannot_hold_are_written_as_strings():
+    from _traces import assert_trace_event_format
+
+    spans = [
+        Span(
+            group="policy", lane=0, name="s", start=0.0, end=1.0, args={"loss": float("nan"), "m": [1.5, float("inf")]}
+        )
+    ]
+    trace = chrome_trace(spans)
+    assert_trace_event_format(trace)
+    (x,) = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert x["args"] == {"loss": "nan", "m": [1.5, "inf"]}
+
+
+def test_the_format_check_refuses_what_perfetto_would_not_draw():
+    """The check is not vacuous: each break of the format is found (and named)."""
+    import pytest
+    from _traces import assert_trace_event_format
+
+    good = chrome_trace(_run_spans())
+    assert_trace_event_format(good)
+    x = next(i for i, e in enumerate(good["traceEvents"]) if e["ph"] == "X" and e["name"] == "policy.forward_step")
+    c = next(i for i, e in enumerate(good["traceEvents"]) if e["ph"] == "C")
+    names = [i for i, e in enumerate(good["traceEvents"]) if e["name"] == "thread_name"]
+    startup = next(i for i, e in enumerate(good["traceEvents"]) if e["name"] == "startup")
+    breaks = [
+        (lambda t: t["traceEvents"][x].update(dur=-1.0), "Expected `float` >= 0"),
+        (lambda t: t["traceEvents"][x].update(ts=float("nan")), "Out of range float values are not JSON compliant"),
+        (lambda t: t["traceEvents"][x].update(pid="1"), "Expected `int`, got `str`"),
+        (lambda t: t["traceEvents"][x].pop("dur"), "missing required field `dur`"),
+        (lambda t: t["traceEvents"][x].update(ph="Q"), "Invalid value 'Q'"),
+        (lambda t: t["traceEvents"][c]["args"].update(policy="two"), "Expected `float`, got `str`"),
+        (lambda t: [t["traceEvents"].pop(i) for i in reversed(names)], "no thread_name"),
+        # startup (0 to 4 s) stretched to 5 s, into the first rollout (4 to 6 s) on the same thread
+        (lambda t: t["traceEvents"][startup].update(dur=5e6), "half-overlaps"),
+    ]
+    for edit, message in breaks:
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        with pytest.raises((AssertionError, ValueError), match=message):
+            assert_trace_event_format(bad)

@@ -1,9 +1,14 @@
-"""Reading Chrome traces in tests (shared by the pipeline and engine trace tests)."""
+"""Reading Chrome traces in tests (shared by the pipeline, engine and trace-view tests), and a
+check of a trace against the Trace Event Format that ui.perfetto.dev reads."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections import defaultdict
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 
 def trace_tracks(trace: dict) -> dict[tuple[str, int], list[dict]]:
@@ -20,3 +25,80 @@ def assert_no_overlap(tracks: dict) -> None:
     for key, events in tracks.items():
         for a, b in itertools.pairwise(events):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (key, a, b)  # microseconds, rounded to 1 ns
+
+
+# The Trace Event Format (JSON object form), for the phases flowrl writes; unknown fields and
+# phases are refused, so a new kind of event must be added here on purpose.
+Micros = Annotated[float, msgspec.Meta(ge=0)]
+Int = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # Perfetto keeps pid and tid as 32-bit ints
+
+
+class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="ph"):
+    name: str
+    pid: Int
+    tid: Int
+
+
+class Complete(_Base, tag="X"):
+    ts: Micros
+    dur: Micros
+    cat: str = ""
+    args: dict[str, Any] = {}
+
+
+class Instant(_Base, tag="i"):
+    ts: Micros
+    s: Literal["g", "p", "t"] = "t"
+    cat: str = ""
+    args: dict[str, Any] = {}
+
+
+class Counter(_Base, tag="C"):
+    ts: Micros
+    args: dict[str, float]  # a series per key: numbers only
+    cat: str = ""
+
+
+class Metadata(_Base, tag="M"):
+    name: Literal["process_name", "thread_name", "process_sort_index", "thread_sort_index", "process_labels"]
+    args: dict[str, Any]
+
+
+class TraceFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    traceEvents: list[Complete | Instant | Counter | Metadata]  # noqa: N815 (the format's names)
+    displayTimeUnit: Literal["ms", "ns"] = "ms"  # noqa: N815
+    otherData: dict[str, Any] = {}  # noqa: N815
+
+
+def assert_trace_event_format(trace: dict[str, Any]) -> TraceFile:
+    """Fail unless ``trace`` is a Trace Event Format file Perfetto draws as flowrl means it: the
+    schema above over strict JSON (no NaN or infinity anywhere), named processes and threads, and
+    the complete events of each thread nested (Perfetto drops a slice that half-overlaps another)."""
+    raw = json.dumps(trace, allow_nan=False).encode()  # ValueError on NaN or inf
+    parsed = msgspec.json.decode(raw, type=TraceFile)  # ValidationError names the event and field
+    meta = [e for e in parsed.traceEvents if isinstance(e, Metadata)]
+    for e in meta:
+        want = {"process_name": str, "thread_name": str, "process_labels": str}.get(e.name, int)
+        key = "sort_index" if e.name.endswith("sort_index") else "name" if e.name != "process_labels" else "labels"
+        assert set(e.args) == {key} and type(e.args[key]) is want, e
+    processes = {e.pid for e in meta if e.name == "process_name"}
+    threads = {(e.pid, e.tid) for e in meta if e.name == "thread_name"}
+    for e in parsed.traceEvents:
+        assert e.pid in processes, f"no process_name for {e}"
+        assert not isinstance(e, (Complete, Instant)) or (e.pid, e.tid) in threads, f"no thread_name for {e}"
+    spans = defaultdict(list)
+    for e in parsed.traceEvents:
+        if isinstance(e, Complete):
+            spans[(e.pid, e.tid)].append(e)
+    for events in spans.values():
+        _assert_nested(events)
+    return parsed
+
+
+def _assert_nested(events: list[Complete]) -> None:
+    open_ends: list[float] = []  # the ends of the slices that contain the current one
+    for e in sorted(events, key=lambda e: (e.ts, -e.dur)):
+        while open_ends and open_ends[-1] <= e.ts + 1e-3:  # rounded to 1 ns: touching is fine
+            open_ends.pop()
+        assert not open_ends or e.ts + e.dur <= open_ends[-1] + 1e-3, f"{e} half-overlaps an earlier slice"
+        open_ends.append(e.ts + e.dur)
