@@ -9,12 +9,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .._core.batch import Batch
     from .._core.config import CallMeta, ShardCall
-    from .specs import ReplicaHandle, ReplicaSpec
+    from .specs import ActorCounts, ReplicaHandle, ReplicaSpec
     from .weight_share import Group
 
 
 class Cluster(Protocol):
-    """Replica actors on a cluster: start, watch and stop them."""
+    """Replica actors on a cluster: start, watch and stop them. ``counts``: the actors started
+    so far and the train calls running (what the live view shows)."""
+
+    counts: ActorCounts
 
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
         """Connect to (or start) the cluster that will host all of ``specs``; check it can."""

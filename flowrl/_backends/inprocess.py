@@ -17,7 +17,7 @@ import anyio.to_thread
 
 from .._core.errors import ConfigError, FlowError
 from .replica import ReplicaRuntime, TrainerRuntime
-from .specs import DEBUG_ENV, ReplicaHandle, ReplicaSpec, debugging
+from .specs import DEBUG_ENV, ActorCounts, ReplicaHandle, ReplicaSpec, debugging
 from .weight_share import Broadcast, Group
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def _trainer(rank: ReplicaHandle) -> TrainerRuntime:
 class InProcessBackend:
     def __init__(self, *, threads: bool = False) -> None:
         self.threads = threads
+        self.counts = ActorCounts()
         self._replicas: list[_LocalReplica] = []
 
     async def prepare(self, specs: list[ReplicaSpec]) -> None:
@@ -68,6 +69,7 @@ class InProcessBackend:
             replica = _LocalReplica(runtime)
             self._replicas.append(replica)
             handles.append(ReplicaHandle(spec.model.name, spec.replica_id, "local", replica))
+            self.counts.started(spec.model.name)
         return handles
 
     def put(self, batch: Batch) -> LocalRef[Batch]:
@@ -98,12 +100,17 @@ class InProcessBackend:
             log.warning("%s=1: trainer %r runs as one rank instead of %d", DEBUG_ENV, name, len(specs))
         runtime = TrainerRuntime(copy.deepcopy(specs[0].model), 0, 1)
         runtime.setup(None, [], "local", timeout_s)
+        self.counts.started(specs[0].model.name)
         return [ReplicaHandle(specs[0].model.name, 0, "local", runtime)]
 
     async def train(
         self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
     ) -> dict[str, Any]:
-        return _trainer(rank).train(shard.value, step_size, micro_batch, iteration)
+        self.counts.training_started(rank.model)
+        try:
+            return _trainer(rank).train(shard.value, step_size, micro_batch, iteration)
+        finally:
+            self.counts.training_ended(rank.model)
 
     async def get_weights(self, rank: ReplicaHandle) -> LocalRef[object]:
         holder: _LocalReplica | TrainerRuntime = rank.ref  # a replica's, or a trainer rank's

@@ -42,7 +42,7 @@ from .ray_wire import (
     raise_remote,
     unframe,
 )
-from .specs import Bundle, ReplicaHandle, ReplicaSpec, check_capacity
+from .specs import ActorCounts, Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 
 if TYPE_CHECKING:
     from .weight_share import Group
@@ -104,17 +104,20 @@ async def _kill(actors: list[Any]) -> None:
                 pass
 
 
-async def _setup(spec: ReplicaSpec, actor: Any, *args: Any) -> ReplicaHandle:
+async def _setup(spec: ReplicaSpec, actor: Any, counts: ActorCounts, *args: Any) -> ReplicaHandle:
     try:
         node = await actor.setup.remote(*args)
     except (RayTaskError, RayActorError) as err:
         raise _translate(err, f"{spec.model.name}.setup", spec.replica_id, []) from err
+    counts.started(spec.model.name)
     return ReplicaHandle(spec.model.name, spec.replica_id, node, actor)
 
 
 class RayBackend:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
+        self.counts = ActorCounts()
+        self._reserving: list[asyncio.Future[None]] = []  # placement groups not reserved yet
         self._owner = False
         self._connected = False
         self._actors: list[Any] = []
@@ -162,13 +165,14 @@ class RayBackend:
         waits, actors = {}, {}
         for s in specs:
             actor = self._create(ReplicaActor, s, s.model, s.replica_id)
-            future = asyncio.ensure_future(_setup(s, actor))
+            future = asyncio.ensure_future(_setup(s, actor, self.counts))
             waits[future], actors[future] = s, actor
         done, pending = await asyncio.wait(
             waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
         )
         for fut in pending:
             fut.cancel()
+        self._forget_reserving()
         failed = [err for f in done if (err := f.exception()) is not None]
         if failed or pending:  # none of this call's actors is left holding resources
             await self.stop([ReplicaHandle(s.model.name, s.replica_id, "", actors[f]) for f, s in waits.items()])
@@ -235,7 +239,18 @@ class RayBackend:
             shape = {"GPU": bundle.gpus, "CPU": bundle.cpus}
             pg = placement_group([dict(shape) for _ in range(bundle.size)], strategy="PACK")
             self._groups[bundle.group] = pg
+            self._reserving.append(asyncio.ensure_future(self._reserved(bundle.group, pg)))
         return pg
+
+    async def _reserved(self, group: str, pg: Any) -> None:
+        await pg.ready()
+        self.counts.reserved.add(group)
+
+    def _forget_reserving(self) -> None:
+        """Stop waiting on placement groups (their actors have started, or failed to)."""
+        for fut in self._reserving:
+            fut.cancel()
+        self._reserving.clear()
 
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
         await self.prepare(specs)
@@ -243,9 +258,8 @@ class RayBackend:
         try:
             with anyio.fail_after(self.config.setup_timeout_s):
                 init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
-                return list(
-                    await asyncio.gather(*(_setup(s, r, init, timeout_s) for s, r in zip(specs, ranks, strict=True)))
-                )
+                setups = (_setup(s, r, self.counts, init, timeout_s) for s, r in zip(specs, ranks, strict=True))
+                return list(await asyncio.gather(*setups))
         except TimeoutError as err:
             raise ClusterError(
                 f"trainer {specs[0].model.name!r}: its {len(specs)} ranks did not start within "
@@ -254,15 +268,20 @@ class RayBackend:
             ) from err
         except (RayTaskError, RayActorError) as err:  # the rendezvous itself failed
             raise _translate(err, f"{specs[0].model.name}.setup", 0, []) from err
+        finally:
+            self._forget_reserving()
 
     async def train(
         self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
     ) -> dict[str, Any]:
+        self.counts.training_started(rank.model)
         try:  # the shard reference is resolved by Ray inside the rank's process
             metrics: dict[str, Any] = await rank.ref.train.remote(by_value(shard), step_size, micro_batch, iteration)
             return metrics
         except (RayTaskError, RayActorError) as err:
             raise _translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
+        finally:
+            self.counts.training_ended(rank.model)
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
         (ref,) = await _ask(rank, "get_weights", "get_weights")
@@ -368,6 +387,7 @@ class RayBackend:
         return [local(r) if isinstance(r, (Inline, Reply)) else open_stored(fetched[r]) for r in refs]
 
     async def close(self) -> None:
+        self._forget_reserving()
         await anyio.to_thread.run_sync(self._replies.close)
         for end in self._channels.values():
             end.close()

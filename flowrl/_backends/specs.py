@@ -1,5 +1,6 @@
 """What a backend is asked to start (``ReplicaSpec``, ``Bundle``), the handle it gives back
-(``ReplicaHandle``), the capacity check shared by the backends, and the debugging switch."""
+(``ReplicaHandle``), what it has started so far (``ActorCounts``), the capacity check shared by
+the backends, and the debugging switch."""
 
 from __future__ import annotations
 
@@ -40,6 +41,35 @@ class ReplicaHandle:
     replica_id: int
     node_id: str
     ref: Any  # the backend's own handle
+
+
+class ActorCounts:
+    """What a backend has started and what its trainer ranks do now, for the live view: actors
+    expected and ready per model, placement groups needed and reserved, train calls running
+    per trainer. The backend counts; the engine says what to expect (it knows every pool)."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, int] = {}
+        self.ready: dict[str, int] = {}
+        self.groups: set[str] = set()
+        self.reserved: set[str] = set()
+        self.training: dict[str, int] = {}
+
+    def expect(self, specs: list[ReplicaSpec]) -> None:
+        for s in specs:
+            self.expected[s.model.name] = self.expected.get(s.model.name, 0) + 1
+            self.ready.setdefault(s.model.name, 0)
+            if s.bundle is not None:
+                self.groups.add(s.bundle.group)
+
+    def started(self, model: str) -> None:
+        self.ready[model] = self.ready.get(model, 0) + 1
+
+    def training_started(self, model: str) -> None:
+        self.training[model] = self.training.get(model, 0) + 1
+
+    def training_ended(self, model: str) -> None:
+        self.training[model] -= 1
 
 
 def default_spec(model: Model, replica: int) -> ReplicaSpec:

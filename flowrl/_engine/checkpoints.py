@@ -54,15 +54,17 @@ class Checkpoints:
         """The last checkpoint written or resumed from."""
         return self._folder
 
-    async def begin(self) -> None:
-        """Once per engine: resume from a checkpoint, or write the first one (after 0 or the
-        resumed episodes) so that a trainer rank dying early has one to be rebuilt from."""
+    async def begin(self, total: int, say: Callable[[str], None]) -> None:
+        """Once per engine: resume from a checkpoint (``say`` tells the user which, and where in
+        a run of ``total`` episodes), or write the first one (after 0 or the resumed episodes)
+        so that a trainer rank dying early has one to be rebuilt from."""
         if self._begun:
             return
         self._begun = True
         source = self.files.source()
         if source is not None:
             await self._restore(source)
+            say(resume_line(source, self.learning.episode, total, self.weights.versions))
         elif self.files.writes:
             await self.save()
 
@@ -156,6 +158,16 @@ class Checkpoints:
         self.weights.forget(trainer)  # what it sent lived in its process: send again from the checkpoint
         await self._restore(folder)
         self.learning.undo(range(self.learning.episode, done))  # episodes to run again
+
+
+def resume_line(folder: Path, done: int, total: int, versions: dict[str, int]) -> str:
+    """``resuming from runs/x/episode-000020: episode 21 of 30, weights version 20``."""
+    line = f"resuming from {folder}: episode {min(done + 1, total)} of {total}"
+    if len(set(versions.values())) == 1:
+        line += f", weights version {next(iter(versions.values()))}"
+    elif versions:
+        line += ", weights versions " + ", ".join(f"{name} {v}" for name, v in versions.items())
+    return line
 
 
 def _cannot_rebuild(err: ReplicaDiedError, why: str) -> ReplicaDiedError:

@@ -12,6 +12,7 @@ import msgspec
 from .._backends.select import make_backend
 from .._core.stats import PipelineStats
 from .._pipeline.opening import plain_errors, running
+from .._pipeline.progress import showing_startup
 
 if TYPE_CHECKING:
     from .._backends.abc import Backend
@@ -77,6 +78,11 @@ class Deployment:
         await self.backend.stop(self.trainers.pop(model.name))
         self.trainers[model.name] = await _start_trainer(self.backend, self.config, self.placement, model)
 
+    def trainer_rows(self, trained: dict[str, int]) -> dict[str, tuple[int, int, int]]:
+        """Per trainer: ranks in a train step now, ranks, and ``trained[name]`` (samples so far)."""
+        busy = self.backend.counts.training
+        return {name: (busy.get(name, 0), len(ranks), trained.get(name, 0)) for name, ranks in self.trainers.items()}
+
     def stats(self) -> PipelineStatsPair:
         if self._stopped is not None:
             return self._stopped
@@ -97,20 +103,34 @@ async def deploy(
         async with plain_errors():
             specs = [placement.spec(m, r) for m in trainers for r in range(m.config.replicas)]
             specs += _pool_specs(placement, rollout, "") + _pool_specs(placement, evaluation, "-eval")
-            await backend.prepare(specs)  # an embedded cluster is sized for all pools
-            groups = {m.name: await _start_trainer(backend, config, placement, m) for m in trainers}
-            # the engine's own progress view covers the pipelines
-            cfg = msgspec.structs.replace(config.pipeline, progress="off")
-            pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec))
-            evaluating = None
-            if evaluation is not None:
-                evaluating = await stack.enter_async_context(
-                    running(evaluation, backend, cfg, lambda m, r: placement.spec(m, r, "-eval"))
-                )
+            backend.counts.expect(specs)
+            with showing_startup(config.progress, backend.counts):
+                await backend.prepare(specs)  # an embedded cluster is sized for all pools
+                groups = {m.name: await _start_trainer(backend, config, placement, m) for m in trainers}
+                pipe, evaluating = await _start_pools(config, placement, backend, stack, rollout, evaluation)
+                backend.counts.reserved |= backend.counts.groups  # every actor started: so were their groups
             return Deployment(config, placement, backend, stack, groups, pipe, evaluating)
     except BaseException:
         await _close(stack, backend)
         raise
+
+
+async def _start_pools(
+    config: RunConfig,
+    placement: Placement,
+    backend: Backend,
+    stack: contextlib.AsyncExitStack,
+    rollout: FlowGraph,
+    evaluation: FlowGraph | None,
+) -> tuple[AsyncPipeline, AsyncPipeline | None]:
+    cfg = msgspec.structs.replace(config.pipeline, progress="off")  # the engine's own view covers the pools
+    pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec))
+    if evaluation is None:
+        return pipe, None
+    evaluating = await stack.enter_async_context(
+        running(evaluation, backend, cfg, lambda m, r: placement.spec(m, r, "-eval"))
+    )
+    return pipe, evaluating
 
 
 def _pool_specs(placement: Placement, graph: FlowGraph | None, pool: str) -> list[ReplicaSpec]:

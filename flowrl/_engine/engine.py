@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,9 @@ from .._core.errors import ConfigError, FlowError, PipelineClosedError
 from .._core.graph import check_one_argument
 from .._core.names import check_name
 from .._core.run_config import RunConfig
-from .._core.trace import Span, Timeline, chrome_trace, write_json
+from .._core.trace import ENGINE, Span, Timeline, chrome_trace, write_json
 from .._pipeline.opening import Flow, build_flow, plain_errors
+from .._pipeline.progress import stopped_line, tell
 from .checkpoint_files import CheckpointFiles
 from .checkpoints import Checkpoints
 from .deployment import Deployment, deploy
@@ -155,9 +157,25 @@ class Engine:
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop()
             raise FlowError("learn() blocks; inside async code use `await engine.alearn()`")
-        if self._portal is not None:
-            return self._portal.call(self._learn)
-        return anyio.run(self.alearn)
+        try:
+            if self._portal is not None:
+                return self._portal.call(self._learn)
+            return anyio.run(self.alearn)
+        except KeyboardInterrupt:
+            self._say_stopped()
+            # the chain (the cancelled tasks' tracebacks) would bury the line above
+            raise KeyboardInterrupt from None
+
+    def _say_stopped(self) -> None:
+        """The one line a Ctrl-C leaves: where the run stopped, and how to resume it."""
+        session = self._session
+        if session is None:
+            line = "flowrl: stopped while starting the actors; no episode ran"
+        else:
+            total = max(self._runs, 1) * self.config.num_episode
+            folder = session.episodes.checkpoints.folder
+            line = stopped_line(self._learning.episode, total, folder, self.config.checkpoint_dir)
+        tell(line)
 
     async def alearn(self) -> EngineStats:
         """Run ``num_episode`` episodes (async)."""
@@ -193,7 +211,9 @@ class Engine:
             raise PipelineClosedError(
                 "an engine runs in one `with engine:` block: its actors and trainer state end with the block"
             )
+        started = time.time()
         deployment = await deploy(self.config, self.placement, self.trainers, self.rollout_graph, self.eval_graph)
+        self.timeline.add(ENGINE, 0, "startup", started, time.time())
         self._session = self._wire(deployment)
         self._pipe_timelines = [("", deployment.rollout.timeline)]
         if deployment.evaluation is not None:
@@ -237,6 +257,11 @@ class Engine:
             portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
             self._portal = portal
             stack.enter_context(portal.wrap_async_context_manager(self))
+        except KeyboardInterrupt:
+            self._portal = None
+            stack.close()
+            self._say_stopped()
+            raise KeyboardInterrupt from None
         except BaseException:
             self._portal = None
             stack.close()

@@ -60,15 +60,15 @@ class EpisodeLoop:
 
     async def learn(self, target: int) -> None:
         """Episodes up to ``target`` episodes done (a resumed run starts after its checkpoint's)."""
-        await self.checkpoints.begin()
         learning, cfg = self.learning, self.config
+        await self.checkpoints.begin(target, Progress(cfg.progress, target).say)
         if learning.episode > target:  # a checkpoint past this run's end would skip training silently
             raise CheckpointError(
                 f"checkpoint {self.checkpoints.folder} is after episode {learning.episode}, past this run's end: "
                 f"learn() runs up to episode {target} (RunConfig.num_episode={cfg.num_episode} per learn() call); "
                 "raise num_episode or resume from an earlier checkpoint (RunConfig.resume)"
             )
-        self._progress = Progress(cfg.progress, target, learning.episode)
+        self._progress = Progress(cfg.progress, target, learning.episode, self._trainer_rows)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._progress.watch, self.deployment.rollout, cfg.sample_per_episode)
             if self.run_dir is not None:
@@ -80,7 +80,11 @@ class EpisodeLoop:
                 await self.checkpoints.rebuilding(self._one_episode)
             tg.cancel_scope.cancel()
 
+    def _trainer_rows(self) -> dict[str, tuple[int, int, int]]:
+        return self.deployment.trainer_rows({n: t.samples for n, t in self.learning.counters.stats().items()})
+
     async def _one_episode(self) -> None:
+        self._progress.phase = "rollout"
         rollout, _ = await self.overlap.roll(self.learning.episode)
         rollout.waited = rollout.ended - rollout.started
         await self._train_episode(rollout)
@@ -90,11 +94,16 @@ class EpisodeLoop:
         offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, for the timeline
         t1 = time.perf_counter()
         train, lags = self._samples_to_train(e, rollout)
+        self._progress.phase = "train"
         results = await self.trainers.train(train, e)
         t2 = time.perf_counter()
         synced = (e + 1) % self.config.sync_every == 0
+        if synced and self.syncing or self.overlap.enabled:
+            self._progress.phase = "sync" if synced and self.syncing else "staleness gate"
         await self.overlap.after_training(e, synced)  # the sync, or its start; then the gate
         t3 = time.perf_counter()
+        if self.learning.eval_due(e):
+            self._progress.phase = "eval"
         evaluated = await self._evaluate(e)
         t4 = time.perf_counter()
         phases = (

@@ -1,15 +1,18 @@
-"""Progress: a live view on a terminal, log lines elsewhere, for an engine's
+"""Progress: a live view on a terminal, log lines elsewhere, for an engine's startup and
 episodes and a pipeline's runs.
 
-``RunConfig.progress`` / ``PipelineConfig.progress``: ``"auto"`` draws a live table (rich)
-when stderr is a terminal and otherwise logs a line per episode (or run) on the ``flowrl``
-logger (at INFO: shown only where logging is set up to show it, so tests print nothing);
-``"live"`` and ``"log"`` choose one; ``"off"`` neither. An engine's own pools stay quiet: its
-view covers them.
+``RunConfig.progress`` / ``PipelineConfig.progress``: ``"auto"`` draws a live view (rich) when
+stderr is a terminal and otherwise writes a line per episode; ``"live"`` and ``"log"`` choose
+one; ``"off"`` neither. An engine's lines go to the ``flowrl.progress`` logger at INFO; when
+the application has configured no logging handler, flowrl prints them on stderr itself, so a
+plain script shows them (configure logging, or set ``progress="off"``, to route or silence
+them). A pipeline's run lines go to the ``flowrl`` logger only. An engine's own pools stay
+quiet: its view covers them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -18,11 +21,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from .._backends.specs import ActorCounts
     from .._core.stats import PipelineStats
     from .inflight import Run
 
 log = logging.getLogger("flowrl")
+lines = logging.getLogger("flowrl.progress")
 TICK_S = 0.25
+
+# per trainer: (ranks in a train call now, ranks, samples trained so far)
+TrainerRows = dict[str, tuple[int, int, int]]
 
 
 class Watched(Protocol):
@@ -41,46 +51,126 @@ def mode(setting: str | bool) -> str:
     return setting
 
 
+def say(line: str) -> None:
+    """``line`` on the ``flowrl.progress`` logger, or on stderr where nobody configured logging
+    (Python would drop an INFO record there, and a run would look silent)."""
+    if lines.hasHandlers():
+        lines.info(line)
+    elif lines.level in (logging.NOTSET, logging.DEBUG, logging.INFO):  # a level set by hand silences it
+        tell(f"flowrl: {line}")
+
+
+def tell(line: str) -> None:
+    """``line`` on stderr, now (a library's own output: no print)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | None) -> str:
+    """The one line a Ctrl-C leaves: where the run stopped and how to go on from there."""
+    where = f"flowrl: stopped at episode {min(done + 1, total)} of {total} ({done} done)"
+    if checkpoint is not None:
+        return f"{where}; last checkpoint {checkpoint}; resume with the same command (RunConfig.resume='auto')"
+    if checkpoint_dir:
+        return f"{where}; no checkpoint written yet in {checkpoint_dir}, so nothing to resume"
+    return f"{where}; nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
+
+
+def metrics_text(metrics: dict[str, dict[str, float]]) -> str:
+    """A trainer's mean metrics, ``ppo_policy loss=0.1 score=0.5; ppo_value ...``."""
+    return "; ".join(f"{t} " + " ".join(f"{k}={v:.4g}" for k, v in m.items()) for t, m in metrics.items() if m)
+
+
 def episode_line(e: Any, total: int) -> str:
     """One line for an ``EpisodeStats``."""
-    metrics = "; ".join(f"{t} " + " ".join(f"{k}={v:.4g}" for k, v in m.items()) for t, m in e.metrics.items() if m)
+    metrics = metrics_text(e.metrics)
     return (
         f"episode {e.episode + 1}/{total}: {e.samples} samples; rollout {e.rollout_s:.2f} s, train {e.train_s:.2f} s, "
         f"sync {e.sync_s:.2f} s, eval {e.eval_s:.2f} s" + (f"; {metrics}" if metrics else "")
     )
 
 
-class Progress:
-    """The view of one ``learn()``: ``episode_done`` after each episode, ``watch`` while it runs."""
+def duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, s = divmod(seconds, 60)
+    return f"{minutes} min {s:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
-    def __init__(self, setting: str | bool, total: int, done: int = 0) -> None:
+
+def pace(done: int, first: int, total: int, elapsed: float) -> tuple[float | None, float | None]:
+    """Episodes per second over this ``learn()`` (``first`` were done before it) and the seconds
+    left at that pace; ``None`` before its first episode ends."""
+    if done <= first or elapsed <= 0:
+        return None, None
+    rate = (done - first) / elapsed
+    return rate, max(0, total - done) / rate
+
+
+def title(done: int, first: int, total: int, elapsed: float, phase: str) -> str:
+    """The live view's title: the episode under way, its phase, the pace and what is left."""
+    head = f"episode {min(done + 1, total)}/{total} · {phase} · {duration(elapsed)}"
+    rate, left = pace(done, first, total, elapsed)
+    if rate is None or left is None:
+        return head
+    return f"{head} · {rate:.3g} episodes/s · ETA {duration(left)}"
+
+
+class Progress:
+    """The view of one ``learn()``: ``phase`` as an episode goes, ``episode_done`` after each,
+    ``watch`` while it runs. ``trainers`` reads the trainer rows (see ``TrainerRows``)."""
+
+    def __init__(
+        self, setting: str | bool, total: int, done: int = 0, trainers: Callable[[], TrainerRows] | None = None
+    ) -> None:
         self.mode = mode(setting)
         self.total = total
         self.started = time.perf_counter()
-        self.episode = done  # episodes done before this learn() (a resumed run, an earlier call)
+        self.first = done  # episodes done before this learn() (a resumed run, an earlier call)
+        self.episode = done
+        self.phase = "rollout"
+        self.last: dict[str, dict[str, float]] = {}  # the last episode's mean train metrics
         self.base: dict[str, int] = {}
+        self.trainers = trainers or dict
+        self.trained = {name: row[2] for name, row in self.trainers().items()}  # at the episode's start
         self._live: Any = None
+
+    def say(self, line: str) -> None:
+        """A line for the user: above the live view, or as a log line."""
+        if self.mode == "live" and self._live is not None:
+            self._live.console.print(line)
+        elif self.mode in ("live", "log"):
+            say(line)
 
     def episode_done(self, stats: Any, pipe: Watched | None) -> None:
         self.episode = stats.episode + 1
+        self.phase = "rollout"  # the next episode's, or waiting for one that ran ahead
+        self.last = stats.metrics
+        self.trained = {name: row[2] for name, row in self.trainers().items()}
         if pipe is not None:
             self.base = {name: s.samples for name, s in pipe.stats().stages.items()}
-        if self.mode == "log":
-            log.info(episode_line(stats, self.total))
-        elif self.mode == "live" and self._live is not None:
-            self._live.console.print(episode_line(stats, self.total))
+        self.say(episode_line(stats, self.total))
+
+    def title(self) -> str:
+        return title(self.episode, self.first, self.total, time.perf_counter() - self.started, self.phase)
+
+    def render(self, pipe: Watched, per_episode: int) -> Any:
+        from rich.console import Group
+
+        parts = [stage_table(pipe, self.title(), self.base, per_episode)]
+        rows = self.trainers()
+        if rows:
+            parts.append(trainer_table(rows, self.trained))
+        if self.last:
+            parts.append(f"last episode: {metrics_text(self.last)}")
+        return Group(*parts)
 
     async def watch(self, pipe: Watched, per_episode: int) -> None:
-        """Redraw the live table until cancelled."""
+        """Redraw the live view until cancelled."""
         if self.mode != "live":
             return
         self.base = {name: s.samples for name, s in pipe.stats().stages.items()}
-
-        def title() -> str:
-            elapsed = time.perf_counter() - self.started
-            return f"episode {min(self.episode + 1, self.total)}/{self.total}, {elapsed:.1f} s"
-
-        await live_view(lambda: stage_table(pipe, title(), self.base, per_episode), self)
+        await live_view(lambda: self.render(pipe, per_episode), self)
 
 
 async def live_view(render: Any, owner: Any = None) -> None:
@@ -113,6 +203,65 @@ def stage_table(pipe: Watched, title: str, base: dict[str, int], of: int | None)
         working, serving = busy[s.model]
         table.add_row(name, f"{done}/{of}" if of else str(done), f"{working}/{serving}", f"{s.queued} ({s.queue_peak})")
     return table
+
+
+def trainer_table(rows: TrainerRows, base: dict[str, int]) -> Any:
+    """A row per trainer: its ranks in a train step now, samples trained this episode."""
+    from rich.table import Table
+
+    table = Table()
+    for column in ("trainer", "ranks busy", "samples trained this episode"):
+        table.add_column(column)
+    for name, (busy, ranks, samples) in rows.items():
+        table.add_row(name, f"{busy}/{ranks}", str(samples - base.get(name, 0)))
+    return table
+
+
+def startup_table(counts: ActorCounts, elapsed: float) -> Any:
+    """A row per model: actors ready of those asked for; placement groups in the title."""
+    from rich.table import Table
+
+    ready, expected = sum(counts.ready.values()), sum(counts.expected.values())
+    head = f"starting actors: {ready}/{expected} ready · {duration(elapsed)}"
+    if counts.groups:
+        head += f" · placement groups reserved {len(counts.reserved)}/{len(counts.groups)}"
+    table = Table(title=head, title_justify="left")
+    for column in ("model", "actors ready"):
+        table.add_column(column)
+    for name, want in counts.expected.items():
+        table.add_row(name, f"{counts.ready.get(name, 0)}/{want}")
+    return table
+
+
+def startup_line(counts: ActorCounts) -> str:
+    expected = sum(counts.expected.values())
+    models = ", ".join(f"{name} {n}" for name, n in counts.expected.items())
+    groups = f", {len(counts.groups)} placement groups" if counts.groups else ""
+    return f"starting {expected} actors for {len(counts.expected)} models ({models}{groups}) ..."
+
+
+@contextlib.contextmanager
+def showing_startup(setting: str | bool, counts: ActorCounts) -> Iterator[None]:
+    """Show the actors starting while the block runs (a live table, or a line before and one
+    after); ``counts.expect`` must have been called. The table is redrawn by rich's own thread:
+    the block enters task groups that outlive it (the pools'), so no task of ours may wrap it."""
+    shown, started = mode(setting), time.perf_counter()
+    if shown == "log":
+        say(startup_line(counts))
+    with contextlib.ExitStack() as stack:
+        if shown == "live":
+            from rich.console import Console
+            from rich.live import Live
+
+            def render() -> Any:
+                return startup_table(counts, time.perf_counter() - started)
+
+            live = Live(get_renderable=render, console=Console(stderr=True), refresh_per_second=4, transient=True)
+            stack.enter_context(live)
+        yield
+    if shown in ("live", "log"):
+        ready = sum(counts.ready.values())
+        say(f"{ready} actors of {len(counts.expected)} models ready in {time.perf_counter() - started:.1f} s")
 
 
 async def watch_run(pipe: Watched, run: Run, base: dict[str, int], scope: anyio.CancelScope) -> None:
