@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from _traces import run_spans
+
 from flowrl._core.trace import Span, chrome_trace, read_chrome_trace
 
 
@@ -42,43 +44,10 @@ def test_read_chrome_trace_names_the_event_and_the_field_it_refuses():
             read_chrome_trace(bad, "run/trace.json")
 
 
-def _scale(model: str, at: float, before: int, after: int) -> Span:
-    action = "grow" if after > before else "shrink"
-    return Span(
-        group="autoscale",
-        lane=0,
-        name=f"{action} {model}",
-        start=at,
-        end=at,
-        args={"before": before, "after": after, "reason": "requested"},
-    )
-
-
-def _run_spans() -> list[Span]:
-    """An engine's timeline in small: startup, two episodes' phases, two replicas, a trainer, resizes."""
-    spans = [
-        Span(group="engine", lane=0, name="startup", start=100.0, end=104.0),
-        Span(group="engine", lane=0, name="rollout", start=104.0, end=106.0, args={"episode": 0}),
-        Span(group="engine", lane=0, name="train", start=106.0, end=107.0, args={"episode": 0}),
-        Span(group="engine", lane=1, name="rollout", start=106.5, end=108.0, args={"episode": 1}),
-        Span(group="engine", lane=2, name="sync", start=107.0, end=107.25, args={"episode": 0}),
-        Span(
-            group="trainer", lane=0, name="train_step", start=106.1, end=106.9, args={"samples": 4, "ids": [0, 1, 2, 3]}
-        ),
-        _scale("policy", 105.0, 1, 2),
-        _scale("policy", 107.5, 2, 1),
-    ]
-    for r, (start, end) in enumerate([(104.0, 105.9), (105.0, 106.0)]):
-        spans.append(
-            Span(group="policy", lane=r, name="policy.forward_step", start=start, end=end, args={"samples": 2})
-        )
-    return spans
-
-
 def test_a_run_with_every_kind_of_span_is_a_trace_perfetto_reads():
     from _traces import Complete, Counter, Instant, assert_trace_event_format
 
-    trace = chrome_trace(_run_spans())
+    trace = chrome_trace(run_spans())
     parsed = assert_trace_event_format(trace)
     kinds = [type(e) for e in parsed.traceEvents]
     assert kinds.count(Complete) == 8 and kinds.count(Instant) == 2
@@ -90,7 +59,7 @@ def test_a_run_with_every_kind_of_span_is_a_trace_perfetto_reads():
 
 
 def test_scale_events_read_back_as_spans_of_no_length():
-    spans = _run_spans()
+    spans = run_spans()
     back = read_chrome_trace(json.loads(json.dumps(chrome_trace(spans))))
     key = lambda s: (s.start, s.group, s.lane, s.name)  # noqa: E731
     assert sorted(back, key=key) == sorted(spans, key=key)
@@ -116,7 +85,7 @@ def test_the_format_check_refuses_what_perfetto_would_not_draw():
     import pytest
     from _traces import assert_trace_event_format
 
-    good = chrome_trace(_run_spans())
+    good = chrome_trace(run_spans())
     assert_trace_event_format(good)
     x = next(i for i, e in enumerate(good["traceEvents"]) if e["ph"] == "X" and e["name"] == "policy.forward_step")
     c = next(i for i, e in enumerate(good["traceEvents"]) if e["ph"] == "C")

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from flowrl._core.trace import Span
+
 
 def trace_tracks(trace: dict) -> dict[tuple[str, int], list[dict]]:
     """Complete events per (process name, thread id), in start order."""
@@ -25,6 +27,39 @@ def assert_no_overlap(tracks: dict) -> None:
     for key, events in tracks.items():
         for a, b in itertools.pairwise(events):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (key, a, b)  # microseconds, rounded to 1 ns
+
+
+def scale_event(model: str, at: float, before: int, after: int) -> Span:
+    action = "grow" if after > before else "shrink"
+    return Span(
+        group="autoscale",
+        lane=0,
+        name=f"{action} {model}",
+        start=at,
+        end=at,
+        args={"before": before, "after": after, "reason": "requested"},
+    )
+
+
+def run_spans() -> list[Span]:
+    """An engine's timeline in small: startup, two episodes' phases, two replicas, a trainer, resizes."""
+    spans = [
+        Span(group="engine", lane=0, name="startup", start=100.0, end=104.0),
+        Span(group="engine", lane=0, name="rollout", start=104.0, end=106.0, args={"episode": 0}),
+        Span(group="engine", lane=0, name="train", start=106.0, end=107.0, args={"episode": 0}),
+        Span(group="engine", lane=1, name="rollout", start=106.5, end=108.0, args={"episode": 1}),
+        Span(group="engine", lane=2, name="sync", start=107.0, end=107.25, args={"episode": 0}),
+        Span(
+            group="trainer", lane=0, name="train_step", start=106.1, end=106.9, args={"samples": 4, "ids": [0, 1, 2, 3]}
+        ),
+        scale_event("policy", 105.0, 1, 2),
+        scale_event("policy", 107.5, 2, 1),
+    ]
+    for r, (start, end) in enumerate([(104.0, 105.9), (105.0, 106.0)]):
+        spans.append(
+            Span(group="policy", lane=r, name="policy.forward_step", start=start, end=end, args={"samples": 2})
+        )
+    return spans
 
 
 # The Trace Event Format (JSON object form), for the phases flowrl writes; unknown fields and

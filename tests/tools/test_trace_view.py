@@ -1,10 +1,18 @@
-"""`flowrl trace`: the summary of a run's timeline and its chart, and what is missing."""
+"""`flowrl trace`: the summary of a run's timeline and its chart (a colour per model, resize
+lines, startup), and what is missing."""
 
 from __future__ import annotations
 
+import json
+
+import matplotlib.colors as mc
 import numpy as np
+import pytest
+from _traces import assert_trace_event_format, run_spans, scale_event
 
 import flowrl
+from flowrl._core.trace import Span
+from flowrl._tools.timeline_view import PALETTE, PHASE_COLOURS, draw_timeline, model_colours, summary
 from flowrl.testing import CountingTrainer, Scale
 
 CPU = {"cpus_per_replica": 0.1}
@@ -25,11 +33,14 @@ def test_flowrl_trace_prints_a_summary_and_draws_the_chart(ray_cluster, tmp_path
     assert main(["trace", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[3:] if line.strip() and not line.startswith("chart")}
-    assert set(rows) == {"engine", "policy", "trainer"}
+    # the engine's span before its first episode is a row of its own (where the engine records one)
+    assert set(rows) - {"startup"} == {"engine", "policy", "trainer"}
+    assert rows.get("startup", ["startup", "1", "1", "0"])[1:4] == ["1", "1", "0"]
     assert rows["policy"][1:4] == ["2", str(stats.rollout["policy.forward_step"].calls), "16"]  # lanes, spans, samples
     assert rows["trainer"][1:4] == ["1", "2", "16"] and rows["engine"][2] == "4"  # 2 x (rollout, train)
     png = tmp_path / "timeline.png"
     assert out[-1] == f"chart: {png}" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_trace_event_format(json.loads((tmp_path / "trace.json").read_text()))  # Perfetto reads it
 
 
 def test_flowrl_trace_names_what_is_missing(tmp_path, capsys):
@@ -55,3 +66,113 @@ def test_a_chart_of_more_rows_than_a_png_holds_is_refused_in_one_line_and_the_su
     assert "policy" in captured.out  # the summary came first
     assert not (tmp_path / "timeline.png").exists()
     assert main(["trace", str(tmp_path), "--no-png"]) == 0
+
+
+def _bars(fig) -> dict[str, str]:
+    """gid -> face colour (hex) of the chart's bar collections."""
+    (ax,) = fig.axes
+    return {c.get_gid(): mc.to_hex(c.get_facecolor()[0]) for c in ax.collections if c.get_gid().startswith("bars:")}
+
+
+def _picture(models: list[str], eval_models: list[str] = ()) -> dict[str, str]:
+    """The colour each group's bars get in a chart of ``models`` (in this order) and evaluation pools."""
+    import matplotlib.pyplot as plt
+
+    spans = [Span(group="engine", lane=0, name="rollout", start=0.0, end=1.0)]
+    for i, group in enumerate([*models, *(f"eval:{m}" for m in eval_models)]):
+        spans.append(Span(group=group, lane=0, name=f"{group.split(':')[-1]}.step", start=i * 0.01, end=0.5))
+    fig = draw_timeline(spans)
+    try:
+        return {gid.split(":", 1)[1].rsplit("[", 1)[0]: colour for gid, colour in _bars(fig).items()}
+    finally:
+        plt.close(fig)
+
+
+def test_a_model_keeps_its_colour_whatever_the_other_models_and_their_order_and_in_its_eval_pool():
+    first = _picture(["policy", "reference", "reward", "policy_trainer"], eval_models=["policy"])
+    second = _picture(["value", "critic", "policy", "judge", "policy_trainer"])
+    third = _picture(["policy_trainer", "policy"])
+    for model in ("policy", "policy_trainer"):
+        assert first[model] == second[model] == third[model]
+    assert first["eval:policy"] == first["policy"]  # the same model in its evaluation pool
+    assert first["engine"] == second["engine"] == PHASE_COLOURS["rollout"]
+    # a model's colour is its name's alone: the same as when it is drawn without the others
+    assert all(model_colours([m])[m] == first[m] for m in ("policy", "reference", "reward"))
+
+
+def test_colours_within_a_picture_are_distinct_also_for_names_that_hash_alike():
+    # "b" and "trainer" hash to the same colour on their own; together, the later name moves on
+    assert model_colours(["b"])["b"] == model_colours(["trainer"])["trainer"]
+    together = _picture(["trainer", "a", "b"])
+    assert len({together[m] for m in ("a", "b", "trainer")}) == 3
+    assert together == _picture(["b", "trainer", "a"])  # the same set gives the same picture
+    many = model_colours([f"model_{i}" for i in range(len(PALETTE))])
+    assert len(set(many.values())) == len(PALETTE)  # every palette colour once
+    assert not set(many.values()) & set(PHASE_COLOURS.values())  # a model never wears a phase's colour
+
+
+def test_every_two_colours_of_a_picture_are_far_apart_in_perceived_colour():
+    """The CIE 1976 distance between any two colours (models and phases) is over 20, where 2.3 is
+    just noticeable: no two bars look alike."""
+
+    def lab(colour: str) -> np.ndarray:
+        rgb = np.array(mc.to_rgb(colour))
+        linear = np.where(rgb > 0.04045, ((rgb + 0.055) / 1.055) ** 2.4, rgb / 12.92)
+        xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+        xyz /= np.array([0.95047, 1.0, 1.08883])
+        f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
+        return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+    colours = [*PALETTE, *PHASE_COLOURS.values()]
+    assert len(set(colours)) == len(colours) == 21
+    closest = min(np.linalg.norm(lab(a) - lab(b)) for i, a in enumerate(colours) for b in colours[i + 1 :])
+    assert closest > 20
+
+
+def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars():
+    import matplotlib.pyplot as plt
+
+    spans = run_spans()  # origin 100 s; policy grown 1 -> 2 at 105 s, shrunk 2 -> 1 at 107.5 s
+    spans.append(scale_event("value", 106.0, 3, 4))
+    fig = draw_timeline(spans)
+    try:
+        (ax,) = fig.axes
+        lines = [line for line in ax.get_lines() if (line.get_gid() or "").startswith("scale:")]
+        assert [(line.get_gid(), list(line.get_xdata())) for line in lines] == [
+            ("scale:grow policy", [5.0, 5.0]),
+            ("scale:grow value", [6.0, 6.0]),
+            ("scale:shrink policy", [7.5, 7.5]),
+        ]
+        assert all(list(line.get_ydata()) == [0, 1] for line in lines)  # the axes' full height: every row
+        assert all(line.get_linestyle() == "--" and line.get_visible() for line in lines)
+        bars = [c for c in ax.collections if c.get_gid().startswith("bars:")]
+        assert min(line.get_zorder() for line in lines) > max(c.get_zorder() for c in bars)
+        labels = sorted(t.get_text().strip() for t in ax.texts if (t.get_gid() or "").startswith("scale-label:"))
+        assert labels == ["grow policy 1→2", "grow value 3→4", "shrink policy 2→1"]
+        assert "resize" in [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "autoscale[0]" not in [t.get_text() for t in ax.get_yticklabels()]  # a line, not a row
+    finally:
+        plt.close(fig)
+
+
+def test_startup_is_a_phase_of_its_own_in_the_chart_and_a_row_of_the_summary():
+    import matplotlib.pyplot as plt
+
+    spans = run_spans()  # startup from 100 s to 104 s, episodes until 108 s
+    rows = {r["group"]: r for r in summary(spans)}
+    assert list(rows)[:2] == ["startup", "engine"]
+    assert rows["startup"] == {"group": "startup", "lanes": 1, "spans": 1, "samples": 0, "busy_s": 4.0, "busy": 0.5}
+    assert rows["engine"]["spans"] == 4 and rows["engine"]["busy_s"] == pytest.approx(
+        4.75
+    )  # 2 + 1 + 1.5 + 0.25: its phases only
+    assert rows["autoscale"]["spans"] == 2
+    fig = draw_timeline(spans)
+    try:
+        bars = _bars(fig)
+        assert bars["bars:engine[0]:startup"] == PHASE_COLOURS["startup"]
+        assert bars["bars:engine[0]:rollout"] == bars["bars:engine[1]:rollout"] == PHASE_COLOURS["rollout"]
+        (ax,) = fig.axes
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend == ["policy", "trainer", "startup", "rollout", "train", "sync", "resize"]
+    finally:
+        plt.close(fig)
