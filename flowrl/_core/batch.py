@@ -50,27 +50,155 @@ def _copy(value: Column) -> Column:
     return value.copy() if isinstance(value, np.ndarray) else list(value)
 
 
-def _cat(parts: list[Column]) -> Column:
+# ---- field types: one kind per field whatever the shard boundaries (docs/flow-api.md) ----
+# A column's kind is "list", "tensor" or "array"; a per-sample value's class is a number
+# (and its dtype), a 0-d tensor (and its dtype), or anything else (kept one per sample).
+Signature = tuple[str, str, tuple[int, ...]]  # (kind, dtype, trailing shape); ("list", "", ())
+
+_FIX = "return a list of per-sample tensors for a ragged field, or pad it to a fixed length"
+
+
+def kind_of(value: Column) -> str:
+    """``"tensor"``, ``"array"`` or ``"list"``: what a column is."""
+    if _is_tensor(value):
+        return "tensor"
+    return "array" if isinstance(value, np.ndarray) else "list"
+
+
+def signature(value: Column) -> Signature:
+    """What must agree between two parts of one field: kind, dtype and trailing shape."""
+    kind = kind_of(value)
+    if kind == "list":
+        return ("list", "", ())
+    return (kind, str(value.dtype).removeprefix("torch."), tuple(int(d) for d in value.shape[1:]))
+
+
+def describe(sig: Signature) -> str:
+    kind, dtype, trailing = sig
+    if kind == "list":
+        return "a list of per-sample values"
+    shape = ", ".join(["n", *map(str, trailing)])
+    return f"a {dtype} {'tensor' if kind == 'tensor' else 'numpy array'} of shape [{shape}]"
+
+
+def _cat(name: str, parts: list[Column], source: str) -> Column:
     first = parts[0]
     if len(parts) == 1:
         return first
-    if _is_tensor(first) and all(_is_tensor(p) for p in parts):
-        if all(p.shape[1:] == first.shape[1:] for p in parts):
-            return sys.modules["torch"].cat(parts)
-    elif isinstance(first, np.ndarray) and all(isinstance(p, np.ndarray) for p in parts):
-        if all(p.shape[1:] == first.shape[1:] for p in parts):
-            return np.concatenate(parts)
-    # Rows of different trailing shapes (e.g. responses padded per shard) stay per-sample.
-    return [row for part in parts for row in part]
+    want = signature(first)
+    bad = next((sig for sig in map(signature, parts) if sig != want), None)
+    if bad is not None:
+        raise FlowDefinitionError(drift_message(name, source, want, bad))
+    if want[0] == "tensor":
+        return sys.modules["torch"].cat(parts)
+    return np.concatenate(parts) if want[0] == "array" else [row for part in parts for row in part]
 
 
-def _stack(values: list[Any]) -> Column:
-    first = values[0]
-    if _is_tensor(first) and all(_is_tensor(v) and v.shape == first.shape for v in values):
+def drift_message(name: str, source: str, was: Signature, now: Signature) -> str:
+    where = f" of {source}" if source else ""
+    return (
+        f"field {name!r}{where} arrives as {describe(was)} for some samples and as {describe(now)} for others; "
+        f"a field keeps one type, dtype and trailing shape for the whole run: {_FIX}"
+    )
+
+
+_PY_DTYPES: dict[type, str] = {bool: "bool", int: "int64", float: "float64"}
+
+
+def _value_class(value: Any) -> tuple[str, str]:
+    """A per-sample value's class: ("number", dtype), ("tensor0", dtype) or ("other", "")."""
+    dtype = _PY_DTYPES.get(type(value))
+    if dtype is not None:
+        return ("number", dtype)
+    if isinstance(value, (np.bool_, np.number)) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return ("number", str(value.dtype))
+    if _is_tensor(value) and value.ndim == 0:
+        return ("tensor0", str(value.dtype).removeprefix("torch."))
+    return ("other", "")
+
+
+def _per_sample(name: str, values: list[Any], first_item: int) -> Column:
+    """One field's per-sample values as a column, by the values' own classes, never their
+    neighbours': numbers -> a 1-D array, 0-d tensors -> a 1-D tensor, anything else (strings,
+    objects, arrays and tensors of any length) -> a list of them."""
+    if not values:
+        return []
+    first = _value_class(values[0])
+    pos = next((i for i, v in enumerate(values) if _value_class(v) != first), None)
+    if pos is not None:
+        other = _value_class(values[pos])
+        raise FlowDefinitionError(
+            f"field {name!r} of the input items: item {first_item} holds {_shown(first, values[0])}, item "
+            f"{first_item + pos} holds {_shown(other, values[pos])}; every item must give a field values of one "
+            "type and dtype "
+            "(e.g. 1.0 rather than 1 in a float field; a missing value as nan rather than None)"
+        )
+    if first[0] == "number":
+        try:
+            return np.asarray(values, dtype=first[1])
+        except OverflowError as err:
+            raise FlowDefinitionError(f"field {name!r} of the input items: {err} (an int must fit int64)") from err
+    if first[0] == "tensor0":
         return sys.modules["torch"].stack(values)
-    if isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape for v in values):
-        return np.stack(values)
     return list(values)
+
+
+def _shown(cls: tuple[str, str], value: Any) -> str:
+    if cls[0] == "number":
+        return f"a {type(value).__name__} ({cls[1]})"
+    return f"a 0-d {cls[1]} tensor" if cls[0] == "tensor0" else f"a {type(value).__name__}"
+
+
+def _row_signature(value: Any) -> Signature:
+    if _is_tensor(value):
+        return ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return ("array", str(value.dtype), tuple(value.shape))
+    return ("list", "", ())
+
+
+def _from_column(name: str, values: list[Any], kind: str) -> Column:
+    """Rows of a producer's column (``Sample.kinds``) back into a column of that kind."""
+    if kind == "list" or not values:
+        return list(values)
+    rows = dict.fromkeys(map(_row_signature, values))
+    if len(rows) > 1 or next(iter(rows))[0] != kind:
+        was, now = (*rows, (kind, "", ()))[:2]
+        raise FlowDefinitionError(drift_message(name, "", was, now))
+    return sys.modules["torch"].stack(values) if kind == "tensor" else np.stack(values)
+
+
+def _stack_alike(values: list[Any]) -> Column:
+    """The lenient rule of a batch built from values alone: stacked when they are all tensors
+    (or all arrays) of one shape and dtype, numbers as an array, a list otherwise."""
+    first = values[0]
+    if _is_tensor(first) and all(_is_tensor(v) and v.shape == first.shape and v.dtype == first.dtype for v in values):
+        return sys.modules["torch"].stack(values)
+    same = (np.ndarray, np.bool_, np.number)
+    if isinstance(first, same) and all(
+        isinstance(v, same) and v.shape == first.shape and v.dtype == first.dtype for v in values
+    ):
+        return np.stack(values)
+    if all(type(v) in _PY_DTYPES for v in values):
+        return np.asarray(values)
+    return list(values)
+
+
+class FieldTypes:
+    """The signature each field had the first time it was seen, checked on every later batch
+    of the same source: a field that changes type fails where it changes, whatever the
+    shard or chunk boundaries (the input items' chunks, one stage's outputs)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self._seen: dict[str, Signature] = {}
+
+    def check(self, fields: Mapping[str, Column]) -> None:
+        for name, value in fields.items():
+            sig = signature(value)
+            was = self._seen.setdefault(name, sig)
+            if was != sig:
+                raise FlowDefinitionError(drift_message(name, self.source, was, sig))
 
 
 def approx_nbytes(batch: Batch) -> int:
@@ -173,6 +301,32 @@ class Batch:
     # ---- construction ----
     @classmethod
     def from_samples(cls, ids: Sequence[int], samples: Sequence[Mapping[str, Any]]) -> Batch:
+        """Per-sample values as columns. A field of ``Sample``s read from a producer's column
+        gets that column's kind back (a list stays a list; a tensor or array is stacked, and
+        rows of different shapes or dtypes are an error); any other field is stacked when its
+        values are tensors (or arrays) of one shape and dtype, an array when they are Python
+        numbers, a list otherwise."""
+        names = cls._sample_names(ids, samples)
+        kinds = _kinds_of(samples)
+        return cls(
+            ids,
+            {
+                n: _from_column(n, values, kinds[n]) if n in kinds else _stack_alike(values)
+                for n, values in ((n, [s[n] for s in samples]) for n in names)
+            },
+        )
+
+    @classmethod
+    def from_items(cls, ids: Sequence[int], items: Sequence[Mapping[str, Any]], *, first_item: int = 0) -> Batch:
+        """Input items as columns, by the rule that keeps a field's type whatever the chunk
+        boundaries: numbers (Python or numpy, one dtype per field) -> a 1-D array, 0-d tensors
+        -> a 1-D tensor, anything else (strings, objects, arrays and tensors of any length) ->
+        a list of per-sample values."""
+        names = cls._sample_names(ids, items)
+        return cls(ids, {n: _per_sample(n, [s[n] for s in items], first_item) for n in names})
+
+    @staticmethod
+    def _sample_names(ids: Sequence[int], samples: Sequence[Mapping[str, Any]]) -> list[str]:
         if len(ids) != len(samples):
             raise FlowError(f"Batch.from_samples: {len(ids)} ids for {len(samples)} samples")
         names = list(samples[0].keys()) if samples else []
@@ -182,10 +336,14 @@ class Batch:
                     f"sample {ids[pos]} has fields {sorted(sample)}, sample {ids[0]} has {sorted(names)}; "
                     "every sample must have the same fields"
                 )
-        return cls(ids, {n: _stack([s[n] for s in samples]) for n in names})
+        return names
 
     @staticmethod
-    def concat(batches: Sequence[Batch]) -> Batch:
+    def concat(batches: Sequence[Batch], *, source: str = "") -> Batch:
+        """The rows of ``batches`` in order. Each field keeps its kind: lists join into a list,
+        tensors (arrays) of one dtype and trailing shape into one tensor (array); parts of
+        different kinds, dtypes or trailing shapes are an error naming the field (and
+        ``source``, the stage that produced it, when given)."""
         if not batches:
             return Batch([])
         bad = next((b for b in batches if not isinstance(b, Batch)), None)
@@ -198,7 +356,12 @@ class Batch:
             if b.keys() != names:
                 raise FlowError(f"cannot concatenate batches with fields {sorted(names)} and {sorted(b.keys())}")
         ids = np.concatenate([b.ids for b in batches])
-        return Batch(ids, {n: _cat([b._fields[n] for b in batches]) for n in names}, _check=False)
+        return Batch(ids, {n: _cat(n, [b._fields[n] for b in batches], source) for n in names}, _check=False)
+
+    def kinds(self) -> dict[str, str]:
+        """Field -> ``"list"``, ``"tensor"`` or ``"array"``: what a ``Sample`` read from one of
+        these rows remembers, so that ``from_samples`` rebuilds each column as it was."""
+        return {n: kind_of(v) for n, v in self._fields.items()}
 
     # ---- mapping-like reads ----
     def __len__(self) -> int:
@@ -285,13 +448,17 @@ class Batch:
 
 
 class Sample(Mapping[str, Any]):
-    """One finished sample: its ``id`` (dataset order within the pipeline) and its fields."""
+    """One finished sample: its ``id`` (dataset order within the pipeline) and its fields.
 
-    __slots__ = ("id", "_fields")
+    ``kinds``: field -> the kind of the column it was read from (``Batch.kinds``), so that a
+    batch rebuilt from samples (a trainer's) has each field's type whatever samples it holds."""
 
-    def __init__(self, sample_id: int, fields: dict[str, Any]) -> None:
+    __slots__ = ("id", "_fields", "kinds")
+
+    def __init__(self, sample_id: int, fields: dict[str, Any], kinds: Mapping[str, str] | None = None) -> None:
         self.id = sample_id
         self._fields = fields
+        self.kinds: Mapping[str, str] = kinds if kinds is not None else {}
 
     def __getitem__(self, name: str) -> Any:
         try:
@@ -307,3 +474,18 @@ class Sample(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Sample(id={self.id}, fields={sorted(self._fields)})"
+
+
+def _kinds_of(samples: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The column kind of each field that ``Sample``s remember; samples that disagree (a
+    stage returned a list in one shard and a tensor in another) are an error."""
+    kinds: dict[str, str] = {}
+    for s in samples:
+        for name, kind in getattr(s, "kinds", {}).items():
+            was = kinds.setdefault(name, kind)
+            if was != kind:
+                raise FlowDefinitionError(
+                    f"field {name!r} was returned as a {was} for some samples and as a {kind} for others "
+                    f"(sample {getattr(s, 'id', '?')}); a field keeps one type for the whole run: {_FIX}"
+                )
+    return kinds

@@ -227,4 +227,4 @@ def _with_staleness(sample: Sample, versions: dict[str, int]) -> Sample:
                 "the staleness the engine adds in asynchronous training"
             )
         fields[staleness_field(model)] = lag
-    return Sample(sample.id, fields)
+    return Sample(sample.id, fields, sample.kinds)

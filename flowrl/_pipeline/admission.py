@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from .._core.batch import Batch
+from .._core.batch import Batch, FieldTypes
 from .._core.errors import FlowDefinitionError
 from .._core.graph import SOURCE
 
@@ -74,6 +74,7 @@ class Admission:
         if total:
             self.expect(total)
         take, close = self._taker(items)
+        types = FieldTypes("the input items")  # one type per field for the whole run
         exhausted = False
         try:
             while not exhausted and not run.abandoned:
@@ -88,7 +89,7 @@ class Admission:
                     self._window.release(room - len(chunk))
                 if chunk:
                     expected = total is not None and run.admitted + len(chunk) <= total
-                    self._admit_chunk(run, chunk, expected=expected)
+                    self._admit_chunk(run, chunk, types, expected=expected)
         finally:
             close()  # stops an async source's pump
             if total is not None and run.admitted < total:
@@ -96,7 +97,7 @@ class Admission:
             run.admission_done = True
             run.maybe_close()
 
-    def _admit_chunk(self, run: Run, chunk: list[Any], *, expected: bool) -> None:
+    def _admit_chunk(self, run: Run, chunk: list[Any], types: FieldTypes, *, expected: bool) -> None:
         for pos, item in enumerate(chunk):
             if not isinstance(item, Mapping):
                 raise FlowDefinitionError(
@@ -104,7 +105,9 @@ class Admission:
                     "field -> value, e.g. {'prompt': x}"
                 )
         costs = self._read_costs(run, chunk)
-        batch = Batch.from_samples(list(range(self._ledger.next_id, self._ledger.next_id + len(chunk))), chunk)
+        first = self._ledger.next_id
+        batch = Batch.from_items(list(range(first, first + len(chunk))), chunk, first_item=run.admitted)
+        types.check(batch)
         self._ledger.note_fields(SOURCE, frozenset(batch.keys()))
         ids = self._ledger.admit(run, len(chunk), self._store.put(batch), costs)
         if not expected:

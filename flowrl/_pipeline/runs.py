@@ -226,9 +226,11 @@ class Runs:
             for ref, obj in zip(missing, await self._store.fetch(missing), strict=True):
                 cache[ref][0] = obj
         fields: dict[str, Any] = {}
+        kinds: dict[str, str] = {}  # each column's kind, so a trainer's batch rebuilds it as it was
         for ref, row in loc.values():
             entry = cache[ref]
             fields.update(entry[0].row(row))
+            kinds.update(entry[0].kinds())
             entry[1] -= 1
             if entry[1] == 0:
                 del cache[ref]
@@ -239,4 +241,4 @@ class Runs:
                     f"it has {self._ledger.output_fields()}"
                 )
             fields = {k: v for k, v in fields.items() if k in wanted}
-        return Sample(sid, fields)
+        return Sample(sid, fields, kinds)

@@ -110,13 +110,19 @@ def test_concat_stacks_uniform_columns():
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
-def test_concat_ragged_trailing_shapes_become_per_sample_rows(kind):
+def test_concat_refuses_tensors_of_different_trailing_shapes(kind):
     make = torch.ones if kind == "torch" else np.ones
     a = flowrl.Batch([0, 1], {"r": make((2, 3))})
     b = flowrl.Batch([2], {"r": make((1, 5))})
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"'r' of policy.forward_step.*\[n, 3\].*\[n, 5\].*ragged"):
+        flowrl.Batch.concat([a, b], source="policy.forward_step")
+
+
+def test_concat_keeps_a_list_field_a_list_even_when_its_rows_match():
+    a = flowrl.Batch([0, 1], {"r": [torch.ones(3), torch.ones(3)]})
+    b = flowrl.Batch([2], {"r": [torch.ones(3)]})
     out = flowrl.Batch.concat([a, b])
-    assert isinstance(out["r"], list) and len(out["r"]) == 3
-    assert [tuple(row.shape) for row in out["r"]] == [(3,), (3,), (5,)]
+    assert isinstance(out["r"], list) and [tuple(r.shape) for r in out["r"]] == [(3,)] * 3
 
 
 def test_concat_rejects_different_fields():
