@@ -18,9 +18,10 @@ import numpy as np
 from .._core.batch import Batch, approx_nbytes, column_length
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowError, OutputError, StageError
-from .._core.model import Model, step_info, step_target
+from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
 from .._core.state_format import decode_state, encode_state
+from .grad_sync import GradReducer, checksum
 from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
 
 Fetch = Callable[[list[Any]], list[Batch]]
@@ -109,6 +110,7 @@ class ReplicaRuntime:
             raise StageError(
                 f"setup() failed: {type(err).__name__}: {err}", f"{m.name}.setup", self.replica_id, []
             ) from err
+        check_weight_hooks(m, self.replica_id)
         return node_id
 
     def run(self, call: ShardCall, fetch: Fetch, private: bool = False) -> tuple[CallMeta, Batch]:
@@ -171,6 +173,13 @@ class ReplicaRuntime:
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", where, self.replica_id, []) from err
         self.model.weight_version = version
+
+
+def check_weight_hooks(model: Model, replica: int) -> None:
+    """A synced model that could not send or receive weights fails now, before episode 0."""
+    problem = weight_hooks_problem(model)
+    if problem is not None:
+        raise StageError(problem, f"{model.name}.setup", replica, [])
 
 
 def weights_of(model: Model, replica: int) -> dict[str, Any]:
@@ -238,6 +247,9 @@ class TrainerRuntime:
         model.rank, model.world_size, model.replica_id = rank, world_size, rank
         self._shared: tuple[CudaShare | None, CudaShare | None] = (None, None)  # weight_transport="cuda_ipc"
         self._sender = Sender()  # weight_transport="nccl"
+        # several ranks: gradients summed before each optimizer step (unless the model opts out)
+        self._reducer = GradReducer(model) if world_size > 1 and model.auto_reduce_grads else None
+        self._compared = world_size <= 1  # the ranks' weights are compared after the first step
 
     def setup(self, init_method: str | None, gpu_ids: list[int], node_id: str, timeout_s: float) -> str:
         m = self.model
@@ -261,11 +273,17 @@ class TrainerRuntime:
             m.setup()
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
+        check_weight_hooks(m, m.rank)
         return node_id
 
     def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
         m = self.model
         m.global_batch_size, m.micro_batch_size = step_size, micro_batch
+        m._reduced_grads.clear()
+        if self._reducer is not None:
+            self._reducer.attach()
+        # the first step on this group: the driver compares the ranks' weights before and after it
+        extra = {} if self._compared else {"_weights_before": checksum(m)}
         start, started = time.perf_counter(), time.time()
         try:
             out = m.train_step(batch, iteration)
@@ -280,7 +298,11 @@ class TrainerRuntime:
                 m.rank,
                 batch.ids.tolist(),
             )
-        return {**(out or {}), "_busy_s": time.perf_counter() - start, "_samples": len(batch), "_started": started}
+        busy = time.perf_counter() - start
+        if not self._compared:
+            self._compared = True
+            extra["_weights_after"] = checksum(m)
+        return {**(out or {}), **extra, "_busy_s": busy, "_samples": len(batch), "_started": started}
 
     def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast | None:
         """Rank 0: the weights to send. Every rank is asked at once (a sharded model gathers

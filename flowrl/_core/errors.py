@@ -76,3 +76,17 @@ class ReplicaDiedError(StageError):
 class InputLostError(FlowError):
     """A stage output that a shard or the delivery needed was lost with the node that stored it
     (and could not be computed again)."""
+
+
+class RankDivergenceError(FlowError):
+    """The data-parallel ranks of a trainer hold different weights after their first train step
+    (their gradients were not summed over the ranks, or they started from different weights)."""
+
+    def __init__(self, message: str, trainer: str, ranks: Sequence[int], values: Sequence[object]) -> None:
+        self.trainer = trainer
+        self.ranks = [int(r) for r in ranks]
+        self.values = list(values)
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[RankDivergenceError], tuple[str, str, list[int], list[object]]]:
+        return (type(self), (str(self), self.trainer, self.ranks, self.values))

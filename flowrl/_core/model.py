@@ -8,10 +8,11 @@ a replica the same call runs the user's code. Each replica gets its own copy of 
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from .checks import field_names
 from .config import ModelConfig, to_config
@@ -104,7 +105,15 @@ class Model:
     Inside a replica these are set: ``name``, ``config``, ``replica_id``, ``num_replicas``,
     ``gpu_ids`` and ``node_id``; ``device`` (a property) is the ``torch.device`` to compute on:
     ``cuda`` when the replica holds a GPU and CUDA is available, else ``cpu``.
+
+    ``auto_reduce_grads`` (a class attribute, ``True`` by default): a trainer with several
+    data-parallel ranks has its gradients summed over the ranks before each step of the torch
+    optimizers it holds as attributes after ``setup()``, unless ``all_reduce_grads`` already
+    summed them. Set it to ``False`` in a trainer that sums them itself (DDP, or its own
+    collective).
     """
+
+    auto_reduce_grads: ClassVar[bool] = True
 
     def __init__(self, name: str, config: ModelConfig | Mapping[str, Any] | None = None) -> None:
         self.name = check_name(name, f"{type(self).__name__}(name=...)")
@@ -121,16 +130,41 @@ class Model:
         # inference models fed by a trainer: the weight version they run (0: initial weights)
         self.weight_version = 0
         self.track_version = False  # set by an engine: outputs then carry "<name>_version"
+        # ids of the parameters whose gradients all_reduce_grads summed since their optimizer's
+        # last step: the automatic reduction before that step leaves them alone
+        self._reduced_grads: set[int] = set()
+        # the engine's sync pairs this model is part of, checked by each replica after setup()
+        self._sends_weights_to: tuple[str, ...] = ()
+        self._receives_weights_from: tuple[str, ...] = ()
 
     def __getattr__(self, name: str) -> Any:
         # Called only when the normal lookup fails. A flow calling a step the class lacks gets
         # an error naming the model; it is also an AttributeError, so hasattr() still works.
+        if not (name.startswith("__") and name.endswith("__")) and not {"name", "config"} <= self.__dict__.keys():
+            # copy and pickle look dunders up on a bare instance: those stay plain misses
+            raise _NotInitialised(_not_initialised(type(self), name))
         if name.endswith("_step"):
             raise _MissingStep(
                 f"the flow calls {self.__dict__.get('name', '?')}.{name}, but {type(self).__name__} does not "
                 f"define {name}; define it as {name}(self, batch, iteration)"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Model:
+        # The in-process backend copies a model per replica; an attribute that cannot be copied
+        # (a lock, a file, a socket made in __init__) is named, as the Ray backend's check does.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in vars(self).items():
+            try:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+            except Exception as err:
+                raise ConfigError(
+                    f"model {self.__dict__.get('name', '?')!r} ({type(self).__name__}) cannot be copied to its "
+                    f"replicas: its attribute {key!r} ({type(value).__name__}) cannot be copied "
+                    f"({type(err).__name__}: {err}); build it in setup(), which runs inside each replica"
+                ) from err
+        return new
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -183,6 +217,7 @@ class Model:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
+                self._reduced_grads.add(id(p))
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         offset = 0
@@ -238,8 +273,51 @@ class Model:
         return module
 
     def __repr__(self) -> str:
+        if not {"name", "config"} <= self.__dict__.keys():
+            return f"<{type(self).__name__}, not initialised>"  # a repr must not raise
         where = "" if self.replica_id is None else f", replica {self.replica_id}/{self.num_replicas}"
         return f"{type(self).__name__}({self.name!r}{where})"
+
+
+class _NotInitialised(FlowDefinitionError, AttributeError):
+    pass
+
+
+def _not_initialised(cls: type[Model], attr: str) -> str:
+    owner = next((c for c in cls.__mro__ if "__init__" in vars(c) and c is not Model), cls)
+    return (
+        f"{owner.__name__}.__init__ did not call super().__init__(name, config): the flowrl.Model part of this "
+        f"{cls.__name__} was never set up (no attribute {attr!r}); call super().__init__(name, config) at the "
+        f"start of {owner.__name__}.__init__"
+    )
+
+
+def mark_synced(models: Iterable[Model], pairs: Iterable[tuple[Model, Model]]) -> None:
+    """Record on each model the sync pairs it is part of (``models``: every model of the
+    engine, whose earlier marks are dropped); each replica checks them after ``setup()``."""
+    pairs = list(pairs)
+    for m in models:
+        m._sends_weights_to = tuple(t.name for s, t in pairs if s is m)
+        m._receives_weights_from = tuple(s.name for s, t in pairs if t is m)
+
+
+def weight_hooks_problem(model: Model) -> str | None:
+    """Why the weight sync could not read or load ``model``'s weights, known right after
+    ``setup()`` (instead of at the first sync, a whole episode later); None when it can."""
+    cls = type(model)
+    module = getattr(model, "module", None)
+    checks = (
+        (model._sends_weights_to, "get_weights", "sends weights to", "state_dict"),
+        (model._receives_weights_from, "set_weights", "receives weights from", "load_state_dict"),
+    )
+    for peers, hook, verb, method in checks:
+        if peers and getattr(cls, hook) is getattr(Model, hook) and not callable(getattr(module, method, None)):
+            got = "no self.module" if module is None else f"self.module = {type(module).__name__}, without {method}()"
+            return (
+                f"model {model.name!r} {verb} {list(peers)} (Engine(sync=...)), but after setup() it has {got}; "
+                f"set self.module (a torch.nn.Module) in setup(), or override {hook}() in {cls.__name__}"
+            )
+    return None
 
 
 Model.forward_step = _traceable(Model.forward_step, "forward_step")  # type: ignore[method-assign]

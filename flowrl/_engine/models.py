@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from .._core.errors import ConfigError, FlowDefinitionError
-from .._core.model import Model
+from .._core.model import Model, mark_synced
 from .._core.sampler import EpisodeSampler, check_train_sizes
 from .._pipeline.opening import Flow, build_flow
 
@@ -86,6 +86,11 @@ def check(
     cfg = config
     EpisodeSampler(1, cfg.sample_per_episode, cfg.num_samples_per_prompt)  # whole groups per episode
     for m in trainers:
+        if not isinstance(m.auto_reduce_grads, bool):
+            raise ConfigError(
+                f"trainer {m.name!r}: {type(m).__name__}.auto_reduce_grads must be True (flowrl sums the gradients "
+                f"over the ranks before each optimizer step) or False (the trainer does), got {m.auto_reduce_grads!r}"
+            )
         check_train_sizes(
             global_batch=cfg.global_batch,
             micro_batch=cfg.micro_batch,
@@ -93,6 +98,7 @@ def check(
             group=cfg.num_samples_per_prompt,
         )
     _check_sync(cfg, trainers, sync, rollout)
+    mark_synced(models.values(), sync)  # each replica checks, after setup(), that it can send or load weights
     if cfg.eval_every and evaluation is None:
         raise ConfigError(f"RunConfig.eval_every={cfg.eval_every} but the engine has no eval_flow")
     unknown = sorted({n for g in cfg.colocation for n in g} - models.keys())

@@ -3,11 +3,13 @@ over the trainer group's data-parallel ranks."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._core.batch import Batch, Sample
+from .._core.errors import RankDivergenceError
 from .._core.sampler import TrainStep, plan_steps
 
 if TYPE_CHECKING:
@@ -69,6 +71,7 @@ class Trainers:
             for step, refs, step_rows in zip(steps, shards, rows, strict=True):
                 ids = [batch.ids[r].tolist() for r in step_rows]
                 results = await self._step(ranks, step, refs, ids, episode)
+                check_same_weights(trainer, results, episode)
                 self._count(trainer, results, ids, episode)
                 out.append(results)
 
@@ -101,3 +104,55 @@ class Trainers:
                 samples=res["_samples"],
                 ids=ids[rank],
             )
+
+
+# Ranks that summed the same gradients hold the same bits; the slack only covers a collective
+# whose result could differ in the last bits between ranks.
+_RTOL = 1e-6
+
+
+def check_same_weights(trainer: str, results: list[RankResult], episode: int) -> None:
+    """After a group's first train step each rank reports a checksum of its trainable weights,
+    before and after the step (``_backends.grad_sync.checksum``); they must agree."""
+    for key, when in (("_weights_before", "before"), ("_weights_after", "after")):
+        sums = [res.pop(key, None) for res in results]
+        if any(s is None for s in sums) or len(sums) < 2:
+            continue  # not the first step, or nothing to compare (no torch module, sharded)
+        odd = [r for r, s in enumerate(sums) if not _close(s, sums[0])]
+        if odd:
+            raise _diverged(trainer, when, odd, sums, episode)
+
+
+def _close(a: Any, b: Any) -> bool:
+    return bool(a[0] == b[0]) and all(
+        math.isclose(x, y, rel_tol=_RTOL, abs_tol=_RTOL * scale)
+        for x, y, scale in zip(a[1:], b[1:], (max(a[2], b[2]), a[2], a[3]), strict=True)
+    )
+
+
+def _diverged(trainer: str, when: str, odd: list[int], sums: list[Any], episode: int) -> RankDivergenceError:
+    shown = "; ".join(
+        f"rank {r}: {int(s[0])} weights, sum {s[1]:.9g}, sum|w| {s[2]:.9g}, sum w^2 {s[3]:.9g}"
+        for r, s in enumerate(sums)
+        if r in (0, *odd)
+    )
+    if when == "before":
+        why = (
+            "they started from different weights; seed every rank alike in setup() (torch.manual_seed) or load "
+            "one checkpoint"
+        )
+    else:
+        why = (
+            "their gradients were not summed over the ranks before the weights changed; hold the torch optimizer "
+            "as an attribute of the model, made in setup() (flowrl then sums the gradients before each "
+            "optimizer.step()), or call self.all_reduce_grads(module) before updating the weights (with "
+            "auto_reduce_grads = False the trainer sums them itself: DDP or its own all-reduce); "
+            "see docs/engine.md, Trainers"
+        )
+    return RankDivergenceError(
+        f"trainer {trainer!r}: ranks {[0, *odd]} hold different weights {when} their first train step "
+        f"(episode {episode}): {shown}. {why[0].upper()}{why[1:]}",
+        trainer,
+        [0, *odd],
+        [sums[r] for r in (0, *odd)],
+    )

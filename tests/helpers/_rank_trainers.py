@@ -1,0 +1,132 @@
+"""Trainers for the data-parallel checks, and the function each spawned rank of a real gloo
+group runs (importable, as the "spawn" start method needs): every case's steps through
+``TrainerRuntime``, as a trainer actor runs them, with the weights after each step saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import flowrl
+from flowrl._backends.replica import TrainerRuntime
+
+SAMPLES, STEPS = 8, 3
+
+
+def x_of(batch: flowrl.Batch) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(batch["x"], dtype=np.float32)).reshape(len(batch), 2)
+
+
+class AutoTrainer(flowrl.Model):
+    """Least squares towards y = x0 - x1 by SGD; never sums its gradients itself: flowrl does,
+    before ``optimizer.step()``. The loss is summed over samples over the global batch size."""
+
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(2, 1)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.2)
+
+    def loss(self, batch: flowrl.Batch) -> torch.Tensor:
+        x = x_of(batch)
+        return ((self.module(x).squeeze(1) - (x[:, 0] - x[:, 1])) ** 2).sum() / self.global_batch_size
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        self.optimizer.zero_grad()
+        self.loss(batch).backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        return {"weights": [float(v) for v in torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])]}
+
+
+class UnreducedTrainer(AutoTrainer):
+    """The same trainer with the automatic sum turned off, and none of its own: ranks diverge."""
+
+    auto_reduce_grads = False
+
+
+class UnseededTrainer(AutoTrainer):
+    """The same trainer, every rank starting from weights of its own."""
+
+    def setup(self) -> None:
+        torch.manual_seed(self.rank + 1)
+        self.module = torch.nn.Linear(2, 1)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.2)
+
+
+class ManualTrainer(AutoTrainer):
+    """Sums its gradients itself with ``all_reduce_grads`` (as the examples and flowrl.hf do),
+    then steps two optimizers (the weight's and the bias's): nothing is summed twice."""
+
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(2, 1)
+        self.optimizers = [
+            torch.optim.SGD([self.module.weight], lr=0.2),
+            torch.optim.SGD([self.module.bias], lr=0.2),
+        ]
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        for opt in self.optimizers:
+            opt.zero_grad()
+        self.loss(batch).backward()  # type: ignore[no-untyped-call]
+        self.all_reduce_grads(self.module)
+        for opt in self.optimizers:
+            opt.step()
+        return {"weights": [float(v) for v in torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])]}
+
+
+class PerMicroBatchTrainer(AutoTrainer):
+    """Steps the optimizer once per micro-batch of the same size on every rank: each step's
+    gradients are summed again (2 ranks with micro-batches of 2 step as 1 rank with 4)."""
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        for mb in self.micro_batches(batch):
+            self.optimizer.zero_grad()
+            (self.loss(mb) * self.global_batch_size / (len(mb) * self.world_size)).backward()  # type: ignore[no-untyped-call]
+            self.optimizer.step()
+        return {"weights": [float(v) for v in torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])]}
+
+
+TRAINERS: dict[str, type[AutoTrainer]] = {
+    "auto": AutoTrainer,
+    "manual": ManualTrainer,
+    "per-micro-batch": PerMicroBatchTrainer,
+    "unreduced": UnreducedTrainer,
+    "unseeded": UnseededTrainer,
+}
+
+
+def dataset() -> list[dict[str, Any]]:
+    g = np.random.default_rng(0)
+    return [{"x": g.normal(size=2).astype(np.float32)} for _ in range(SAMPLES)]
+
+
+def shard(rank: int, world: int) -> flowrl.Batch:
+    """Rank ``rank``'s consecutive share of the global batch (all of it with one rank)."""
+    rows = dataset()
+    size = SAMPLES // world
+    ids = list(range(rank * size, (rank + 1) * size))
+    return flowrl.Batch.from_samples(ids, [rows[i] for i in ids])
+
+
+def train(name: str, rank: int, world: int, init: str | None, micro_batch: int) -> list[dict[str, Any]]:
+    """``STEPS`` steps of trainer ``name`` on this rank's shard, through the trainer runtime."""
+    runtime = TrainerRuntime(TRAINERS[name](name, {"num_replicas": world}), rank, world)
+    runtime.setup(init, [], "local", 60.0)
+    batch = shard(rank, world)
+    return [runtime.train(batch, SAMPLES, micro_batch, step) for step in range(STEPS)]
+
+
+def rank_main(rank: int, world: int, folder: str) -> None:
+    """One rank of a gloo group: every case in turn (a new group each), results saved."""
+    torch.set_num_threads(1)
+    out = {}
+    for i, name in enumerate(TRAINERS):
+        init = Path(folder, f"store-{i}").as_uri()
+        out[name] = train(name, rank, world, init, micro_batch=2)
+        dist.barrier()
+        dist.destroy_process_group()
+    torch.save(out, Path(folder, f"rank{rank}.pt"))
