@@ -23,14 +23,16 @@ from ._core.errors import (
 )
 from ._core.graph import FlowGraph
 from ._core.model import Model, step
-from ._core.run_config import RunConfig
+from ._core.run_config import LoggerConfig, RunConfig
 from ._core.sampler import EpisodeBuffer
 from ._core.simulate import SimResult, SimStage, StageCost, Workload, simulate
 from ._core.splitter import POLICIES as SPLITTERS
 from ._core.stats import PipelineStats, ReplicaStats, StageStats
 from ._engine.engine import Engine
+from ._engine.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
 from ._engine.rlhf import RLHFEngine
 from ._engine.stats import EngineStats, EpisodeStats, RankStats, TrainerStats
+from ._engine.tracking import EpisodeReport, Logger
 from ._pipeline.opening import Pipeline, build_flow, open_pipeline, run_flow
 from ._pipeline.pipeline import AsyncPipeline
 
@@ -46,11 +48,15 @@ __all__ = [
     "Engine",
     "EngineStats",
     "EpisodeBuffer",
+    "EpisodeReport",
     "EpisodeStats",
     "FlowDefinitionError",
     "FlowError",
     "FlowGraph",
     "InputLostError",
+    "Logger",
+    "LoggerConfig",
+    "MLflowLogger",
     "MissingFieldError",
     "Model",
     "ModelConfig",
@@ -72,7 +78,9 @@ __all__ = [
     "StageCost",
     "StageError",
     "StageStats",
+    "TensorBoardLogger",
     "TrainerStats",
+    "WandbLogger",
     "Workload",
     "build_flow",
     "open_pipeline",

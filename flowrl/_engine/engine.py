@@ -41,6 +41,7 @@ from .models import all_models, apply_model_configs, check, sync_pairs, trainer_
 from .overlap import Overlap, overlapped
 from .placement import Placement
 from .run_folder import RunDir
+from .tracking import Tracking
 from .training import Trainers
 from .weight_sync import WeightSync
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from .._core.sampler import EpisodeBuffer
     from .learning import TrainResults
     from .stats import EngineStats
+    from .tracking import Callback, Logger
 
 
 def _check_trainer_configs(trainers: list[Model], *graphs: FlowGraph | None) -> None:
@@ -83,7 +85,9 @@ class Engine:
     ``train``: the trainer models (or a flow that calls their ``train_step``); ``sync``:
     (trainer, inference model) pairs whose weights flow trainer -> inference after training.
     ``learn()`` outside ``with engine:`` runs once; inside, actors and trainer state persist
-    and each ``learn()`` continues where the last stopped.
+    and each ``learn()`` continues where the last stopped. ``callbacks``: functions called with
+    an ``EpisodeReport`` after each episode; ``loggers``: objects with the ``Logger`` methods that
+    get each episode's scalars (besides the ones ``RunConfig.loggers`` names).
     """
 
     def __init__(
@@ -94,8 +98,11 @@ class Engine:
         config: RunConfig | Mapping[str, Any],
         sync: Sequence[tuple[Model, Model]] = (),
         eval_flow: Flow | None = None,
+        callbacks: Sequence[Callback] = (),
+        loggers: Sequence[Logger] = (),
     ) -> None:
         self.config: RunConfig = to_config(RunConfig, config, "run config")
+        self._tracking = Tracking(self.config, loggers, callbacks)  # a missing package fails here
         self.trainers = trainer_models(train)
         self.rollout_graph = build_flow(rollout)
         self.eval_graph = build_flow(eval_flow) if eval_flow is not None else None
@@ -241,13 +248,18 @@ class Engine:
             self._run_dir,
             self.timeline,
             syncing=bool(self.sync_pairs),
+            tracking=self._tracking,
         )
+        self._tracking.started()
         return Session(deployment, weights, elasticity, episodes)
 
     async def __aexit__(self, *exc: object) -> None:
         session = self._running()
-        if session is not None:
-            await session.deployment.stop()
+        try:
+            if session is not None:
+                await session.deployment.stop()
+        finally:  # the loggers' runs end with the engine's, however it ends
+            await self._tracking.close(failing=exc[1] is not None or self._failed is not None)
 
     def __enter__(self) -> Engine:
         # The async context runs in one task of a portal thread (task groups must be left by

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .learning import LearningState
     from .overlap import Overlap, Rollout
     from .run_folder import RunDir
+    from .tracking import Tracking
     from .training import Trainers
 
 
@@ -45,6 +46,7 @@ class EpisodeLoop:
         timeline: Timeline,
         *,
         syncing: bool,
+        tracking: Tracking,
     ) -> None:
         self.config = config
         self.learning = learning
@@ -56,6 +58,7 @@ class EpisodeLoop:
         self.run_dir = run_dir
         self.timeline = timeline
         self.syncing = syncing  # any trainer sends its weights to a model: a sync phase to show
+        self.tracking = tracking
         self._progress = Progress("off", 0)
 
     async def learn(self, target: int) -> None:
@@ -163,4 +166,5 @@ class EpisodeLoop:
         learning.episode += 1
         if self.checkpoints.due(learning.episode):
             await self.checkpoints.save()
+        await self.tracking.episode(stats)  # after the checkpoint: a callback that fails leaves it to resume from
         self._progress.episode_done(learning.episodes[-1], self.deployment.rollout)

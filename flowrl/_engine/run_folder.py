@@ -1,7 +1,9 @@
 """What an engine reports: its run directory, and metrics for Ray's Prometheus export.
 
 ``metrics.jsonl``: one JSON object per episode (its ``EpisodeStats``, the trainers' and the
-rollout pipeline's counters so far, the wall-clock time); ``trace.json``: the timeline of every
+rollout pipeline's counters so far, the wall-clock time), each episode once: an engine's first
+line drops the lines of that episode and later ones (a run resumed from a checkpoint redoes
+them, and so does a trainer rebuilt from one); ``trace.json``: the timeline of every
 replica, trainer rank and episode phase as a Chrome trace (``flowrl trace RUN_DIR`` renders it).
 ``metric_values``: the same counters as gauges (``flowrl_*``; Ray prefixes ``ray_``), which the
 Ray backend exports through ``ray.util.metrics`` after every episode.
@@ -156,9 +158,15 @@ class RunDir:
                     refuse_irregular(self.path / name, os.lstat(self.path / name), 2**62)
         except (OSError, ConfigError) as err:
             raise ConfigError(f"RunConfig.run_dir={str(path)!r} cannot hold a run's files: {err}") from err
+        self._next: int | None = None  # the episode after the last line this engine wrote
 
     def episode(self, stats: EngineStats) -> None:
-        """Append the last episode of ``stats`` to ``metrics.jsonl``."""
+        """Append the last episode of ``stats`` to ``metrics.jsonl``, after dropping the lines of
+        that episode and later ones when this engine did not write them just before."""
+        e = stats.episodes[-1].episode
+        if self._next is None or e < self._next:
+            self.drop_from(e)
+        self._next = e + 1
         line: dict[str, Any] = {
             **msgspec.to_builtins(stats.episodes[-1]),
             "time": time.time(),
@@ -176,6 +184,27 @@ class RunDir:
         except (OSError, ConfigError) as err:  # a full disk, or a FIFO or link put there since
             raise FlowError(f"run folder {self.path}: cannot append to {METRICS} ({err})") from err
 
+    def drop_from(self, episode: int) -> int:
+        """Remove the lines of ``metrics.jsonl`` of ``episode`` and later ones (and a line a killed
+        process left cut short), by writing the kept lines to a new file renamed over the old one:
+        a reader sees one file or the other. How many lines went."""
+        path = self.path / METRICS
+        try:
+            data = read_regular(path, 2**62)
+        except FileNotFoundError:
+            return 0
+        except (OSError, ConfigError) as err:
+            raise FlowError(f"run folder {self.path}: cannot read {METRICS} ({err})") from err
+        lines = data.splitlines(keepends=True)
+        kept = [line for line in lines if _before(line, episode)]
+        if len(kept) == len(lines):
+            return 0
+        try:
+            write_atomic(path, b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept))
+        except OSError as err:
+            raise FlowError(f"run folder {self.path}: cannot rewrite {METRICS} ({err})") from err
+        return len(lines) - len(kept)
+
     def trace(self, spans: list[Span]) -> Path:
         path = self.path / TRACE
         try:
@@ -183,6 +212,19 @@ class RunDir:
         except OSError as err:
             raise FlowError(f"run folder {self.path}: cannot write {TRACE} ({err})") from err
         return path
+
+
+def _before(line: bytes, episode: int) -> bool:
+    """Whether ``line`` of ``metrics.jsonl`` is of an episode before ``episode``; False for a line
+    that is not one of its lines (cut short by a killed process)."""
+    try:
+        return msgspec.json.decode(line, type=_Line).episode < episode
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
+class _Line(msgspec.Struct):
+    episode: int
 
 
 Metric = tuple[str, str, dict[str, str], float]  # name, description, tags, value

@@ -14,7 +14,7 @@ from typing import Literal, get_args, get_origin
 import msgspec
 
 from .._core.config import Autoscale, ModelConfig, PipelineConfig
-from .._core.run_config import RunConfig
+from .._core.run_config import LoggerConfig, RunConfig
 
 MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
     ModelConfig: {
@@ -86,6 +86,8 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "run_dir": "where `metrics.jsonl` (a line per episode) and `trace.json` (the timeline) go",
         "progress": "`auto` (a live table on a terminal, else log lines), `live`, `log` or `off` (false: `off`, "
         "true: `live`)",
+        "loggers": "experiment trackers that get each episode's scalars: `tensorboard`, `wandb`, `mlflow` or a "
+        "`LoggerConfig` (below; tracking.md)",
         "colocation": "groups of model names that share GPUs, e.g. `[[policy, reference]]`",
         "models": "a `ModelConfig` per model name, applied when the engine is built",
         "pipeline": "the `PipelineConfig` of every pool and trainer",
@@ -103,11 +105,23 @@ MEANING[Autoscale] = {
     "every_s": "seconds between readings, while a run is active",
 }
 
+MEANING[LoggerConfig] = {
+    "kind": "`tensorboard`, `wandb` or `mlflow`",
+    "dir": "the logger's folder; default: `<run_dir>/tensorboard`, `<run_dir>/wandb`, `<run_dir>/mlruns` (without "
+    "`run_dir`: `runs/tensorboard/<time>-<pid>`, `runs/wandb`, `runs/mlruns`)",
+    "project": "wandb: the project (default `flowrl`)",
+    "name": "wandb, mlflow: the run's name",
+    "mode": "wandb: `online`, `offline` (no network; `wandb sync` uploads later) or `disabled`",
+    "tracking_uri": "mlflow: a tracking server or store, instead of the local file store in `dir`",
+    "experiment": "mlflow: the experiment (default `flowrl`)",
+}
+
 WHERE: dict[type[msgspec.Struct], str] = {
     ModelConfig: "`Model(name, config)`, `RunConfig.models.<name>`, a run file's `models.<name>`",
     PipelineConfig: "`open_pipeline(flow, config)`, `Pipeline`, `RunConfig.pipeline`",
     RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`",
     Autoscale: '`ModelConfig.autoscale`, e.g. `{"max_replicas": 8}`',
+    LoggerConfig: '`RunConfig.loggers`, e.g. `[tensorboard, {kind: wandb, mode: offline}]`',
 }
 
 
@@ -117,6 +131,8 @@ def _type(t: object) -> str:
         return "one of " + ", ".join(f'`"{a}"`' for a in get_args(t))
     if isinstance(t, types.UnionType):
         return " or ".join(_type(a) for a in get_args(t))
+    if get_origin(t) is list and isinstance(get_args(t)[0], types.UnionType):
+        return "list of " + _type(get_args(t)[0])
     if t is type(None):
         return "`None`"
     if isinstance(t, type) and not get_args(t):
