@@ -5,14 +5,16 @@ colour (hatched by stage when a model has several); the engine's phases, startup
 along the top in colours of their own, and every pool resize is a dashed line across all rows.
 Idle time is the white between bars. It needs matplotlib (``pip install 'flowrl[plot]'``).
 
-A model's colour comes from its name alone (a stable hash into ``PALETTE``), so a model keeps
-its colour from run to run and in its evaluation pool; two names of one picture that hash to
-the same colour are told apart by probing on, in name order, which depends only on the names.
+A model's colour comes from its name (a stable hash into ``PALETTE``), so a model keeps its
+colour from run to run and in its evaluation pool; two names of one picture that hash to the
+same or to a near colour are told apart by probing on, in name order: the same names always
+give the same colours.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,19 +68,38 @@ def model_of(group: str) -> str:
 
 
 def model_colours(models: Iterable[str]) -> dict[str, str]:
-    """A colour per model name: its hash's slot of ``PALETTE``, or the next free one in name order
-    when an earlier name holds it (up to 16 names are all distinct; more share, in turn)."""
+    """A colour per model name: its hash's slot of ``PALETTE``; in name order, a name whose slot an
+    earlier name holds, or whose colour is near one held (CIE 1976 distance under ``FAR``), probes
+    on to the next slot that is free and far, or else free: up to 6 names are all at least ``FAR``
+    apart (any 5 such colours of the palette leave a sixth), 16 all distinct; more share."""
     out: dict[str, str] = {}
-    taken: set[int] = set()
+    taken: list[int] = []
     for name in sorted(set(models)):
-        slot = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % len(PALETTE)
         if len(taken) == len(PALETTE):
             taken.clear()  # every colour used once: the 17th name starts the palette again
-        while slot in taken:
-            slot = (slot + 1) % len(PALETTE)
-        taken.add(slot)
+        start = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % len(PALETTE)
+        free = [slot for i in range(len(PALETTE)) if (slot := (start + i) % len(PALETTE)) not in taken]
+        slot = next((s for s in free if all(_DISTANCE[s][t] >= FAR for t in taken)), free[0])
+        taken.append(slot)
         out[name] = PALETTE[slot]
     return out
+
+
+def _lab(colour: str) -> tuple[float, float, float]:
+    """``colour`` (#rrggbb, sRGB) in CIELAB (D65), where distance follows perceived difference."""
+    rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    r, g, b = (((c + 0.055) / 1.055) ** 2.4 if c > 0.04045 else c / 12.92 for c in rgb)
+    xyz = (
+        (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047,
+        0.2126 * r + 0.7152 * g + 0.0722 * b,
+        (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883,
+    )
+    fx, fy, fz = (t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz)
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+FAR = 45.0  # colours this far apart never pass for one another side by side (2.3 is just noticeable)
+_DISTANCE = [[math.dist(_lab(a), _lab(b)) for b in PALETTE] for a in PALETTE]
 
 
 def summary(spans: list[Span]) -> list[dict[str, object]]:

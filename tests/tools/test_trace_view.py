@@ -3,6 +3,7 @@ lines, startup), and what is missing."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import matplotlib.colors as mc
@@ -96,8 +97,8 @@ def test_a_model_keeps_its_colour_whatever_the_other_models_and_their_order_and_
         assert first[model] == second[model] == third[model]
     assert first["eval:policy"] == first["policy"]  # the same model in its evaluation pool
     assert first["engine"] == second["engine"] == PHASE_COLOURS["rollout"]
-    # a model's colour is its name's alone: the same as when it is drawn without the others
-    assert all(model_colours([m])[m] == first[m] for m in ("policy", "reference", "reward"))
+    # the colour its name hashes to, as when drawn alone (reward moves off reference's red: next test)
+    assert all(model_colours([m])[m] == first[m] for m in ("policy", "reference", "policy_trainer"))
 
 
 def test_colours_within_a_picture_are_distinct_also_for_names_that_hash_alike():
@@ -111,22 +112,41 @@ def test_colours_within_a_picture_are_distinct_also_for_names_that_hash_alike():
     assert not set(many.values()) & set(PHASE_COLOURS.values())  # a model never wears a phase's colour
 
 
-def test_every_two_colours_of_a_picture_are_far_apart_in_perceived_colour():
-    """The CIE 1976 distance between any two colours (models and phases) is over 20, where 2.3 is
-    just noticeable: no two bars look alike."""
+def _lab(colour: str) -> np.ndarray:
+    """CIELAB (D65) of an sRGB colour: distances there follow perceived differences."""
+    rgb = np.array(mc.to_rgb(colour))
+    linear = np.where(rgb > 0.04045, ((rgb + 0.055) / 1.055) ** 2.4, rgb / 12.92)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    xyz /= np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
 
-    def lab(colour: str) -> np.ndarray:
-        rgb = np.array(mc.to_rgb(colour))
-        linear = np.where(rgb > 0.04045, ((rgb + 0.055) / 1.055) ** 2.4, rgb / 12.92)
-        xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
-        xyz /= np.array([0.95047, 1.0, 1.08883])
-        f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
-        return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
 
+def _closest(colours) -> float:
+    colours = list(colours)
+    return min(np.linalg.norm(_lab(a) - _lab(b)) for i, a in enumerate(colours) for b in colours[i + 1 :])
+
+
+def test_every_two_colours_are_far_apart_in_perceived_colour_and_a_pictures_models_farther():
+    """CIE 1976 distances (2.3 is just noticeable): any two colours, models' and phases', are over
+    20 apart; the models of a picture of up to six are 45 apart (a red never beside a salmon)."""
     colours = [*PALETTE, *PHASE_COLOURS.values()]
     assert len(set(colours)) == len(colours) == 21
-    closest = min(np.linalg.norm(lab(a) - lab(b)) for i, a in enumerate(colours) for b in colours[i + 1 :])
-    assert closest > 20
+    assert _closest(colours) > 20
+    rlhf = ["policy", "reference", "value", "reward", "policy_trainer", "value_trainer"]
+    for names in (rlhf, ["policy", "reference", "value", "reward"], [f"model_{i}" for i in range(6)]):
+        assert _closest(model_colours(names).values()) >= 45, names
+    # why six: any five palette colours 45 apart leave a sixth 45 from each (so probing finds it)
+    lab = [_lab(c) for c in PALETTE]
+    far = [[np.linalg.norm(a - b) >= 45 for b in lab] for a in lab]
+    for k in range(1, 6):
+        for held in itertools.combinations(range(len(PALETTE)), k):
+            if all(far[a][b] for a, b in itertools.combinations(held, 2)):
+                assert any(all(far[s][t] for t in held) for s in range(len(PALETTE)) if s not in held), held
+    # on their own, "reference" and "reward" hash to a red and a salmon (32 apart): together, reward moves
+    near = model_colours(["reference"])["reference"], model_colours(["reward"])["reward"]
+    assert np.linalg.norm(_lab(near[0]) - _lab(near[1])) < 45
+    assert model_colours(["reference", "reward"])["reward"] != near[1]
 
 
 def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars():
