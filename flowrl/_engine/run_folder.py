@@ -194,7 +194,9 @@ class RunDir:
         except FileNotFoundError:
             return 0
         except (OSError, ConfigError) as err:
-            raise FlowError(f"run folder {self.path}: cannot read {METRICS} ({err})") from err
+            raise FlowError(
+                f"run folder {self.path}: cannot append to {METRICS} (reading it to drop episodes >= {episode}: {err})"
+            ) from err
         lines = data.splitlines(keepends=True)
         kept = [line for line in lines if _before(line, episode)]
         if len(kept) == len(lines):
@@ -202,7 +204,10 @@ class RunDir:
         try:
             write_atomic(path, b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept))
         except OSError as err:
-            raise FlowError(f"run folder {self.path}: cannot rewrite {METRICS} ({err})") from err
+            raise FlowError(
+                f"run folder {self.path}: cannot append to {METRICS} (writing it anew without episodes >= {episode}: "
+                f"{err})"
+            ) from err
         return len(lines) - len(kept)
 
     def trace(self, spans: list[Span]) -> Path:
