@@ -56,6 +56,14 @@ class Timeline:
         return list(self._spans) if self.limit else []
 
 
+def lane_label(group: str, lane: int) -> str:
+    """A track's name: ``policy[1]`` for replica 1; the engine's ``phases``, and ``phases[1]`` for
+    the lanes of work overlapped with them (rollouts ahead, background syncs)."""
+    if group == ENGINE:
+        return "phases" if lane == 0 else f"phases[{lane}]"
+    return f"{group}[{lane}]"
+
+
 def is_scale_event(span: Span) -> bool:
     """Whether ``span`` marks a pool resized (an instant of the ``autoscale`` group, or ``eval:autoscale``)."""
     return span.group.rpartition(":")[2] == SCALE
@@ -92,7 +100,7 @@ def _names(group: str, pid: int, lanes: list[int]) -> list[dict[str, Any]]:
         {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
     ]
     for lane in lanes:
-        label = "phases" if group == ENGINE else f"{group}[{lane}]"
+        label = lane_label(group, lane)
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane, "args": {"name": label}})
     return out
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import ConfigError
-from .._core.trace import ENGINE, Span, is_scale_event
+from .._core.trace import ENGINE, Span, is_scale_event, lane_label
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -178,7 +178,7 @@ def draw_timeline(spans: list[Span], title: str = "", where: str = "the chart") 
     _draw_bars(ax, bars, tracks, origin, styles)
     scales = _draw_scale_events(ax, [s for s in spans if is_scale_event(s)], origin)
     ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([("phases" if g == ENGINE else f"{g}[{lane}]") for g, lane in reversed(tracks)], fontsize=8)
+    ax.set_yticklabels([lane_label(g, lane) for g, lane in reversed(tracks)], fontsize=8)
     ax.set_ylim(-0.6, max(len(tracks), 1) - 0.4)
     ax.set_xlabel("seconds")
     ax.set_xlim(0, max(max(s.end for s in spans) - origin, 1e-6))

@@ -45,10 +45,12 @@ def test_read_chrome_trace_names_the_event_and_the_field_it_refuses():
 
 
 def test_a_run_with_every_kind_of_span_is_a_trace_perfetto_reads():
-    from _traces import Complete, Counter, Instant, assert_trace_event_format
+    from _traces import Complete, Counter, Instant, Metadata, assert_trace_event_format
 
     trace = chrome_trace(run_spans())
     parsed = assert_trace_event_format(trace)
+    threads = {e.args["name"] for e in parsed.traceEvents if isinstance(e, Metadata) and e.name == "thread_name"}
+    assert threads == {"phases", "phases[1]", "phases[2]", "policy[0]", "policy[1]", "trainer[0]", "autoscale[0]"}
     kinds = [type(e) for e in parsed.traceEvents]
     assert kinds.count(Complete) == 8 and kinds.count(Instant) == 2
     # the pool's size as a counter: 1 from the start (startup, at 100 s), 2 from 105 s, 1 from 107.5 s

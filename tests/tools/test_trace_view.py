@@ -194,5 +194,7 @@ def test_startup_is_a_phase_of_its_own_in_the_chart_and_a_row_of_the_summary():
         (ax,) = fig.axes
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert legend == ["policy", "trainer", "startup", "rollout", "train", "sync", "resize"]
+        rows = [t.get_text() for t in ax.get_yticklabels()]  # top down, as drawn
+        assert rows[::-1] == ["phases", "phases[1]", "phases[2]", "policy[0]", "policy[1]", "trainer[0]"]
     finally:
         plt.close(fig)
