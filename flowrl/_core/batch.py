@@ -193,8 +193,8 @@ class FieldTypes:
         self.source = source
         self._seen: dict[str, Signature] = {}
 
-    def check(self, fields: Mapping[str, Column]) -> None:
-        for name, value in fields.items():
+    def check(self, batch: Batch | Mapping[str, Column]) -> None:
+        for name, value in batch.items():
             sig = signature(value)
             was = self._seen.setdefault(name, sig)
             if was != sig:
