@@ -3,15 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import importlib.util
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .run_file import RunFile
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+
+
+def version() -> str:
+    """The installed distribution's version (a checkout that was never installed has none)."""
+    try:
+        return importlib.metadata.version("flowrl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: the engine has said where it stopped; no traceback
+        return INTERRUPTED
+    except BrokenPipeError:  # `flowrl trace RUN | head`: the reader left; Python's advice, so exit says nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="flowrl", description="flowrl: actor-pool dataflow runtime for RL post-training"
     )
+    parser.add_argument("--version", action="version", version=f"flowrl {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "loadtest", help="run the load-test scenarios (flowrl vs static push vs simulation)", add_help=False
@@ -40,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a key, e.g. run.num_episode=4 or models.policy.num_replicas=1 (repeatable)",
     )
+    where = run.add_mutually_exclusive_group()
+    where.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="write metrics.jsonl and trace.json here (default: run.run_dir of the file, else a new "
+        "runs/<name>-<YYYYmmdd-HHMMSS> in the current folder)",
+    )
+    where.add_argument("--no-run-dir", action="store_true", help="write no run folder")
     scale = commands.add_parser(
         "scale",
         help="resize inference pools of a running engine",
@@ -76,13 +112,54 @@ def run_main(args: argparse.Namespace) -> int:
 
     if not logging.getLogger().handlers:  # episode lines when stderr is not a terminal
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    engine = build_engine(load_run_file(args.config, args.overrides))
-    stats = engine.learn()
+    spec, made = _with_run_dir(load_run_file(args.config, args.overrides), args)
+    try:
+        engine = build_engine(spec, Path(args.config).parent)
+    except BaseException:
+        if made is not None:  # a mistake in the file (or Ctrl-C) before anything ran: no empty folder left
+            for folder in (made, made.parent):  # runs/ too, when this left it empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
+    run_dir = Path(engine.config.run_dir) if engine.config.run_dir else None
+    if run_dir is not None:
+        print(f"run folder: {run_dir}", flush=True)
+    try:
+        stats = engine.learn()
+    except BaseException:  # Ctrl-C or a failure: what was written is there to read
+        if run_dir is not None:
+            print(_run_dir_line(run_dir), flush=True)
+        raise
     trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
     print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
-    if engine.config.run_dir:
-        print(f"run directory: {engine.config.run_dir} (flowrl trace {engine.config.run_dir})")
+    if run_dir is not None:
+        print(_run_dir_line(run_dir))
     return 0
+
+
+def _with_run_dir(spec: RunFile, args: argparse.Namespace) -> tuple[RunFile, Path | None]:
+    """``spec`` with its run folder chosen (the flags', the file's, else a new one under runs/),
+    and the folder made here for it, if one was."""
+    import msgspec
+
+    from .run_file import new_run_folder, run_name
+
+    if args.no_run_dir or args.run_dir is not None:
+        return msgspec.structs.replace(spec, run={**spec.run, "run_dir": args.run_dir}), None
+    if "run_dir" in spec.run:  # the file's (or --set's) choice, null included
+        return spec, None
+    made = new_run_folder(run_name(spec, args.config))
+    return msgspec.structs.replace(spec, run={**spec.run, "run_dir": str(made)}), made
+
+
+def _run_dir_line(folder: Path) -> str:
+    """What the run left in ``folder``, and how to look at it."""
+    files = [(label, folder / name) for label, name in (("metrics", "metrics.jsonl"), ("trace", "trace.json"))]
+    found = [f"{label}: {path}" for label, path in files if path.is_file()]
+    if not found:
+        return f"run folder: {folder} (nothing written yet)"
+    view = f"; view with flowrl trace {folder}" if (folder / "trace.json").is_file() else ""
+    return ", ".join(found) + view
 
 
 def scale_main(args: argparse.Namespace) -> int:

@@ -34,8 +34,8 @@ def test_flowrl_run_trains_the_ppo_example_from_its_yaml(tmp_path, capsys):
     [
         (["--set", "modles.policy.num_replicas=1"], "examples/ppo_tiny.yaml: Object contains unknown field `modles`"),
         (
-            ["--set", "models.policy.class=examples.ppo_tiny:Polcy"],
-            "models.policy.class: module 'examples.ppo_tiny' has no 'Polcy'",
+            ["--set", "models.policy.class=ppo_tiny:Polcy"],
+            "models.policy.class: module 'ppo_tiny' has no 'Polcy'",
         ),
         (["--set", "models.policy.batchsize=4"], "models.policy: Object contains unknown field `batchsize`"),
         (

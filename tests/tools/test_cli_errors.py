@@ -152,7 +152,7 @@ def user_module(tmp_path, monkeypatch):
             "models.gen: Sized(...) failed: ValueError: width must be >= 1, got 0",
         ),
         (["models.gen.args={1: 2}"], "models.gen.args: expected a mapping of keyword arguments, got {1: 2}"),
-        (["models.gen.class=7"], "models.gen.class: expected module:name, e.g. examples.ppo_tiny:Policy, got 7"),
+        (["models.gen.class=7"], "models.gen.class: expected module:name, e.g. ppo_tiny:Policy, got 7"),
         ([], "dataset: cli_err_user:NUMBER is a int; expected a sequence of mappings"),
         (["dataset=cli_err_user:broken"], "dataset: building cli_err_user:broken failed: KeyError: 'shard-7'"),
         (["dataset=cli_err_user:rollout", "relay=cli_err_user:NUMBER"], "dataset: building cli_err_user:rollout"),
