@@ -1,0 +1,86 @@
+"""Ctrl-C in `flowrl run`: exit status 130 and no traceback, the run folder's files named on the
+way out. The interrupt goes to the child's whole process group, as a terminal sends it (Ray's
+processes started by the run get it too), once the engine's first episode line is out: the
+test waits on the child's output, not on a timer."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+RUN_FILE = """\
+flow: interrupt_flow:rollout
+dataset: interrupt_flow:items
+train: [trainer]
+sync: [[trainer, gen]]
+models:
+  gen: {class: flowrl.testing:Scale, batch_size: 2, args: {srcs: [x], dst: y, sleep_s: 0.02}}
+  trainer: {class: flowrl.testing:CountingTrainer}
+run: {sample_per_episode: 4, num_episode: 100000, progress: log}
+"""
+
+# The command as `flowrl` runs it (flowrl/__main__.py), with Python's Ctrl-C handler put back: a
+# test runner started in the background by a shell hands its children SIGINT ignored.
+CHILD = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = ['flowrl', *sys.argv[1:]]; runpy.run_module('flowrl', run_name='__main__')"
+)
+
+
+def start_run(folder: Path, *args: str) -> subprocess.Popen[str]:
+    (folder / "interrupt_flow.py").write_text(
+        "import numpy as np\n"
+        "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
+        "def items():\n    return [{'x': np.full(1, float(i))} for i in range(8)]\n"
+    )
+    (folder / "run.yaml").write_text(RUN_FILE)
+    command = [sys.executable, "-c", CHILD, "run", "run.yaml", *args]
+    return subprocess.Popen(  # in a process group of its own, as a terminal's foreground job
+        command, cwd=folder, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def interrupt_after_the_first_episode(run: subprocess.Popen[str]) -> tuple[str, str]:
+    """Read the child's log until an episode line, send SIGINT, then everything it says after."""
+    assert run.stderr is not None
+    seen = []
+    for line in run.stderr:  # a hang here is pytest-timeout's
+        seen.append(line)
+        if re.search(r"\bepisode \d+/\d+", line):
+            break
+    else:
+        pytest.fail(f"the run ended before an episode line: {''.join(seen)}")
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=300)
+    return out, "".join(seen) + err
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])  # ray: about 50 s on a loaded 2-core machine
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path, backend):
+    run = start_run(tmp_path, "--set", f"run.pipeline.backend={backend}")
+    out, err = interrupt_after_the_first_episode(run)
+    assert run.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    (folder,) = (tmp_path / "runs").iterdir()
+    lines = out.splitlines()
+    assert lines[0] == f"run folder: runs/{folder.name}"
+    # the way out names what the run wrote, and the episodes done are in it
+    assert lines[-1].startswith(f"metrics: runs/{folder.name}/metrics.jsonl"), out
+    assert (folder / "metrics.jsonl").read_text().count("\n") >= 1
+    assert "done:" not in out
+
+
+def test_ctrl_c_without_a_run_folder_says_nothing_of_one(tmp_path):
+    run = start_run(tmp_path, "--set", "run.pipeline.backend=inprocess", "--no-run-dir")
+    out, err = interrupt_after_the_first_episode(run)
+    assert run.returncode == 130 and "Traceback" not in err, err
+    assert out == "" and not (tmp_path / "runs").exists()
