@@ -111,20 +111,24 @@ def _engine(trainer: flowrl.Model, policy: flowrl.Model, **config: Any) -> flowr
     return engine
 
 
-def test_on_ray_unsummed_ranks_fail_after_the_first_episode_and_summed_ones_train_on(ray_cluster):
+def test_on_ray_ranks_without_a_gradient_sum_fail_after_the_first_episode(ray_cluster):
     policy = Policy("policy", {"num_replicas": 1, "batch_size": 4, **CPU})
-    bad = _engine(rt.UnreducedTrainer("learner", {"num_replicas": 2, **CPU}), policy)
+    engine = _engine(rt.UnreducedTrainer("learner", {"num_replicas": 2, **CPU}), policy)
     with pytest.raises(
-        RankDivergenceError, match=r"trainer 'learner': ranks \[0, 1\] .* after their first train step \(episode 0\)"
+        RankDivergenceError,
+        match=r"trainer 'learner': ranks \[0, 1\] hold different weights after their first train step \(episode 0\)",
     ):
-        bad.learn()
-    assert bad.train_results == [] and flowrl_actor_names() == []
+        engine.learn()
+    assert engine.train_results == [] and flowrl_actor_names() == []
 
-    good = _engine(rt.AutoTrainer("learner", {"num_replicas": 2, **CPU}), policy)
-    stats = good.learn()
+
+def test_on_ray_ranks_whose_gradients_flowrl_sums_train_as_one_rank(ray_cluster):
+    policy = Policy("policy", {"num_replicas": 1, "batch_size": 4, **CPU})
+    engine = _engine(rt.AutoTrainer("learner", {"num_replicas": 2, **CPU}), policy)
+    stats = engine.learn()
     assert [e.weight_versions for e in stats.episodes] == [{"policy": 1}, {"policy": 2}]
     one = [step["weights"] for step in rt.train("auto", 0, 1, None, micro_batch=8)]
-    got = [[rank["weights"] for rank in step] for ep in good.train_results for step in ep["learner"]]
+    got = [[rank["weights"] for rank in step] for ep in engine.train_results for step in ep["learner"]]
     assert np.allclose(got, [[w, w] for w in one[:2]], atol=1e-6)  # one step per episode, both ranks alike
     assert flowrl_actor_names() == []
 

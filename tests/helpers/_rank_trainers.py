@@ -130,3 +130,74 @@ def rank_main(rank: int, world: int, folder: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
     torch.save(out, Path(folder, f"rank{rank}.pt"))
+
+
+HF_STEPS = 2
+HF_CASES = {"all_reduce_grads": "never", "fsdp": "auto"}  # how the hf trainer's gradients are summed
+
+
+def hf_samples(tokenizer: str) -> list[dict[str, Any]]:
+    """Two groups of four responses (one group per rank), the rollout's log-probs a little off."""
+    import hf_ranks
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for prompt_index in range(2):
+        prompt = torch.randint(5, 300, (5,), generator=g)
+        for _ in range(4):
+            response = torch.randint(5, 300, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g)
+            samples.append({"prompt_ids": prompt, "response_ids": response, "prompt_index": prompt_index})
+            samples[-1]["score"] = float(torch.randint(0, 4, (1,), generator=g))
+    trainer = hf_ranks.make_trainer(tokenizer, hf_case("never"))
+    with torch.no_grad():
+        own, _ = trainer.logprobs(flowrl.Batch.from_samples(list(range(len(samples))), samples))
+    for row, sample in zip(own, samples, strict=True):
+        sample["logprobs"] = (
+            row[: len(sample["response_ids"])] - 0.05 * torch.rand(len(row), generator=g)[: len(sample["response_ids"])]
+        )
+    return samples
+
+
+def hf_case(fsdp: str) -> dict[str, Any]:
+    return {
+        "aggregation": "token-mean",
+        "micro_batch_tokens": 0,
+        "micro_batch": 3,
+        "lr": 1e-3,
+        "eps": 1e-6,
+        "global_batch": 8,
+        "fsdp": fsdp,
+    }
+
+
+def hf_rank_main(rank: int, world: int, folder: str) -> None:
+    """One rank of a gloo group: per case, a GRPO trainer stepped by hand (``train_step``, as
+    ``test_hf_training`` checks it against one rank) and one stepped through the trainer runtime
+    (its optimizer hooked): their weights and gradient norms, saved."""
+    import hf_ranks
+
+    torch.set_num_threads(1)
+    job = torch.load(Path(folder, "job.pt"))
+    dist.init_process_group("gloo", init_method=Path(folder, "group").as_uri(), rank=rank, world_size=world)
+    rows = list(range(rank * 4, rank * 4 + 4))
+    batch = flowrl.Batch.from_samples(rows, [job["samples"][i] for i in rows])
+    out: dict[str, Any] = {}
+    try:
+        for name, fsdp in HF_CASES.items():
+            case = hf_case(fsdp)
+            by_hand = hf_ranks.make_trainer(job["tokenizer"], case, rank, world)
+            norms = [by_hand.train_step(batch, 0)["grad_norm"] for _ in range(HF_STEPS)]
+            hooked = hf_ranks.make_trainer(job["tokenizer"], case, rank, world)
+            runtime = TrainerRuntime(hooked, rank, world)
+            steps = [runtime.train(batch, case["global_batch"], case["micro_batch"], 0) for _ in range(HF_STEPS)]
+            out[name] = {
+                "by_hand": ({k: v.detach().clone() for k, v in by_hand.get_weights().items()}, norms),
+                "hooked": (
+                    {k: v.detach().clone() for k, v in hooked.get_weights().items()},
+                    [s["grad_norm"] for s in steps],
+                ),
+                "checksums": (steps[0]["_weights_before"], steps[0]["_weights_after"]),
+            }
+        torch.save(out, Path(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
