@@ -78,7 +78,7 @@ def describe(sig: Signature) -> str:
     if kind == "list":
         return "a list of per-sample values"
     shape = ", ".join(["n", *map(str, trailing)])
-    return f"a {dtype} {'tensor' if kind == 'tensor' else 'numpy array'} of shape [{shape}]"
+    return f"{_a(dtype)} {'tensor' if kind == 'tensor' else 'numpy array'} of shape [{shape}]"
 
 
 def _cat(name: str, parts: list[Column], source: str) -> Column:
@@ -105,22 +105,23 @@ def drift_message(name: str, source: str, was: Signature, now: Signature) -> str
 _PY_DTYPES: dict[type, str] = {bool: "bool", int: "int64", float: "float64"}
 
 
-def _value_class(value: Any) -> tuple[str, str]:
-    """A per-sample value's class: ("number", dtype), ("tensor0", dtype) or ("other", "")."""
+def _value_class(value: Any) -> Signature:
+    """An input value's class: ("number", dtype, ()), ("tensor" | "array", dtype, shape)
+    for a tensor or an array of one dimension or more, or ("other", "", ())."""
     dtype = _PY_DTYPES.get(type(value))
     if dtype is not None:
-        return ("number", dtype)
+        return ("number", dtype, ())
     if isinstance(value, (np.bool_, np.number)) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        return ("number", str(value.dtype))
-    if _is_tensor(value) and value.ndim == 0:
-        return ("tensor0", str(value.dtype).removeprefix("torch."))
-    return ("other", "")
+        return ("number", str(value.dtype), ())
+    if _is_tensor(value) or isinstance(value, np.ndarray):
+        return _row_signature(value)
+    return ("other", "", ())
 
 
 def _per_sample(name: str, values: list[Any], first_item: int) -> Column:
-    """One field's per-sample values as a column, by the values' own classes, never their
-    neighbours': numbers -> a 1-D array, 0-d tensors -> a 1-D tensor, anything else (strings,
-    objects, arrays and tensors of any length) -> a list of them."""
+    """One field of input items as a column, by the values' classes, never their neighbours':
+    numbers -> a 1-D array, tensors (arrays) of one shape and dtype -> stacked, anything else
+    -> a list; values of different classes, dtypes or shapes are an error."""
     if not values:
         return []
     first = _value_class(values[0])
@@ -129,24 +130,36 @@ def _per_sample(name: str, values: list[Any], first_item: int) -> Column:
         other = _value_class(values[pos])
         raise FlowDefinitionError(
             f"field {name!r} of the input items: item {first_item} holds {_shown(first, values[0])}, item "
-            f"{first_item + pos} holds {_shown(other, values[pos])}; every item must give a field values of one "
-            "type and dtype "
-            "(e.g. 1.0 rather than 1 in a float field; a missing value as nan rather than None)"
+            f"{first_item + pos} holds {_shown(other, values[pos])}; every item must give a field one type, "
+            f"dtype and shape: {_INPUT_FIX}"
         )
     if first[0] == "number":
         try:
             return np.asarray(values, dtype=first[1])
         except OverflowError as err:
             raise FlowDefinitionError(f"field {name!r} of the input items: {err} (an int must fit int64)") from err
-    if first[0] == "tensor0":
-        return sys.modules["torch"].stack(values)
-    return list(values)
+    if first[0] == "other":
+        return list(values)
+    return sys.modules["torch"].stack(values) if first[0] == "tensor" else np.stack(values)
 
 
-def _shown(cls: tuple[str, str], value: Any) -> str:
-    if cls[0] == "number":
-        return f"a {type(value).__name__} ({cls[1]})"
-    return f"a 0-d {cls[1]} tensor" if cls[0] == "tensor0" else f"a {type(value).__name__}"
+_INPUT_FIX = (
+    "write 1.0 rather than 1 in a float field, nan rather than None for a missing number; pad an array "
+    "field to one length, or give a ragged one as Python lists (e.g. ids.tolist()), which stay a list"
+)
+
+
+def _shown(cls: Signature, value: Any) -> str:
+    kind, dtype, shape = cls
+    if kind == "number":
+        return f"{_a(type(value).__name__)} ({dtype})"
+    if kind == "other":
+        return _a(type(value).__name__)
+    return f"{_a(dtype)} {'tensor' if kind == 'tensor' else 'numpy array'} of shape {list(shape)}"
+
+
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in ('a', 'e', 'i', 'o', 'u') else 'a'} {word}"
 
 
 def _row_signature(value: Any) -> Signature:
@@ -318,10 +331,10 @@ class Batch:
 
     @classmethod
     def from_items(cls, ids: Sequence[int], items: Sequence[Mapping[str, Any]], *, first_item: int = 0) -> Batch:
-        """Input items as columns, by the rule that keeps a field's type whatever the chunk
-        boundaries: numbers (Python or numpy, one dtype per field) -> a 1-D array, 0-d tensors
-        -> a 1-D tensor, anything else (strings, objects, arrays and tensors of any length) ->
-        a list of per-sample values."""
+        """Input items as columns, by a rule that keeps a field's type whatever the chunk
+        boundaries: numbers (Python or numpy, one dtype per field) -> a 1-D array, tensors
+        (arrays) of one shape and dtype -> stacked, anything else (strings, lists, objects) ->
+        a list of per-item values; a field that mixes these is an error."""
         names = cls._sample_names(ids, items)
         return cls(ids, {n: _per_sample(n, [s[n] for s in items], first_item) for n in names})
 
