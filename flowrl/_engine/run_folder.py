@@ -22,7 +22,7 @@ import stat
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import msgspec
 
@@ -186,29 +186,28 @@ class RunDir:
 
     def drop_from(self, episode: int) -> int:
         """Remove the lines of ``metrics.jsonl`` of ``episode`` and later ones (and a line a killed
-        process left cut short), by writing the kept lines to a new file renamed over the old one:
-        a reader sees one file or the other. How many lines went."""
+        process left cut short): the kept lines go, a line at a time, to a new file renamed over
+        the old one, so that a reader sees one file or the other. How many lines went."""
         path = self.path / METRICS
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        tmp = path.with_name(f".{METRICS}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
-            data = read_regular(path, 2**62)
+            with os.fdopen(os.open(path, flags), "rb") as f:
+                refuse_irregular(path, os.fstat(f.fileno()), 2**62)
+                dropped = _copy_before(f, tmp, episode)
+            if dropped:
+                os.replace(tmp, path)
         except FileNotFoundError:
             return 0
         except (OSError, ConfigError) as err:
             raise FlowError(
-                f"run folder {self.path}: cannot append to {METRICS} (reading it to drop episodes >= {episode}: {err})"
+                f"run folder {self.path}: cannot append to {METRICS} (dropping the lines of episodes >= {episode} "
+                f"first: {err})"
             ) from err
-        lines = data.splitlines(keepends=True)
-        kept = [line for line in lines if _before(line, episode)]
-        if len(kept) == len(lines):
-            return 0
-        try:
-            write_atomic(path, b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept))
-        except OSError as err:
-            raise FlowError(
-                f"run folder {self.path}: cannot append to {METRICS} (writing it anew without episodes >= {episode}: "
-                f"{err})"
-            ) from err
-        return len(lines) - len(kept)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return dropped
 
     def trace(self, spans: list[Span]) -> Path:
         path = self.path / TRACE
@@ -217,6 +216,19 @@ class RunDir:
         except OSError as err:
             raise FlowError(f"run folder {self.path}: cannot write {TRACE} ({err})") from err
         return path
+
+
+def _copy_before(source: BinaryIO, tmp: Path, episode: int) -> int:
+    """Copy the lines of ``source`` before ``episode`` to ``tmp`` (a new file); how many it left out."""
+    dropped = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        for line in source:
+            if _before(line, episode):
+                out.write(line if line.endswith(b"\n") else line + b"\n")
+            else:
+                dropped += 1
+    return dropped
 
 
 def _before(line: bytes, episode: int) -> bool:

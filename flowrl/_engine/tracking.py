@@ -136,7 +136,10 @@ def check_loggers(loggers: Sequence[object]) -> list[Logger]:
 
 def check_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
     if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Sequence):
-        raise ConfigError(f"Engine(callbacks=...): expected a list of functions, got {type(callbacks).__name__}")
+        given = f"the function {describe(callbacks)} (one goes in a list: [fn])" if callable(callbacks) else None
+        raise ConfigError(
+            f"Engine(callbacks=...): expected a list of functions, got {given or type(callbacks).__name__}"
+        )
     for i, fn in enumerate(callbacks):
         check_one_argument(fn, f"Engine(callbacks=...)[{i}]", "the EpisodeReport of an episode")
     return list(callbacks)

@@ -111,3 +111,11 @@ def test_a_fresh_process_decodes_configs_after_the_rename():
     assert (
         out.stderr.strip().splitlines()[-1] == "msgspec.ValidationError: Invalid enum value 'fastest' - at `$.splitter`"
     )
+
+
+def test_a_run_config_with_loggers_pickles_and_decodes_under_the_public_names():
+    run = flowrl.RunConfig(sample_per_episode=8, loggers=["tensorboard", {"kind": "wandb", "mode": "offline"}])
+    assert all(type(c) is flowrl.LoggerConfig for c in run.loggers)  # names and mappings, as LoggerConfig
+    assert pickle.loads(pickle.dumps(run)) == run
+    assert msgspec.json.decode(msgspec.json.encode(run), type=flowrl.RunConfig) == run
+    assert isinstance(flowrl.TensorBoardLogger("unused"), flowrl.Logger)  # the backends are Loggers
