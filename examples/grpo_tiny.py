@@ -5,6 +5,7 @@ mean reward of its group, over the group's standard deviation. flowrl keeps each
 copies together (same global batch, same rank), so the trainer can compute it locally.
 
     python examples/grpo_tiny.py
+    python examples/grpo_tiny.py --tensorboard runs/grpo_tiny     # then: tensorboard --logdir runs/grpo_tiny
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class GRPOPolicy(Trainer):
         return (clipped + KL_COEF * (new - mb["ref_logprobs"])).sum()
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
-        self.step(self._with_advantages(batch))
-        return {"score": mean_score(batch)}
+        loss = self.step(self._with_advantages(batch))
+        return {"policy_loss": loss, "reward": mean_score(batch)}
 
     def _with_advantages(self, batch: flowrl.Batch) -> flowrl.Batch:
         score = batch["score"]
@@ -49,7 +50,7 @@ class GRPOPolicy(Trainer):
         return out
 
 
-def make_engine(episodes: int, backend: str = "ray", group: int = 4) -> flowrl.Engine:
+def make_engine(episodes: int, backend: str = "ray", group: int = 4, loggers: list[Any] | None = None) -> flowrl.Engine:
     cpu = {"cpus_per_replica": 0.25}
     policy = Policy("policy", {"num_replicas": 2, "batch_size": 16, **cpu})
     reference = Reference("reference", {"num_replicas": 1, "batch_size": 32, **cpu})
@@ -68,6 +69,7 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4) -> flowrl.E
         train_micro_batch_size=16,
         num_training_epoch=4,
         shuffle=True,
+        loggers=loggers or [],
         pipeline=flowrl.PipelineConfig(backend=backend),
     )
     engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)
@@ -83,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GRPO on a toy counting task")
     parser.add_argument("--episodes", type=int, default=30)
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="ray")
+    ppo_tiny.add_tracking_flag(parser)
     args = parser.parse_args(argv)
-    first, last = ppo_tiny.print_curve(reward_curve(make_engine(args.episodes, args.backend).learn()))
+    engine = make_engine(args.episodes, args.backend, loggers=ppo_tiny.tensorboard(args.tensorboard))
+    first, last = ppo_tiny.print_curve(reward_curve(engine.learn()))
+    if args.tensorboard:
+        print(f"TensorBoard: tensorboard --logdir {args.tensorboard}  (the reward: train/grpo_policy/reward)")
     return 0 if last > first + 0.2 else 1
 
 

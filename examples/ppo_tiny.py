@@ -10,6 +10,7 @@ ppo_value (trainers with clipped objectives and GAE). Weights flow ppo_policy ->
 ppo_value -> value after every episode.
 
     python examples/ppo_tiny.py                  # Ray backend, prints the reward curve; a GPU is used if present
+    python examples/ppo_tiny.py --tensorboard runs/ppo_tiny       # then: tensorboard --logdir runs/ppo_tiny
     python examples/ppo_tiny.py --episodes 40 --plot reward.png   # pip install matplotlib first
 """
 
@@ -170,7 +171,7 @@ class PPOPolicy(Trainer):
         return -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).sum()
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
-        return {"policy_loss": self.step(batch), "score": mean_score(batch)}
+        return {"policy_loss": self.step(batch), "reward": mean_score(batch)}  # the reward curve, in every logger
 
 
 class PPOValue(Trainer):
@@ -191,7 +192,9 @@ def on_gpu(backend: str) -> bool:
     return backend == "ray" and torch.cuda.is_available()
 
 
-def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> flowrl.RLHFEngine:
+def make_engine(
+    episodes: int, backend: str = "ray", trainer_ranks: int = 2, loggers: list[Any] | None = None
+) -> flowrl.RLHFEngine:
     cpu = {"cpus_per_replica": 0.25}
     gpu = {**cpu, "gpus_per_replica": 0.1} if on_gpu(backend) else cpu
     config = flowrl.RunConfig(
@@ -201,6 +204,7 @@ def make_engine(episodes: int, backend: str = "ray", trainer_ranks: int = 2) -> 
         train_micro_batch_size=16,
         num_training_epoch=4,
         shuffle=True,
+        loggers=loggers or [],
         pipeline=flowrl.PipelineConfig(backend=backend),
     )
     engine = flowrl.RLHFEngine(
@@ -222,7 +226,21 @@ def dataset() -> list[dict[str, int]]:
 
 
 def reward_curve(stats: flowrl.EngineStats, trainer: str = "ppo_policy") -> list[float]:
-    return [e.metrics[trainer]["score"] for e in stats.episodes]
+    return [e.metrics[trainer]["reward"] for e in stats.episodes]
+
+
+def tensorboard(folder: str | None) -> list[Any]:
+    """``RunConfig.loggers`` for ``--tensorboard FOLDER``: the scalars of every episode go there."""
+    return [{"kind": "tensorboard", "dir": folder}] if folder else []
+
+
+def add_tracking_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensorboard",
+        metavar="FOLDER",
+        help="write each episode's scalars (reward, losses, phase times, busy fractions) as TensorBoard "
+        "event files into FOLDER; then run: tensorboard --logdir FOLDER (needs: pip install tensorboard)",
+    )
 
 
 def print_curve(curve: list[float]) -> tuple[float, float]:
@@ -239,14 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=30)
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="ray")
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
+    add_tracking_flag(parser)
     args = parser.parse_args(argv)
     # NCCL takes one rank per GPU, and fractional replicas share GPU 0: one trainer rank on GPUs
     ranks = 2 if args.backend == "ray" and not on_gpu(args.backend) else 1
     if on_gpu(args.backend):
         print(f"on {torch.cuda.get_device_name(0)}: policy, reference, value and trainers compute on cuda")
-    stats = make_engine(args.episodes, args.backend, ranks).learn()
+    stats = make_engine(args.episodes, args.backend, ranks, tensorboard(args.tensorboard)).learn()
     curve = reward_curve(stats)
     first, last = print_curve(curve)
+    if args.tensorboard:
+        print(f"TensorBoard: tensorboard --logdir {args.tensorboard}  (the reward: train/ppo_policy/reward)")
     if args.plot:
         import matplotlib
 
