@@ -50,9 +50,7 @@ def _copy(value: Column) -> Column:
     return value.copy() if isinstance(value, np.ndarray) else list(value)
 
 
-# ---- field types: one kind per field whatever the shard boundaries (docs/flow-api.md) ----
-# A column's kind is "list", "tensor" or "array"; a per-sample value's class is a number
-# (and its dtype), a 0-d tensor (and its dtype), or anything else (kept one per sample).
+# ---- field types: one type per field whatever the shard boundaries (docs/flow-api.md) ----
 Signature = tuple[str, str, tuple[int, ...]]  # (kind, dtype, trailing shape); ("list", "", ())
 
 _FIX = "return a list of per-sample tensors for a ragged field, or pad it to a fixed length"
@@ -94,11 +92,11 @@ def _cat(name: str, parts: list[Column], source: str) -> Column:
     return np.concatenate(parts) if want[0] == "array" else [row for part in parts for row in part]
 
 
-def drift_message(name: str, source: str, was: Signature, now: Signature) -> str:
+def drift_message(name: str, source: str, was: Signature, now: Signature, fix: str = _FIX) -> str:
     where = f" of {source}" if source else ""
     return (
         f"field {name!r}{where} arrives as {describe(was)} for some samples and as {describe(now)} for others; "
-        f"a field keeps one type, dtype and trailing shape for the whole run: {_FIX}"
+        f"a field keeps one type, dtype and trailing shape for the whole run: {fix}"
     )
 
 
@@ -202,16 +200,20 @@ class FieldTypes:
     of the same source: a field that changes type fails where it changes, whatever the
     shard or chunk boundaries (the input items' chunks, one stage's outputs)."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
+    def __init__(self, source: str, fix: str = _FIX) -> None:
+        self.source, self.fix = source, fix
         self._seen: dict[str, Signature] = {}
+
+    @classmethod
+    def inputs(cls) -> FieldTypes:
+        return cls("the input items", _INPUT_FIX)
 
     def check(self, batch: Batch | Mapping[str, Column]) -> None:
         for name, value in batch.items():
             sig = signature(value)
             was = self._seen.setdefault(name, sig)
             if was != sig:
-                raise FlowDefinitionError(drift_message(name, self.source, was, sig))
+                raise FlowDefinitionError(drift_message(name, self.source, was, sig, self.fix))
 
 
 def approx_nbytes(batch: Batch) -> int:

@@ -74,7 +74,7 @@ class Admission:
         if total:
             self.expect(total)
         take, close = self._taker(items)
-        types = FieldTypes("the input items")  # one type per field for the whole run
+        types = FieldTypes.inputs()  # one type per field for the whole run
         exhausted = False
         try:
             while not exhausted and not run.abandoned:

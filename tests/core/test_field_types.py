@@ -182,11 +182,12 @@ def test_an_input_int_beyond_int64_is_refused():
 
 
 def test_a_field_that_changes_type_between_chunks_fails_where_it_changes():
-    seen = FieldTypes("the input items")
+    seen = FieldTypes.inputs()
     seen.check(flowrl.Batch.from_items([0, 1], [{"x": 1}, {"x": 2}]))
     seen.check(flowrl.Batch.from_items([2], [{"x": 3}]))
     with pytest.raises(
-        flowrl.FlowDefinitionError, match=r"'x' of the input items arrives as an int64 numpy array .* float64"
+        flowrl.FlowDefinitionError,
+        match=r"'x' of the input items arrives as an int64 numpy array .* float64.*1.0 rather than 1",
     ):
         seen.check(flowrl.Batch.from_items([3], [{"x": 0.5}]))
 
