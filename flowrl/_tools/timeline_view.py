@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 # matplotlib refuses images taller than 2**16 pixels: 0.3 inch a row at 110 dpi allows ~1,980
 MAX_CHART_ROWS = 1_000
 STARTUP = "startup"  # the engine's span before its first episode
+SPLIT = 1 / 3  # a startup longer than this share of the timeline gets a panel of its own
 # 21 colours at least 26 apart in CIELAB (tab10, then the farthest of ColorBrewer's sets): the
 # engine's phases take five, models the other sixteen, so a phase never looks like a model
 PHASE_COLOURS = {
@@ -103,9 +104,10 @@ _DISTANCE = [[math.dist(_lab(a), _lab(b)) for b in PALETTE] for a in PALETTE]
 
 
 def summary(spans: list[Span]) -> list[dict[str, object]]:
-    """Per group (model, trainer, the engine's phases, ``startup``: the engine's time before its
-    first episode, ``autoscale``: the resizes): lanes, spans, samples, busy seconds and the busy
-    fraction of its lanes over the whole timeline."""
+    """Per group (model, trainer, the engine's phases, ``autoscale``: the resizes): lanes, spans,
+    samples, busy seconds and the busy fraction of its lanes after startup; first, where the engine
+    recorded one, ``startup``: the time before the first episode, busy as its share of the whole
+    timeline."""
     if not spans:
         return []
     start, end = min(s.start for s in spans), max(s.end for s in spans)
@@ -119,6 +121,7 @@ def summary(spans: list[Span]) -> list[dict[str, object]]:
         row["samples"] += int(s.args.get("samples", 0))
         row["busy_s"] += s.end - s.start
         lanes[group].add(s.lane)
+    after = max(length - rows[STARTUP]["busy_s"], 1e-9) if STARTUP in rows else length
     out = []
     for group in sorted(rows, key=lambda g: (g != STARTUP, g != ENGINE, g)):
         row, n = rows[group], len(lanes[group])
@@ -129,14 +132,23 @@ def summary(spans: list[Span]) -> list[dict[str, object]]:
                 "spans": int(row["spans"]),
                 "samples": int(row["samples"]),
                 "busy_s": round(row["busy_s"], 3),
-                "busy": round(row["busy_s"] / (n * length), 3),
+                "busy": round(row["busy_s"] / (length if group == STARTUP else n * after), 3),
             }
         )
     return out
 
 
 def format_summary(rows: list[dict[str, object]], length_s: float) -> str:
-    head = f"timeline of {length_s:.2f} s; busy = busy seconds / (lanes x {length_s:.2f} s)"
+    """``rows`` as a table under a line that says what busy is measured over."""
+    startup = next((float(str(r["busy_s"])) for r in rows if r["group"] == STARTUP), None)
+    if startup is None:
+        head = f"timeline of {length_s:.2f} s; busy = busy seconds / (lanes x {length_s:.2f} s)"
+    else:
+        after = length_s - startup
+        head = (
+            f"timeline of {length_s:.2f} s: startup {startup:.2f} s, then {after:.2f} s of episodes; "
+            f"busy = busy seconds / (lanes x {after:.2f} s) (startup's: its share of the timeline)"
+        )
     cols = ("group", "lanes", "spans", "samples", "busy_s", "busy")
     table = [cols] + [tuple(str(r[c]) for c in cols) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
@@ -159,7 +171,9 @@ def render_png(spans: list[Span], path: str | Path, title: str = "") -> Path:
 
 def draw_timeline(spans: list[Span], title: str = "", where: str = "the chart") -> Figure:
     """The utilisation chart of ``spans`` as a matplotlib Figure (closed by the caller): its bars
-    carry the gid ``bars:<group>[<lane>]:<span name>``, its resize lines ``scale:<span name>``."""
+    carry the gid ``bars:<group>[<lane>]:<span name>``, its resize lines ``scale:<span name>``.
+    A startup longer than ``SPLIT`` of the timeline gets a narrow panel of its own on the left, so
+    the episodes keep the width they need (the last panel is the episodes')."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,20 +187,33 @@ def draw_timeline(spans: list[Span], title: str = "", where: str = "the chart") 
             "fit in a PNG; --no-png prints the summary only"
         )
     origin = min(s.start for s in spans)
-    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.3 * max(len(tracks), 1)))
+    length = max(max(s.end for s in spans) - origin, 1e-6)
+    startup = max((s.end - origin for s in bars if s.group == ENGINE and s.name == STARTUP), default=0.0)
+    panels = [(0.0, startup), (startup, length)] if SPLIT * length < startup < length else [(0.0, length)]
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        sharey=True,
+        squeeze=False,
+        figsize=(12, 1.4 + 0.3 * max(len(tracks), 1)),
+        width_ratios=[1, 4][-len(panels) :],
+        layout="constrained",  # makes room for the legend above the panels
+    )
     styles = _styles(bars)
-    _draw_bars(ax, bars, tracks, origin, styles)
-    scales = _draw_scale_events(ax, [s for s in spans if is_scale_event(s)], origin)
-    ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([lane_label(g, lane) for g, lane in reversed(tracks)], fontsize=8)
-    ax.set_ylim(-0.6, max(len(tracks), 1) - 0.4)
-    ax.set_xlabel("seconds")
-    ax.set_xlim(0, max(max(s.end for s in spans) - origin, 1e-6))
-    _legend(ax, styles, scales)
+    events = [s for s in spans if is_scale_event(s)]
+    for ax, (low, high) in zip(axes[0], panels, strict=True):
+        _draw_bars(ax, bars, tracks, origin, styles)
+        _draw_scale_events(ax, [e for e in events if low <= e.start - origin < high or high == length], origin)
+        ax.set_xlim(low, high)
+        ax.set_axisbelow(True)
+        ax.grid(axis="x", alpha=0.3)
+    first = axes[0][0]
+    first.set_yticks(range(len(tracks)))
+    first.set_yticklabels([lane_label(g, lane) for g, lane in reversed(tracks)], fontsize=8)
+    first.set_ylim(-0.6, max(len(tracks), 1) - 0.4)
+    axes[0][-1].set_xlabel("seconds")
     fig.suptitle(title or "busy time per replica (white: idle)", fontsize=10)
-    ax.set_axisbelow(True)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    _legend(fig, styles, len(events))
     return fig
 
 
@@ -220,10 +247,16 @@ def _draw_bars(
     for (group, lane, name), xs in runs.items():
         colour, hatch = styles[(group if group == ENGINE else model_of(group), name)]
         collection = ax.broken_barh(
-            xs, (row[(group, lane)] - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0, hatch=hatch
+            xs, (row[(group, lane)] - 0.4, 0.8), facecolors=colour, edgecolor=_edge(colour), linewidth=0.6, hatch=hatch
         )
         collection.set_gid(f"bars:{group}[{lane}]:{name}")
         collection.set_zorder(2)
+
+
+def _edge(colour: str) -> str:
+    """A darker shade of ``colour``: the outline that keeps a bar narrower than a pixel visible, and
+    a pale one distinct from the white of idle time."""
+    return "#" + "".join(f"{int(int(colour[i : i + 2], 16) * 0.7):02x}" for i in (1, 3, 5))
 
 
 def _draw_scale_events(ax: Axes, events: list[Span], origin: float) -> int:
@@ -243,13 +276,14 @@ def _draw_scale_events(ax: Axes, events: list[Span], origin: float) -> int:
             ha="right",
             fontsize=7,
             zorder=6,
+            clip_on=True,
             gid=f"scale-label:{s.name}",
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
     return len(events)
 
 
-def _legend(ax: Axes, styles: dict[tuple[str, str], Style], scales: int) -> None:
+def _legend(fig: Figure, styles: dict[tuple[str, str], Style], scales: int) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Rectangle
 
@@ -261,7 +295,9 @@ def _legend(ax: Axes, styles: dict[tuple[str, str], Style], scales: int) -> None
     for model, names in by_model.items():
         for name in names:
             colour, hatch = styles[(model, name)]
-            handles.append(Rectangle((0, 0), 1, 1, facecolor=colour, hatch=hatch, edgecolor="white", linewidth=0))
+            handles.append(
+                Rectangle((0, 0), 1, 1, facecolor=colour, hatch=hatch, edgecolor=_edge(colour), linewidth=0.6)
+            )
             labels.append(model if len(names) == 1 else f"{model}: {name.rpartition('.')[2]}")
     phases = [p for p in PHASE_COLOURS if (ENGINE, p) in styles]
     phases += sorted(n for g, n in styles if g == ENGINE and n not in PHASE_COLOURS)
@@ -272,12 +308,4 @@ def _legend(ax: Axes, styles: dict[tuple[str, str], Style], scales: int) -> None
         handles.append(Line2D([0], [0], color=SCALE_COLOUR, linestyle="--", linewidth=1.2))
         labels.append("resize")
     if handles:
-        ax.legend(
-            handles,
-            labels,
-            loc="lower left",
-            bbox_to_anchor=(0.0, 1.0),
-            ncol=min(len(labels), 6),
-            fontsize=8,
-            frameon=False,
-        )
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)

@@ -13,7 +13,7 @@ from _traces import assert_trace_event_format, run_spans, scale_event
 
 import flowrl
 from flowrl._core.trace import Span
-from flowrl._tools.timeline_view import PALETTE, PHASE_COLOURS, draw_timeline, model_colours, summary
+from flowrl._tools.timeline_view import PALETTE, PHASE_COLOURS, draw_timeline, format_summary, model_colours, summary
 from flowrl.testing import CountingTrainer, Scale
 
 CPU = {"cpus_per_replica": 0.1}
@@ -70,8 +70,8 @@ def test_a_chart_of_more_rows_than_a_png_holds_is_refused_in_one_line_and_the_su
 
 
 def _bars(fig) -> dict[str, str]:
-    """gid -> face colour (hex) of the chart's bar collections."""
-    (ax,) = fig.axes
+    """gid -> face colour (hex) of the bar collections of the chart's last (or only) panel."""
+    ax = fig.axes[-1]
     return {c.get_gid(): mc.to_hex(c.get_facecolor()[0]) for c in ax.collections if c.get_gid().startswith("bars:")}
 
 
@@ -156,7 +156,8 @@ def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars(
     spans.append(scale_event("value", 106.0, 3, 4))
     fig = draw_timeline(spans)
     try:
-        (ax,) = fig.axes
+        startup, ax = fig.axes  # the resizes are after startup: all in the episodes' panel
+        assert not [line for line in startup.get_lines() if (line.get_gid() or "").startswith("scale:")]
         lines = [line for line in ax.get_lines() if (line.get_gid() or "").startswith("scale:")]
         assert [(line.get_gid(), list(line.get_xdata())) for line in lines] == [
             ("scale:grow policy", [5.0, 5.0]),
@@ -169,32 +170,54 @@ def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars(
         assert min(line.get_zorder() for line in lines) > max(c.get_zorder() for c in bars)
         labels = sorted(t.get_text().strip() for t in ax.texts if (t.get_gid() or "").startswith("scale-label:"))
         assert labels == ["grow policy 1→2", "grow value 3→4", "shrink policy 2→1"]
-        assert "resize" in [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "autoscale[0]" not in [t.get_text() for t in ax.get_yticklabels()]  # a line, not a row
+        assert "resize" in [t.get_text() for t in fig.legends[0].get_texts()]
+        assert "autoscale[0]" not in [t.get_text() for t in startup.get_yticklabels()]  # a line, not a row
     finally:
         plt.close(fig)
 
 
-def test_startup_is_a_phase_of_its_own_in_the_chart_and_a_row_of_the_summary():
-    import matplotlib.pyplot as plt
-
+def test_startup_is_a_row_of_the_summary_and_busy_is_measured_after_it():
     spans = run_spans()  # startup from 100 s to 104 s, episodes until 108 s
     rows = {r["group"]: r for r in summary(spans)}
     assert list(rows)[:2] == ["startup", "engine"]
     assert rows["startup"] == {"group": "startup", "lanes": 1, "spans": 1, "samples": 0, "busy_s": 4.0, "busy": 0.5}
-    assert rows["engine"]["spans"] == 4 and rows["engine"]["busy_s"] == pytest.approx(
-        4.75
-    )  # 2 + 1 + 1.5 + 0.25: its phases only
+    assert rows["engine"]["spans"] == 4 and rows["engine"]["busy_s"] == pytest.approx(4.75)  # phases only
+    assert rows["trainer"]["busy"] == 0.2  # 0.8 s of the 4 s after startup (not of all 8 s)
     assert rows["autoscale"]["spans"] == 2
+    head = format_summary(list(rows.values()), 8.0).splitlines()[0]
+    assert head.startswith(
+        "timeline of 8.00 s: startup 4.00 s, then 4.00 s of episodes; busy = busy seconds / (lanes x 4.00 s)"
+    )
+    no_startup = [s for s in spans if s.name != "startup"]
+    assert summary(no_startup)[0]["group"] == "engine"
+    assert format_summary(summary(no_startup), 4.0).startswith(
+        "timeline of 4.00 s; busy = busy seconds / (lanes x 4.00 s)"
+    )
+
+
+def test_startup_is_a_phase_of_its_own_in_the_chart_with_a_panel_of_its_own_when_it_is_long():
+    import matplotlib.pyplot as plt
+
+    spans = run_spans()  # a startup of 4 s in a timeline of 8 s: more than a third
     fig = draw_timeline(spans)
     try:
+        startup, episodes = fig.axes
+        assert startup.get_xlim() == (0.0, 4.0) and episodes.get_xlim() == (4.0, 8.0)
+        drawn = {c.get_gid(): mc.to_hex(c.get_facecolor()[0]) for c in startup.collections}
+        assert drawn["bars:engine[0]:startup"] == PHASE_COLOURS["startup"]
         bars = _bars(fig)
-        assert bars["bars:engine[0]:startup"] == PHASE_COLOURS["startup"]
         assert bars["bars:engine[0]:rollout"] == bars["bars:engine[1]:rollout"] == PHASE_COLOURS["rollout"]
-        (ax,) = fig.axes
-        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
         assert legend == ["policy", "trainer", "startup", "rollout", "train", "sync", "resize"]
-        rows = [t.get_text() for t in ax.get_yticklabels()]  # top down, as drawn
+        rows = [t.get_text() for t in startup.get_yticklabels()]  # bottom up
         assert rows[::-1] == ["phases", "phases[1]", "phases[2]", "policy[0]", "policy[1]", "trainer[0]"]
+    finally:
+        plt.close(fig)
+    short = [Span(group="engine", lane=0, name="startup", start=100.0, end=101.0), *spans[1:]]  # 1 s of 8
+    fig = draw_timeline(short)
+    try:
+        (ax,) = fig.axes  # one panel: startup drawn in line with the episodes
+        assert ax.get_xlim() == (0.0, 8.0)
+        assert _bars(fig)["bars:engine[0]:startup"] == PHASE_COLOURS["startup"]
     finally:
         plt.close(fig)
