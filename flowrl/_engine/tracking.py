@@ -92,7 +92,7 @@ def _rollout_scalars(now: PipelineStats, before: PipelineStats | None) -> dict[s
         busy = stage.busy_s - (then.busy_s if then is not None else 0.0)
         serving = now.serving.get(stage.model, len(stage.replicas))
         if active > 0 and serving:
-            out[f"rollout/{name}/busy"] = busy / (active * serving)
+            out[f"rollout/{name}/busy"] = max(0.0, busy) / (active * serving)
         out[f"rollout/{name}/queue_peak"] = float(stage.queue_peak)
         # a replica's starvation is its pool's: the same on each of the model's stages
         starved[stage.model] = sum(r.starved_s for r in stage.replicas) - (
@@ -110,7 +110,8 @@ def _trainer_scalars(now: dict[str, TrainerStats], before: dict[str, TrainerStat
         then = before.get(name)
         busy = sum(r.busy_s for r in trainer.ranks) - (sum(r.busy_s for r in then.ranks) if then else 0.0)
         if train_s > 0 and trainer.ranks:
-            out[f"trainer/{name}/busy"] = busy / (train_s * len(trainer.ranks))
+            # counters restored from a checkpoint (a rebuilt trainer) can be below the last episode's
+            out[f"trainer/{name}/busy"] = max(0.0, busy) / (train_s * len(trainer.ranks))
         out[f"trainer/{name}/steps"] = float(trainer.steps)
     return out
 
