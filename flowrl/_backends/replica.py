@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.batch import Batch, approx_nbytes, column_length
+from .._core.batch import Batch, approx_nbytes, column_length, signature
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowError, OutputError, StageError
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
@@ -152,6 +152,7 @@ class ReplicaRuntime:
             node_id=self.model.node_id,
             started=started,
             step_s=took,
+            types={name: signature(value) for name, value in added.items()},
         )
         return meta, result
 

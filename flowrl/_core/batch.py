@@ -209,11 +209,17 @@ class FieldTypes:
         return cls("the input items", _INPUT_FIX)
 
     def check(self, batch: Batch | Mapping[str, Column]) -> None:
-        for name, value in batch.items():
-            sig = signature(value)
-            was = self._seen.setdefault(name, sig)
-            if was != sig:
-                raise FlowDefinitionError(drift_message(name, self.source, was, sig, self.fix))
+        drift = self.drift({name: signature(value) for name, value in batch.items()})
+        if drift is not None:
+            raise FlowDefinitionError(drift)
+
+    def drift(self, signatures: Mapping[str, Signature]) -> str | None:
+        """What changed (a message), or None; ``signatures`` as a replica reports them."""
+        for name, sig in signatures.items():
+            was = self._seen.setdefault(name, tuple(sig))  # type: ignore[arg-type]
+            if was != tuple(sig):
+                return drift_message(name, self.source, was, sig, self.fix)
+        return None
 
 
 def approx_nbytes(batch: Batch) -> int:

@@ -360,6 +360,8 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str = ""
     started: float = 0.0  # wall-clock time the step started in the replica (its timeline span)
     step_s: float = 0.0  # the step alone (busy_s also counts gathering the input)
+    # field -> (kind, dtype, trailing shape): the driver checks each stage keeps them (batch.FieldTypes)
+    types: dict[str, tuple[str, str, tuple[int, ...]]] = {}
 
 
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.

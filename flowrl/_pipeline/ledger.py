@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._core.batch import FieldTypes
 from .._core.config import Piece
 from .._core.errors import FlowDefinitionError, FlowError, OutputError
 from .._core.graph import SOURCE
@@ -35,6 +36,7 @@ class Ledger:
         self.samples: dict[int, SampleState] = {}
         self.retries: dict[tuple[str, int], int] = {}  # (stage, sample) -> times sent again
         self.fields: dict[str, frozenset[str]] = {}  # producer -> the fields it adds
+        self._types: dict[str, FieldTypes] = {}  # stage -> its fields' types, as first returned
         self.next_id = 0
 
     def renumber(self, next_id: int) -> None:
@@ -86,6 +88,9 @@ class Ledger:
                 a.ids,
             )
         self.note_fields(a.stage, fields)
+        drift = self._types.setdefault(a.stage, FieldTypes("")).drift(meta.types)
+        if drift is not None:  # found where it is produced, whichever shards a consumer gathers
+            raise OutputError(drift, a.stage, handle.replica_id, a.ids)
 
     def note_fields(self, producer: str, fields: frozenset[str]) -> None:
         """The fields ``producer`` adds; two writers of one field that a reader sees both fail."""

@@ -215,3 +215,14 @@ def test_a_list_field_of_equal_rows_stays_a_list_and_numbers_become_an_array():
     assert batch["prompt"].dtype == np.int64 and batch["prompt"].tolist() == [0, 1, 2]
     items = flowrl.Batch.from_items([0, 1], [{"prompt": 3, "text": "a"}, {"prompt": 4, "text": "b"}])
     assert items["prompt"].dtype == np.int64 and items["text"] == ["a", "b"]
+
+
+def test_a_replicas_report_of_its_fields_types_crosses_the_wire_unchanged():
+    from flowrl._core.config import CallMeta, decode_meta, encode_message
+
+    out = flowrl.Batch([0, 1], {"r": [torch.zeros(2), torch.zeros(3)], "lp": torch.zeros(2, 4, dtype=torch.bfloat16)})
+    meta = CallMeta(rows=2, fields=["lp", "r"], busy_s=0.0, types={n: signature(v) for n, v in out.items()})
+    seen = FieldTypes("")
+    assert seen.drift(decode_meta(encode_message(meta)).types) is None
+    assert seen.drift(meta.types) is None  # the same, as the in-process backend hands it over
+    assert seen.drift({"lp": signature(torch.zeros(1, 4))}) is not None  # bfloat16 -> float32

@@ -56,3 +56,27 @@ async def test_an_input_field_that_changes_type_between_chunks_is_refused():
     with pytest.raises(flowrl.FlowDefinitionError, match=r"'prompt' of the input items .*int64.*float64"):
         async with flowrl.open_pipeline(flow((2, 2)), {**INPROC, "input_chunk": 1}) as pipe:
             await pipe.run(items)
+
+
+class Drift(flowrl.Model):
+    """Pads its output to a longer length at each call: a field whose shape changes."""
+
+    def setup(self) -> None:
+        self.calls = 0
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        self.calls += 1
+        return {"response": torch.zeros(len(batch), 1 + self.calls)}
+
+
+async def test_a_stage_whose_tensor_changes_shape_fails_where_it_is_produced():
+    # The consumer takes one sample a call, so no gather ever joins two of the producer's
+    # outputs: the driver finds the change in the producer's reports, whatever the shards.
+    drift = Drift("gen", {"num_replicas": 2, "batch_size": 2})
+    look = Look("look", {"num_replicas": 1, "batch_size": 1})
+    with pytest.raises(flowrl.OutputError) as info:
+        async with flowrl.open_pipeline(lambda x: look.forward_step(drift.forward_step(x)), INPROC) as pipe:
+            await pipe.run([{"prompt": i} for i in range(8)])  # 4+ calls on 2 replicas: one calls twice
+    assert info.value.stage == "gen.forward_step"
+    assert "field 'response' arrives as a float32 tensor of shape [n, 2]" in str(info.value)
+    assert "float32 tensor of shape [n, 3]" in str(info.value) and "pad it to a fixed length" in str(info.value)
