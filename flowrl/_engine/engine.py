@@ -166,12 +166,37 @@ class Engine:
             raise FlowError("learn() blocks; inside async code use `await engine.alearn()`")
         try:
             if self._portal is not None:
-                return self._portal.call(self._learn)
+                return self._learn_in_portal(self._portal)
             return anyio.run(self.alearn)
         except KeyboardInterrupt:
             self._say_stopped()
             # the chain (the cancelled tasks' tracebacks) would bury the line above
             raise KeyboardInterrupt from None
+
+    def _learn_in_portal(self, portal: anyio.from_thread.BlockingPortal) -> EngineStats:
+        """``_learn()`` in the portal; a Ctrl-C cancels it there and waits for it to stop (else it
+        would go on with the next episode while the stop message is written)."""
+        scopes: list[anyio.CancelScope] = []  # made in the portal: a scope needs its event loop
+
+        async def learn() -> EngineStats | None:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                return await self._learn()
+            return None
+
+        future = portal.start_task_soon(learn)
+        try:
+            stats = future.result()
+        except KeyboardInterrupt:
+            if scopes:
+                portal.call(scopes[0].cancel)
+            else:  # not begun yet
+                future.cancel()
+            with contextlib.suppress(Exception):
+                future.result()
+            raise
+        assert stats is not None, "learn() cancelled from elsewhere"
+        return stats
 
     def _say_stopped(self) -> None:
         """The one line a Ctrl-C leaves: where the run stopped, and how to resume it."""

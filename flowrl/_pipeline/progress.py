@@ -138,7 +138,7 @@ class Progress:
     def say(self, line: str) -> None:
         """A line for the user: above the live view, or as a log line."""
         if self.mode == "live" and self._live is not None:
-            self._live.console.print(line)
+            self._live.console.print(line, markup=False, highlight=False)  # a metric named "x[0]" is no markup
         elif self.mode in ("live", "log"):
             say(line)
 
@@ -156,13 +156,14 @@ class Progress:
 
     def render(self, pipe: Watched, per_episode: int) -> Any:
         from rich.console import Group
+        from rich.text import Text
 
-        parts = [stage_table(pipe, self.title(), self.base, per_episode)]
+        parts: list[Any] = [Text(self.title(), style="bold"), stage_table(pipe, None, self.base, per_episode)]
         rows = self.trainers()
         if rows:
             parts.append(trainer_table(rows, self.trained))
         if self.last:
-            parts.append(f"last episode: {metrics_text(self.last)}")
+            parts.append(Text(f"last episode: {metrics_text(self.last)}"))
         return Group(*parts)
 
     async def watch(self, pipe: Watched, per_episode: int) -> None:
@@ -190,7 +191,7 @@ async def live_view(render: Any, owner: Any = None) -> None:
                 owner._live = None
 
 
-def stage_table(pipe: Watched, title: str, base: dict[str, int], of: int | None) -> Any:
+def stage_table(pipe: Watched, title: str | None, base: dict[str, int], of: int | None) -> Any:
     """A row per stage: samples done since ``base`` (of ``of``), replicas busy, queue."""
     from rich.table import Table
 
@@ -219,18 +220,20 @@ def trainer_table(rows: TrainerRows, base: dict[str, int]) -> Any:
 
 def startup_table(counts: ActorCounts, elapsed: float) -> Any:
     """A row per model: actors ready of those asked for; placement groups in the title."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     ready, expected = sum(counts.ready.values()), sum(counts.expected.values())
     head = f"starting actors: {ready}/{expected} ready · {duration(elapsed)}"
     if counts.groups:
         head += f" · placement groups reserved {len(counts.reserved)}/{len(counts.groups)}"
-    table = Table(title=head, title_justify="left")
+    table = Table()
     for column in ("model", "actors ready"):
         table.add_column(column)
     for name, want in counts.expected.items():
         table.add_row(name, f"{counts.ready.get(name, 0)}/{want}")
-    return table
+    return Group(Text(head, style="bold"), table)
 
 
 def startup_line(counts: ActorCounts) -> str:
