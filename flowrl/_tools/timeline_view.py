@@ -203,7 +203,8 @@ def draw_timeline(spans: list[Span], title: str = "", where: str = "the chart") 
     events = [s for s in spans if is_scale_event(s)]
     for ax, (low, high) in zip(axes[0], panels, strict=True):
         _draw_bars(ax, bars, tracks, origin, styles)
-        _draw_scale_events(ax, [e for e in events if low <= e.start - origin < high or high == length], origin)
+        shown = [e for e in events if low <= e.start - origin < high or high == length]
+        _draw_scale_events(ax, shown, origin, high - low)
         ax.set_xlim(low, high)
         ax.set_axisbelow(True)
         ax.grid(axis="x", alpha=0.3)
@@ -259,17 +260,21 @@ def _edge(colour: str) -> str:
     return "#" + "".join(f"{int(int(colour[i : i + 2], 16) * 0.7):02x}" for i in (1, 3, 5))
 
 
-def _draw_scale_events(ax: Axes, events: list[Span], origin: float) -> int:
-    """A dashed line across every row per resize, above the bars, labelled with what changed."""
+def _draw_scale_events(ax: Axes, events: list[Span], origin: float, width: float) -> None:
+    """A dashed line across every row per resize, above the bars, labelled with what changed; the
+    resizes within 1% of the panel's ``width`` of each other share one label (theirs would overlap)."""
+    groups: list[list[Span]] = []
     for s in sorted(events, key=lambda s: s.start):
-        x = s.start - origin
-        ax.axvline(x, color=SCALE_COLOUR, linestyle="--", linewidth=1.2, zorder=5, gid=f"scale:{s.name}")
-        before, after = s.args.get("before"), s.args.get("after")
-        label = s.name if before is None or after is None else f"{s.name} {before}→{after}"
+        ax.axvline(s.start - origin, color=SCALE_COLOUR, linestyle="--", linewidth=1.2, zorder=5, gid=f"scale:{s.name}")
+        if groups and s.start - groups[-1][0].start <= 0.01 * width:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    for group in groups:
         ax.text(
-            x,
+            group[0].start - origin,
             0.98,
-            f" {label}",
+            " " + "; ".join(map(_scale_label, group)),
             transform=ax.get_xaxis_transform(),
             rotation=90,
             va="top",
@@ -277,10 +282,14 @@ def _draw_scale_events(ax: Axes, events: list[Span], origin: float) -> int:
             fontsize=7,
             zorder=6,
             clip_on=True,
-            gid=f"scale-label:{s.name}",
+            gid="scale-label:" + "; ".join(s.name for s in group),
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
-    return len(events)
+
+
+def _scale_label(s: Span) -> str:
+    before, after = s.args.get("before"), s.args.get("after")
+    return s.name if before is None or after is None else f"{s.name} {before}→{after}"
 
 
 def _legend(fig: Figure, styles: dict[tuple[str, str], Style], scales: int) -> None:

@@ -153,7 +153,7 @@ def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars(
     import matplotlib.pyplot as plt
 
     spans = run_spans()  # origin 100 s; policy grown 1 -> 2 at 105 s, shrunk 2 -> 1 at 107.5 s
-    spans.append(scale_event("value", 106.0, 3, 4))
+    spans += [scale_event("value", 106.0, 3, 4), scale_event("reward", 105.0, 2, 1)]  # with policy's: one label
     fig = draw_timeline(spans)
     try:
         startup, ax = fig.axes  # the resizes are after startup: all in the episodes' panel
@@ -161,6 +161,7 @@ def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars(
         lines = [line for line in ax.get_lines() if (line.get_gid() or "").startswith("scale:")]
         assert [(line.get_gid(), list(line.get_xdata())) for line in lines] == [
             ("scale:grow policy", [5.0, 5.0]),
+            ("scale:shrink reward", [5.0, 5.0]),
             ("scale:grow value", [6.0, 6.0]),
             ("scale:shrink policy", [7.5, 7.5]),
         ]
@@ -168,8 +169,13 @@ def test_scale_events_are_labelled_dashed_lines_across_every_row_above_the_bars(
         assert all(line.get_linestyle() == "--" and line.get_visible() for line in lines)
         bars = [c for c in ax.collections if c.get_gid().startswith("bars:")]
         assert min(line.get_zorder() for line in lines) > max(c.get_zorder() for c in bars)
-        labels = sorted(t.get_text().strip() for t in ax.texts if (t.get_gid() or "").startswith("scale-label:"))
-        assert labels == ["grow policy 1→2", "grow value 3→4", "shrink policy 2→1"]
+        labels = [t for t in ax.texts if (t.get_gid() or "").startswith("scale-label:")]
+        assert [(t.get_position()[0], t.get_text().strip()) for t in labels] == [
+            (5.0, "grow policy 1→2; shrink reward 2→1"),  # at one time: one label, not two on top of each other
+            (6.0, "grow value 3→4"),
+            (7.5, "shrink policy 2→1"),
+        ]
+        assert min(t.get_zorder() for t in labels) > max(c.get_zorder() for c in bars)
         assert "resize" in [t.get_text() for t in fig.legends[0].get_texts()]
         assert "autoscale[0]" not in [t.get_text() for t in startup.get_yticklabels()]  # a line, not a row
     finally:
