@@ -98,7 +98,8 @@ class TensorBoardLogger:
 class WandbLogger:
     """Scalars as a Weights & Biases run (``wandb``) of ``project``; ``mode="offline"`` keeps it
     in ``dir``/wandb and never touches the network (``wandb sync`` uploads it later). The run's
-    config is the run's W&B config. W&B does not capture the console (flowrl's view owns it)."""
+    config is the run's W&B config. W&B neither captures the console (flowrl's view owns it) nor
+    prints its summary when the run ends (``quiet``)."""
 
     def __init__(
         self,
@@ -126,7 +127,7 @@ class WandbLogger:
     def _open(self, config: dict[str, Any]) -> None:
         wandb = importlib.import_module("wandb")
         self.dir.mkdir(parents=True, exist_ok=True)
-        settings = wandb.Settings(console="off")
+        settings = wandb.Settings(console="off", quiet=True)
         self._run = wandb.init(
             project=self.project,
             name=self.name,
