@@ -1,9 +1,11 @@
 """Reading a timeline: the summary table and the utilisation chart of ``flowrl trace``.
 
-The chart has a row per replica (and trainer rank), time across, a bar per shard in its model's
-colour (hatched by stage when a model has several); the engine's phases, startup included, run
-along the top in colours of their own, and every pool resize is a dashed line across all rows.
-Idle time is the white between bars. It needs matplotlib (``pip install 'flowrl[plot]'``).
+The table's busy fractions are over the time after startup (the engine's span before its first
+episode has a row of its own). The chart has a row per replica (and trainer rank), time across,
+a bar per shard in its model's colour (hatched by stage when a model has several); the engine's
+phases, startup included, run along the top in colours of their own (a long startup in a narrow
+panel of its own), and every pool resize is a dashed line across all rows. Idle time is the
+white between bars. It needs matplotlib (``pip install 'flowrl[plot]'``).
 
 A model's colour comes from its name (a stable hash into ``PALETTE``), so a model keeps its
 colour from run to run and in its evaluation pool; two names of one picture that hash to the
