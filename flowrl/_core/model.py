@@ -203,7 +203,10 @@ class Model:
 
         Normalise each loss by ``self.global_batch_size`` (summed over samples, not averaged
         per micro-batch) and the sum is the exact gradient of the global batch, whatever the
-        shard sizes.
+        shard sizes. flowrl sums them before each step of the torch optimizers the trainer
+        holds (``auto_reduce_grads``); call this first when the gradients are read before the
+        step (clipping) or the weights change without a torch optimizer. Gradients summed here
+        are not summed again at the step.
         """
         if self.world_size <= 1:
             return
