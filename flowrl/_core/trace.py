@@ -108,20 +108,14 @@ def _names(group: str, pid: int, lanes: list[int]) -> list[dict[str, Any]]:
 def _replicas(s: Span, pid: int, ts: float, counted: set[str]) -> list[dict[str, Any]]:
     """A scale event as steps of its model's ``replicas`` counter (Perfetto draws a counter track
     per model): the size before, at the timeline's start, the first time the model is seen."""
-    model, before, after = (
-        str(s.args.get("model", s.name.rpartition(" ")[2])),
-        s.args.get("before"),
-        s.args.get("after"),
-    )
+    model = str(s.args.get("model", s.name.rpartition(" ")[2]))  # the span is named "grow policy"
+    before, after = s.args.get("before"), s.args.get("after")
     if type(before) is not int or type(after) is not int:
         return []
-    out = (
-        []
-        if model in counted
-        else [{"ph": "C", "name": "replicas", "pid": pid, "tid": 0, "ts": 0.0, "args": {model: before}}]
-    )
+    step = {"ph": "C", "name": "replicas", "pid": pid, "tid": 0}
+    out = [] if model in counted else [{**step, "ts": 0.0, "args": {model: before}}]
     counted.add(model)
-    return [*out, {"ph": "C", "name": "replicas", "pid": pid, "tid": 0, "ts": ts, "args": {model: after}}]
+    return [*out, {**step, "ts": ts, "args": {model: after}}]
 
 
 def _finite(value: Any) -> Any:

@@ -37,11 +37,20 @@ def test_read_chrome_trace_names_the_event_and_the_field_it_refuses():
         ("ts", -5.0, rf"Expected `float` >= 0.0 - at `\$.traceEvents\[{x}\].ts`"),
         ("pid", 7, rf"traceEvents\[{x}\].pid: 7 is named by no process_name event"),
         ("args", {"samples": -1}, rf"traceEvents\[{x}\].args.samples: expected a count of samples, got -1"),
+        ("ph", "i", None),  # an instant reads as a span of no length
     ]:
         bad = json.loads(json.dumps(trace))
         bad["traceEvents"][x][key] = value
+        if message is None:
+            (span,) = read_chrome_trace(bad, "run/trace.json")
+            assert span.start == span.end == 1.0
+            continue
         with pytest.raises(ConfigError, match=message):
             read_chrome_trace(bad, "run/trace.json")
+    bad = json.loads(json.dumps(trace))
+    bad["traceEvents"][x] |= {"ph": "i", "ts": None}
+    with pytest.raises(ConfigError, match=rf"traceEvents\[{x}\]: an instant needs ts"):
+        read_chrome_trace(bad, "run/trace.json")
 
 
 def test_a_run_with_every_kind_of_span_is_a_trace_perfetto_reads():
