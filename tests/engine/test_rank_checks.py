@@ -176,6 +176,17 @@ def test_a_synced_model_without_a_module_fails_at_setup_before_episode_zero(side
     assert engine.train_results == [] and engine.relay_episodes == []
 
 
+def test_on_ray_trainer_ranks_without_a_module_fail_at_setup(ray_cluster):
+    policy = Policy("policy", {"num_replicas": 1, "batch_size": 4, **CPU})
+    engine = _engine(NoModule("learner", {"num_replicas": 2, **CPU}), policy)
+    with pytest.raises(
+        flowrl.StageError, match=r"'learner\.setup'.*model 'learner' sends weights to \['policy'\]"
+    ) as info:
+        engine.learn()
+    assert "override get_weights() in NoModule" in str(info.value) and engine.relay_episodes == []
+    assert flowrl_actor_names() == []
+
+
 def test_a_model_that_loads_weights_its_own_way_needs_no_module():
     def learn(target: flowrl.Model) -> Any:
         return _engine(rt.AutoTrainer("learner"), target, num_episode=1, **INPROCESS).learn()
