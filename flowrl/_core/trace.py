@@ -90,7 +90,8 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
             events += _replicas(s, pid[s.group], start, counted)
         else:
             events.append({"ph": "X", **where, "dur": round(end - start, 3), "args": _finite(s.args)})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
+    # no displayTimeUnit: older Perfetto trace processors read ts and dur in that unit, not in µs
+    return {"traceEvents": events, "otherData": {"origin_unix_s": origin}}
 
 
 def _names(group: str, pid: int, lanes: list[int]) -> list[dict[str, Any]]:
@@ -161,7 +162,7 @@ class _Other(msgspec.Struct, frozen=True, kw_only=True):
 class _Trace(msgspec.Struct, frozen=True, kw_only=True):
     traceEvents: Annotated[list[_Event], msgspec.Meta(max_length=MAX_EVENTS)]  # noqa: N815 (Chrome's name)
     otherData: _Other = _Other()  # noqa: N815
-    displayTimeUnit: str = "ms"  # noqa: N815
+    displayTimeUnit: str = "ms"  # noqa: N815 (traces written before it was left out)
 
 
 def read_trace_file(path: str | Path, max_bytes: int = MAX_TRACE_BYTES) -> list[Span]:

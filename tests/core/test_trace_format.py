@@ -108,6 +108,7 @@ def test_the_format_check_refuses_what_perfetto_would_not_draw():
         (lambda t: t["traceEvents"][x].update(pid="1"), "Expected `int`, got `str`"),
         (lambda t: t["traceEvents"][x].pop("dur"), "missing required field `dur`"),
         (lambda t: t["traceEvents"][x].update(ph="Q"), "Invalid value 'Q'"),
+        (lambda t: t.update(displayTimeUnit="ms"), "older Perfetto versions misread times"),
         (lambda t: t["traceEvents"][c]["args"].update(policy="two"), "Expected `float`, got `str`"),
         (lambda t: [t["traceEvents"].pop(i) for i in reversed(names)], "no thread_name"),
         # startup (0 to 4 s) stretched to 5 s, into the first rollout (4 to 6 s) on the same thread

@@ -109,6 +109,9 @@ def assert_trace_event_format(trace: dict[str, Any]) -> TraceFile:
     """Fail unless ``trace`` is a Trace Event Format file Perfetto draws as flowrl means it: the
     schema above over strict JSON (no NaN or infinity anywhere), named processes and threads, and
     the complete events of each thread nested (Perfetto drops a slice that half-overlaps another)."""
+    # the format allows displayTimeUnit as a display preference, but Perfetto's trace processor read
+    # ts and dur in that unit in earlier versions: "ms" there made every time 1,000 times too long
+    assert "displayTimeUnit" not in trace, "displayTimeUnit: older Perfetto versions misread times with it"
     raw = json.dumps(trace, allow_nan=False).encode()  # ValueError on NaN or inf
     parsed = msgspec.json.decode(raw, type=TraceFile)  # ValidationError names the event and field
     meta = [e for e in parsed.traceEvents if isinstance(e, Metadata)]
