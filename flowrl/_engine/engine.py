@@ -30,7 +30,7 @@ from .._core.names import check_name
 from .._core.run_config import RunConfig
 from .._core.trace import ENGINE, Span, Timeline, chrome_trace, write_json
 from .._pipeline.opening import Flow, build_flow, plain_errors
-from .._pipeline.progress import stopped_line, tell
+from .._pipeline.progress import interrupted, stopped_line
 from .checkpoint_files import CheckpointFiles
 from .checkpoints import Checkpoints
 from .deployment import Deployment, deploy
@@ -169,9 +169,7 @@ class Engine:
                 return self._learn_in_portal(self._portal)
             return anyio.run(self.alearn)
         except KeyboardInterrupt:
-            self._say_stopped()
-            # the chain (the cancelled tasks' tracebacks) would bury the line above
-            raise KeyboardInterrupt from None
+            raise interrupted(self._stopped_line()) from None
 
     def _learn_in_portal(self, portal: anyio.from_thread.BlockingPortal) -> EngineStats:
         """``_learn()`` in the portal; a Ctrl-C cancels it there and waits for it to stop (else it
@@ -198,16 +196,14 @@ class Engine:
         assert stats is not None, "learn() cancelled from elsewhere"
         return stats
 
-    def _say_stopped(self) -> None:
+    def _stopped_line(self) -> str:
         """The one line a Ctrl-C leaves: where the run stopped, and how to resume it."""
         session = self._session
         if session is None:
-            line = "flowrl: stopped while starting the actors; no episode ran"
-        else:
-            total = max(self._runs, 1) * self.config.num_episode
-            folder = session.episodes.checkpoints.folder
-            line = stopped_line(self._learning.episode, total, folder, self.config.checkpoint_dir)
-        tell(line)
+            return "flowrl: stopped while starting the actors; no episode ran"
+        total = max(self._runs, 1) * self.config.num_episode
+        folder = session.episodes.checkpoints.folder
+        return stopped_line(self._learning.episode, total, folder, self.config.checkpoint_dir)
 
     async def alearn(self) -> EngineStats:
         """Run ``num_episode`` episodes (async)."""
@@ -297,8 +293,7 @@ class Engine:
         except KeyboardInterrupt:
             self._portal = None
             stack.close()
-            self._say_stopped()
-            raise KeyboardInterrupt from None
+            raise interrupted(self._stopped_line()) from None
         except BaseException:
             self._portal = None
             stack.close()

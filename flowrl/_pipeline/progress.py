@@ -22,6 +22,7 @@ import anyio
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+    from types import TracebackType
 
     from .._backends.specs import ActorCounts
     from .._core.stats import PipelineStats
@@ -64,6 +65,31 @@ def tell(line: str) -> None:
     """``line`` on stderr, now (a library's own output: no print)."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+# sys.excepthook before ours; the KeyboardInterrupt whose line was told
+_previous_hook: list[Any] = []
+_told: list[BaseException] = []
+
+
+def _quiet_hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    if not any(value is told for told in _told):
+        _previous_hook[0](kind, value, tb)
+
+
+def interrupted(line: str) -> KeyboardInterrupt:
+    """Tell ``line`` and return the KeyboardInterrupt to raise instead of the one caught (its
+    chain is the cancelled tasks' tracebacks: some 80 lines that would bury the message). A
+    script that does not catch it ends with that line alone: the hook below prints no traceback
+    for it, and Python still exits as killed by SIGINT (it checks for KeyboardInterrupt itself,
+    not a subclass, so this is one)."""
+    tell(line)
+    if sys.excepthook is not _quiet_hook:  # the application's hook still sees every other error
+        _previous_hook[:] = [sys.excepthook]
+        sys.excepthook = _quiet_hook
+    err = KeyboardInterrupt()
+    _told[:] = [err]
+    return err
 
 
 def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | None) -> str:
