@@ -48,7 +48,7 @@ class Trainers:
         """Every trainer, at once, on ``samples``: per trainer, per step, each rank's result."""
         results: TrainResults = {m.name: [] for m in self.models}
         if samples:
-            batch = Batch.from_samples([s.id for s in samples], [dict(s) for s in samples])
+            batch = Batch.from_samples([s.id for s in samples], samples)  # Samples: each column as produced
             async with anyio.create_task_group() as tg:
                 for m in self.models:
                     tg.start_soon(self._train, m.name, batch, episode, results[m.name])
