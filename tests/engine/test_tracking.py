@@ -187,6 +187,18 @@ def test_engine_takes_callbacks_and_loggers_and_a_failing_callback_fails_the_run
     assert recorder.closed == 1  # closed although the run failed
 
 
+async def test_loggers_are_closed_when_the_run_is_cancelled(tmp_path):
+    """What Ctrl-C does to a run (asyncio cancels it), done by a callback after episode 0."""
+    import anyio
+
+    recorder = Recorder()
+    async with anyio.create_task_group() as tg:
+        engine = tracked_engine(callbacks=[lambda report: tg.cancel_scope.cancel()], user_loggers=[recorder])
+        tg.start_soon(engine.alearn)
+    assert [step for step, _ in recorder.steps] == [0]
+    assert recorder.closed == 1
+
+
 class Broken(Recorder):
     def log_scalars(self, step, scalars):
         if step == 1:
