@@ -27,16 +27,117 @@ def _engine(progress: str) -> flowrl.Engine:
 def test_progress_log_lines_live_view_or_nothing(capsys, caplog):
     with caplog.at_level(logging.INFO, logger="flowrl"):
         _engine("log").learn()
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["episode 1/2", "episode 2/2"]
-    assert capsys.readouterr() == ("", "")
+    said = [r.getMessage() for r in caplog.records]
+    assert [r.name for r in caplog.records] == ["flowrl.progress"] * 4
+    assert said[0] == "starting 3 actors for 2 models (t 1, policy 2) ..."
+    assert said[1].startswith("3 actors of 2 models ready in ")
+    assert [line.split(":")[0] for line in said[2:]] == ["episode 1/2", "episode 2/2"]
+    assert capsys.readouterr() == ("", "")  # the application's logging (pytest's) has them
     _engine("live").learn()
     err = capsys.readouterr().err
     assert "episode 1/2: 4 samples" in err and "episode 2/2: 4 samples" in err
     caplog.clear()
-    _engine("auto").learn()  # not a terminal here: log lines at INFO, which nothing shows
+    _engine("auto").learn()  # not a terminal: log lines at INFO, which pytest's logging level hides
     assert capsys.readouterr() == ("", "") and len(caplog.records) == 0
     with pytest.raises(flowrl.ConfigError, match=r"RunConfig.progress must be one of \['auto', 'live', 'log', 'off'\]"):
         _engine("verbose")
+
+
+def _said(code: str) -> str:
+    """What ``say`` leaves on stderr in a fresh interpreter (pytest configures logging here)."""
+    import subprocess
+    import sys
+
+    prog = f"import logging\nfrom flowrl._pipeline.progress import say\n{code}\nsay('episode 1/2: 4 samples')"
+    return subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True).stderr
+
+
+def test_progress_lines_reach_stderr_unless_the_application_configured_logging():
+    assert _said("") == "flowrl: episode 1/2: 4 samples\n"  # nothing configured: flowrl prints it
+    assert _said("logging.basicConfig(level=logging.WARNING)") == ""  # configured: its level rules
+    assert _said("logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')") == (
+        "flowrl.progress episode 1/2: 4 samples\n"
+    )
+    assert _said("logging.getLogger('flowrl.progress').setLevel(logging.WARNING)") == ""  # silenced by hand
+
+
+def test_the_title_gives_the_episode_phase_pace_and_eta():
+    from flowrl._pipeline.progress import duration, pace, title
+
+    assert pace(3, 3, 30, 10.0) == (None, None)  # no episode of this learn() done yet
+    assert pace(13, 3, 30, 20.0) == (0.5, 34.0)  # 10 episodes in 20 s, 17 left
+    assert title(0, 0, 30, 4.2, "rollout") == "episode 1/30 · rollout · 4 s"
+    assert title(13, 3, 30, 20.0, "train") == "episode 14/30 · train · 20 s · 0.5 episodes/s · ETA 34 s"
+    assert title(30, 0, 30, 90.0, "eval").startswith("episode 30/30 · eval · 1 min 30 s")
+    assert [duration(s) for s in (0.4, 59.6, 61, 3600, 7325)] == [
+        "0 s",
+        "1 min 00 s",
+        "1 min 01 s",
+        "1 h 00 min",
+        "2 h 02 min",
+    ]
+
+
+def _text(renderable: object) -> str:
+    from rich.console import Console
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    cells = [line.replace("\u2502", " ").split() for line in text.splitlines()]  # the tables' vertical bars
+    return {c[0]: c[1:] for c in cells if len(c) > 1}
+
+
+def test_the_trainer_rows_show_ranks_busy_and_samples_trained_this_episode():
+    from flowrl._pipeline.progress import trainer_table
+
+    rows = {"ppo_policy": (2, 2, 96), "ppo_value": (0, 1, 40)}
+    text = _text(trainer_table(rows, {"ppo_policy": 64, "ppo_value": 40}))
+    assert _rows(text)["ppo_policy"] == ["2/2", "32"] and _rows(text)["ppo_value"] == ["0/1", "0"]
+
+
+def test_the_startup_view_counts_actors_ready_per_model_and_placement_groups():
+    from flowrl._backends.specs import ActorCounts, Bundle, ReplicaSpec
+    from flowrl._pipeline.progress import startup_line, startup_table
+
+    policy, trainer = Scale("policy", {}, srcs=["x"], dst="y"), CountingTrainer("t")
+    counts = ActorCounts()
+    bundle = Bundle("gpus", 0, 2, 1.0)
+    counts.expect(
+        [ReplicaSpec(trainer, 0, 1, 0), ReplicaSpec(policy, 0, 1, 1, bundle), ReplicaSpec(policy, 1, 1, 1, bundle)]
+    )
+    assert startup_line(counts) == "starting 3 actors for 2 models (t 1, policy 2, 1 placement groups) ..."
+    counts.started("policy")
+    text = _text(startup_table(counts, 12.3))
+    assert "starting actors: 1/3 ready · 12 s · placement groups reserved 0/1" in text
+    assert _rows(text)["t"] == ["0/1"] and _rows(text)["policy"] == ["1/2"]
+    counts.reserved.add("gpus")
+    assert "placement groups reserved 1/1" in _text(startup_table(counts, 13.0))
+
+
+def test_the_stop_and_resume_lines_say_where_and_how_to_go_on():
+    from pathlib import Path
+
+    from flowrl._engine.checkpoints import resume_line
+    from flowrl._pipeline.progress import stopped_line
+
+    assert stopped_line(12, 30, Path("runs/x/episode-000010"), "runs/x") == (
+        "flowrl: stopped at episode 13 of 30 (12 done); last checkpoint runs/x/episode-000010; "
+        "resume with the same command (RunConfig.resume='auto')"
+    )
+    assert stopped_line(0, 30, None, "runs/x").endswith("no checkpoint written yet in runs/x, so nothing to resume")
+    assert stopped_line(3, 30, None, None).endswith(
+        "nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
+    )
+    folder = Path("runs/x/episode-000020")
+    assert resume_line(folder, 20, 30, {"policy": 20}) == (
+        "resuming from runs/x/episode-000020: episode 21 of 30, weights version 20"
+    )
+    assert resume_line(folder, 20, 30, {"policy": 20, "value": 10}).endswith("weights versions policy 20, value 10")
+    assert resume_line(folder, 20, 30, {}) == "resuming from runs/x/episode-000020: episode 21 of 30"
 
 
 @pytest.mark.parametrize("progress", ["log", "live", "off"])
