@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any
 from .engine import Engine
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from .._core.model import Model
     from .._core.run_config import RunConfig
     from .._pipeline.opening import Flow
+    from .tracking import Callback, Logger
 
 
 class RLHFEngine(Engine):
@@ -29,6 +30,8 @@ class RLHFEngine(Engine):
         config: RunConfig | Mapping[str, Any],
         *,
         eval_flow: Flow | None = None,
+        callbacks: Sequence[Callback] = (),
+        loggers: Sequence[Logger] = (),
     ) -> None:
         # a flow calls steps on its nodes, not with the arguments a replica's step takes
         stages: list[Any] = [policy, reference, value, reward]
@@ -46,4 +49,6 @@ class RLHFEngine(Engine):
             config=config,
             sync=[(ppo_policy, policy), (ppo_value, value)],
             eval_flow=eval_flow,
+            callbacks=callbacks,
+            loggers=loggers,
         )

@@ -199,6 +199,32 @@ async def test_loggers_are_closed_when_the_run_is_cancelled(tmp_path):
     assert recorder.closed == 1
 
 
+def test_rlhf_engine_takes_callbacks_and_loggers_too():
+    import numpy as np
+
+    from flowrl.testing import CountingTrainer, Scale
+
+    def scale(name, src, dst):
+        return Scale(name, {"num_replicas": 1, "batch_size": 4}, srcs=src, dst=dst)
+
+    reports, recorder = [], Recorder()
+    engine = flowrl.RLHFEngine(
+        scale("policy", ["prompt"], "response"),
+        scale("reference", ["response"], "ref"),
+        scale("reward", ["response", "ref", "values"], "score"),
+        scale("value", ["response"], "values"),
+        CountingTrainer("ppo_policy"),
+        CountingTrainer("ppo_value"),
+        {"sample_per_episode": 4, "progress": "off", "pipeline": {"backend": "inprocess"}},
+        callbacks=[reports.append],
+        loggers=[recorder],
+    )
+    engine.set_dataset([{"prompt": np.full(2, float(i))} for i in range(8)])
+    engine.learn()
+    assert [r.episode for r in reports] == [0] and reports[0].scalars["weights/policy/version"] == 1.0
+    assert recorder.steps == [(0, reports[0].scalars)] and recorder.closed == 1
+
+
 class Broken(Recorder):
     def log_scalars(self, step, scalars):
         if step == 1:
