@@ -195,3 +195,13 @@ def test_flowrl_version_is_the_installed_distributions(capsys):
     assert capsys.readouterr().out == f"flowrl {importlib.metadata.version('flowrl')}\n"
     done = subprocess.run([sys.executable, "-m", "flowrl", "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == f"flowrl {importlib.metadata.version('flowrl')}\n"
+
+
+def test_a_runs_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
+    write_project(tmp_path)
+    (tmp_path / "runs").write_text("a file where the runs folder goes\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "toy.yaml"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("flowrl run: ConfigError: cannot make a run folder under 'runs' ("), line
+    assert line.endswith("give one with --run-dir DIR (or run.run_dir), or run without one: --no-run-dir"), line
