@@ -61,6 +61,17 @@ def test_an_optimizer_stepped_per_micro_batch_has_each_steps_gradients_summed(tw
         assert np.allclose([s["weights"] for s in two_ranks["per-micro-batch"][rank]], expected, atol=1e-6)
 
 
+def test_a_ddp_module_is_left_to_ddp(two_ranks):
+    # DDP averages over the 2 ranks a gradient normalised by the global batch: half the one-rank
+    # gradient, as one rank at half the learning rate; summed again by flowrl it would be the full one
+    runtime = rt.TrainerRuntime(rt.AutoTrainer("half", {}), 0, 1)
+    runtime.setup(None, [], "local", 60.0)
+    runtime.model.optimizer.param_groups[0]["lr"] = 0.1
+    half = [runtime.train(rt.shard(0, 1), rt.SAMPLES, 8, step)["weights"] for step in range(rt.STEPS)]
+    for rank in range(2):
+        assert np.allclose([s["weights"] for s in two_ranks["ddp"][rank]], half, atol=1e-6), rank
+
+
 def test_ranks_report_checksums_after_their_first_step_only(two_ranks):
     first, later = two_ranks["auto"][0][0], two_ranks["auto"][0][1]
     assert first["_weights_before"][0] == first["_weights_after"][0] == 3  # Linear(2, 1): 3 weights
