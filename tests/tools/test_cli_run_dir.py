@@ -205,3 +205,30 @@ def test_a_runs_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, ca
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("flowrl run: ConfigError: cannot make a run folder under 'runs' ("), line
     assert line.endswith("give one with --run-dir DIR (or run.run_dir), or run without one: --no-run-dir"), line
+
+
+def test_on_ray_a_model_class_beside_the_run_file_reaches_its_replicas(ray_cluster, tmp_path, monkeypatch, capsys):
+    """The replicas' sys.path has neither the run file's folder nor this test's current folder: the
+    class defined beside the run file must travel by value."""
+    from flowrl.testing import flowrl_actor_names
+
+    module = f"cli_run_dir_ray_{next(_module_names)}"
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / f"{module}.py").write_text(
+        "import numpy as np\nimport flowrl\n"
+        "class Double(flowrl.Model):\n"
+        "    def forward_step(self, batch, iteration):\n        return {'y': np.asarray(batch['x']) * 2}\n"
+        "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
+        "def items():\n    return [{'x': np.full(1, float(i))} for i in range(8)]\n"
+    )
+    (tmp_path / "proj" / "toy.yaml").write_text(
+        f"flow: {module}:rollout\ndataset: {module}:items\ntrain: [trainer]\n"
+        f"models:\n  gen: {{class: {module}:Double, num_replicas: 2, batch_size: 2}}\n"
+        "  trainer: {class: flowrl.testing:CountingTrainer}\n"
+        "run: {sample_per_episode: 4, num_episode: 1, progress: off}\n"
+    )
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["run", "../proj/toy.yaml", "--no-run-dir"]) == 0, capsys.readouterr().err
+    assert "trainer: 1 steps, 4 samples" in capsys.readouterr().out
+    assert flowrl_actor_names() == []
