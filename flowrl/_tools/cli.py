@@ -115,11 +115,13 @@ def run_main(args: argparse.Namespace) -> int:
     spec, made = _with_run_dir(load_run_file(args.config, args.overrides), args)
     try:
         engine = build_engine(spec, Path(args.config).parent)
-    except BaseException:
+    except BaseException as err:
         if made is not None:  # a mistake in the file (or Ctrl-C) before anything ran: no empty folder left
             for folder in (made, made.parent):  # runs/ too, when this left it empty
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+        if isinstance(err, KeyboardInterrupt):  # the engine, not running yet, has nothing to say
+            print("flowrl run: stopped while the engine was being built; nothing ran", file=sys.stderr)
         raise
     run_dir = Path(engine.config.run_dir) if engine.config.run_dir else None
     if run_dir is not None:

@@ -84,3 +84,19 @@ def test_ctrl_c_without_a_run_folder_says_nothing_of_one(tmp_path):
     out, err = interrupt_after_the_first_episode(run)
     assert run.returncode == 130 and "Traceback" not in err, err
     assert out == "" and not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_while_the_engine_is_built_exits_130_and_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    import flowrl._tools.run_file as run_file
+    from flowrl._tools.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    (tmp_path / "run.yaml").write_text(RUN_FILE)
+    monkeypatch.setattr(run_file, "build_engine", interrupted)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "run.yaml"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "flowrl run: stopped while the engine was being built; nothing ran\n"
+    assert captured.out == "" and not (tmp_path / "runs").exists()
