@@ -337,6 +337,20 @@ def test_metrics_jsonl_drops_a_line_cut_short_and_later_episodes_atomically(tmp_
     assert run.drop_from(2) == 0
 
 
+def test_tensorboard_steps_logged_again_replace_the_first_tries(tmp_path):
+    """What a trainer rebuilt from a checkpoint does: episodes 1 and 2 again, in the same process."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = flowrl.TensorBoardLogger(tmp_path)
+    logger.log_config({"sample_per_episode": 8})
+    for step, value in [(0, 0.0), (1, 1.0), (2, 2.0), (1, 10.0), (2, 20.0), (3, 30.0)]:
+        logger.log_scalars(step, {"train/x/loss": value})
+    logger.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("train/x/loss")] == [(0, 0.0), (1, 10.0), (2, 20.0), (3, 30.0)]
+
+
 # ---- the Ray backend ----
 def test_tensorboard_on_a_ray_engine(ray_cluster, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
