@@ -32,7 +32,7 @@ def test_the_trace_of_an_engine_run_with_overlap_evaluation_and_a_resize_is_one_
     engine_phases = {
         (e.name, e.tid) for e in parsed.traceEvents if isinstance(e, Complete) and names[e.pid] == "engine"
     }
-    assert {("rollout", 1), ("train", 0), ("eval", 0)} <= engine_phases  # lane 1: rollouts ahead
+    assert {("startup", 0), ("rollout", 1), ("train", 0), ("eval", 0)} <= engine_phases  # lane 1: rollouts ahead
     (grow,) = [e for e in parsed.traceEvents if isinstance(e, Instant)]
     assert (names[grow.pid], grow.name, grow.args["before"], grow.args["after"]) == ("autoscale", "grow policy", 1, 2)
     counts = [e.args for e in parsed.traceEvents if isinstance(e, Counter)]

@@ -34,9 +34,8 @@ def test_flowrl_trace_prints_a_summary_and_draws_the_chart(ray_cluster, tmp_path
     assert main(["trace", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[3:] if line.strip() and not line.startswith("chart")}
-    # the engine's span before its first episode is a row of its own (where the engine records one)
-    assert set(rows) - {"startup"} == {"engine", "policy", "trainer"}
-    assert rows.get("startup", ["startup", "1", "1", "0"])[1:4] == ["1", "1", "0"]
+    assert set(rows) == {"startup", "engine", "policy", "trainer"}
+    assert rows["startup"][1:4] == ["1", "1", "0"]  # the engine's span before its first episode: a row
     assert rows["policy"][1:4] == ["2", str(stats.rollout["policy.forward_step"].calls), "16"]  # lanes, spans, samples
     assert rows["trainer"][1:4] == ["1", "2", "16"] and rows["engine"][2] == "4"  # 2 x (rollout, train)
     png = tmp_path / "timeline.png"
