@@ -226,3 +226,24 @@ def test_startup_is_a_phase_of_its_own_in_the_chart_with_a_panel_of_its_own_when
         assert _bars(fig)["bars:engine[0]:startup"] == PHASE_COLOURS["startup"]
     finally:
         plt.close(fig)
+
+
+def test_the_stages_of_one_model_share_its_colour_and_differ_by_hatch():
+    import matplotlib.pyplot as plt
+
+    spans = [
+        Span(group="policy", lane=0, name="policy.generate", start=0.0, end=1.0),
+        Span(group="policy", lane=0, name="policy.forward_step", start=1.0, end=1.5),
+        Span(group="reward", lane=0, name="reward.forward_step", start=1.5, end=2.0),
+    ]
+    fig = draw_timeline(spans)
+    try:
+        bars = {c.get_gid(): c for c in fig.axes[-1].collections}
+        generate, forward = bars["bars:policy[0]:policy.generate"], bars["bars:policy[0]:policy.forward_step"]
+        assert mc.to_hex(generate.get_facecolor()[0]) == mc.to_hex(forward.get_facecolor()[0])
+        assert (forward.get_hatch(), generate.get_hatch()) == ("", "//")  # in name order: forward_step plain
+        assert bars["bars:reward[0]:reward.forward_step"].get_hatch() == ""  # a model of one stage: plain
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert legend == ["policy: forward_step", "policy: generate", "reward"]
+    finally:
+        plt.close(fig)
