@@ -51,9 +51,29 @@ def _copy(value: Column) -> Column:
 
 
 # ---- field types: one type per field whatever the shard boundaries (docs/flow-api.md) ----
-Signature = tuple[str, str, tuple[int, ...]]  # (kind, dtype, trailing shape); ("list", "", ())
+Signature = tuple[str, str, tuple[int, ...]]  # (kind, dtype, shape); ("list", "", ()) for a list
 
 _FIX = "return a list of per-sample tensors for a ragged field, or pad it to a fixed length"
+_INPUT_FIX = (
+    "write 1.0 rather than 1 in a float field, nan rather than None for a missing number; pad an array "
+    "field to one length, or give a ragged one as Python lists (e.g. ids.tolist()), which stay a list"
+)
+_PY_DTYPES: dict[type, str] = {bool: "bool", int: "int64", float: "float64"}
+
+
+def _row_signature(value: Any) -> Signature:
+    """A value's kind, dtype and whole shape (a column's signature has its trailing shape)."""
+    if _is_tensor(value):
+        return ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return ("array", str(value.dtype), tuple(value.shape))
+    return ("list", "", ())
+
+
+def signature(value: Column) -> Signature:
+    """What two parts of one field must share: kind, dtype and trailing shape."""
+    kind, dtype, shape = _row_signature(value)
+    return (kind, dtype, shape[1:])
 
 
 def kind_of(value: Column) -> str:
@@ -61,14 +81,6 @@ def kind_of(value: Column) -> str:
     if _is_tensor(value):
         return "tensor"
     return "array" if isinstance(value, np.ndarray) else "list"
-
-
-def signature(value: Column) -> Signature:
-    """What must agree between two parts of one field: kind, dtype and trailing shape."""
-    kind = kind_of(value)
-    if kind == "list":
-        return ("list", "", ())
-    return (kind, str(value.dtype).removeprefix("torch."), tuple(int(d) for d in value.shape[1:]))
 
 
 def describe(sig: Signature) -> str:
@@ -79,17 +91,8 @@ def describe(sig: Signature) -> str:
     return f"{_a(dtype)} {'tensor' if kind == 'tensor' else 'numpy array'} of shape [{shape}]"
 
 
-def _cat(name: str, parts: list[Column], source: str) -> Column:
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    want = signature(first)
-    bad = next((sig for sig in map(signature, parts) if sig != want), None)
-    if bad is not None:
-        raise FlowDefinitionError(drift_message(name, source, want, bad))
-    if want[0] == "tensor":
-        return sys.modules["torch"].cat(parts)
-    return np.concatenate(parts) if want[0] == "array" else [row for part in parts for row in part]
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in tuple('aeiou') else 'a'} {word}"
 
 
 def drift_message(name: str, source: str, was: Signature, now: Signature, fix: str = _FIX) -> str:
@@ -100,36 +103,40 @@ def drift_message(name: str, source: str, was: Signature, now: Signature, fix: s
     )
 
 
-_PY_DTYPES: dict[type, str] = {bool: "bool", int: "int64", float: "float64"}
+def _cat(name: str, parts: list[Column], source: str) -> Column:
+    want = signature(parts[0])
+    bad = next((sig for sig in map(signature, parts[1:]) if sig != want), None)
+    if bad is not None:
+        raise FlowDefinitionError(drift_message(name, source, want, bad))
+    if len(parts) == 1:
+        return parts[0]
+    if want[0] == "tensor":
+        return sys.modules["torch"].cat(parts)
+    return np.concatenate(parts) if want[0] == "array" else [row for part in parts for row in part]
 
 
 def _value_class(value: Any) -> Signature:
-    """An input value's class: ("number", dtype, ()), ("tensor" | "array", dtype, shape)
-    for a tensor or an array of one dimension or more, or ("other", "", ())."""
+    """An input value's class: ("number", dtype, ()), the signature of a tensor or an array
+    of one dimension or more, or ("other", "", ())."""
     dtype = _PY_DTYPES.get(type(value))
     if dtype is not None:
         return ("number", dtype, ())
     if isinstance(value, (np.bool_, np.number)) or (isinstance(value, np.ndarray) and value.ndim == 0):
         return ("number", str(value.dtype), ())
-    if _is_tensor(value) or isinstance(value, np.ndarray):
-        return _row_signature(value)
-    return ("other", "", ())
+    return _row_signature(value) if _is_tensor(value) or isinstance(value, np.ndarray) else ("other", "", ())
 
 
 def _per_sample(name: str, values: list[Any], first_item: int) -> Column:
-    """One field of input items as a column, by the values' classes, never their neighbours':
-    numbers -> a 1-D array, tensors (arrays) of one shape and dtype -> stacked, anything else
-    -> a list; values of different classes, dtypes or shapes are an error."""
+    """One field of input items as a column, by the values' classes, never their neighbours'."""
     if not values:
         return []
     first = _value_class(values[0])
     pos = next((i for i, v in enumerate(values) if _value_class(v) != first), None)
     if pos is not None:
-        other = _value_class(values[pos])
         raise FlowDefinitionError(
             f"field {name!r} of the input items: item {first_item} holds {_shown(first, values[0])}, item "
-            f"{first_item + pos} holds {_shown(other, values[pos])}; every item must give a field one type, "
-            f"dtype and shape: {_INPUT_FIX}"
+            f"{first_item + pos} holds {_shown(_value_class(values[pos]), values[pos])}; every item must give "
+            f"a field one type, dtype and shape: {_INPUT_FIX}"
         )
     if first[0] == "number":
         try:
@@ -141,64 +148,38 @@ def _per_sample(name: str, values: list[Any], first_item: int) -> Column:
     return sys.modules["torch"].stack(values) if first[0] == "tensor" else np.stack(values)
 
 
-_INPUT_FIX = (
-    "write 1.0 rather than 1 in a float field, nan rather than None for a missing number; pad an array "
-    "field to one length, or give a ragged one as Python lists (e.g. ids.tolist()), which stay a list"
-)
-
-
 def _shown(cls: Signature, value: Any) -> str:
     kind, dtype, shape = cls
-    if kind == "number":
-        return f"{_a(type(value).__name__)} ({dtype})"
-    if kind == "other":
-        return _a(type(value).__name__)
+    if kind in ("number", "other"):
+        return _a(type(value).__name__) + (f" ({dtype})" if dtype else "")
     return f"{_a(dtype)} {'tensor' if kind == 'tensor' else 'numpy array'} of shape {list(shape)}"
-
-
-def _a(word: str) -> str:
-    return f"{'an' if word[:1] in ('a', 'e', 'i', 'o', 'u') else 'a'} {word}"
-
-
-def _row_signature(value: Any) -> Signature:
-    if _is_tensor(value):
-        return ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
-    if isinstance(value, (np.ndarray, np.generic)):
-        return ("array", str(value.dtype), tuple(value.shape))
-    return ("list", "", ())
 
 
 def _from_column(name: str, values: list[Any], kind: str) -> Column:
     """Rows of a producer's column (``Sample.kinds``) back into a column of that kind."""
     if kind == "list" or not values:
         return list(values)
-    rows = dict.fromkeys(map(_row_signature, values))
-    if len(rows) > 1 or next(iter(rows))[0] != kind:
-        was, now = (*rows, (kind, "", ()))[:2]
-        raise FlowDefinitionError(drift_message(name, "", was, now))
+    rows = list(dict.fromkeys(map(_row_signature, values)))
+    if len(rows) > 1:
+        raise FlowDefinitionError(drift_message(name, "", rows[0], rows[1]))
+    if rows[0][0] != kind:
+        raise FlowDefinitionError(f"field {name!r} was read from a {kind} column but a sample holds {values[0]!r}")
     return sys.modules["torch"].stack(values) if kind == "tensor" else np.stack(values)
 
 
 def _stack_alike(values: list[Any]) -> Column:
-    """The lenient rule of a batch built from values alone: stacked when they are all tensors
-    (or all arrays) of one shape and dtype, numbers as an array, a list otherwise."""
-    first = values[0]
-    if _is_tensor(first) and all(_is_tensor(v) and v.shape == first.shape and v.dtype == first.dtype for v in values):
-        return sys.modules["torch"].stack(values)
-    same = (np.ndarray, np.bool_, np.number)
-    if isinstance(first, same) and all(
-        isinstance(v, same) and v.shape == first.shape and v.dtype == first.dtype for v in values
-    ):
-        return np.stack(values)
-    if all(type(v) in _PY_DTYPES for v in values):
-        return np.asarray(values)
-    return list(values)
+    """Values with no column behind them (a dict of yours): stacked when all are tensors (or
+    all arrays) of one shape and dtype, an array when all are Python numbers, else a list."""
+    rows = set(map(_row_signature, values))
+    if len(rows) == 1 and next(iter(rows))[0] != "list":
+        return sys.modules["torch"].stack(values) if _is_tensor(values[0]) else np.stack(values)
+    return np.asarray(values) if all(type(v) in _PY_DTYPES for v in values) else list(values)
 
 
 class FieldTypes:
     """The signature each field had the first time it was seen, checked on every later batch
-    of the same source: a field that changes type fails where it changes, whatever the
-    shard or chunk boundaries (the input items' chunks, one stage's outputs)."""
+    of one source (the input items' chunks, one stage's outputs): a field that changes type
+    fails where it changes, whatever the shard or chunk boundaries."""
 
     def __init__(self, source: str, fix: str = _FIX) -> None:
         self.source, self.fix = source, fix
