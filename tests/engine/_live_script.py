@@ -1,0 +1,49 @@
+"""Run by test_live_view.py (under a pseudo-terminal, or with pipes): a synchronous learn() of
+1000 episodes that writes a checkpoint after each into argv[1], on backend argv[2] ("ray": a
+cluster of its own), until Ctrl-C. On Ray it reports, as it exits, how many flowrl actors are
+left."""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import sys
+
+import numpy as np
+
+import flowrl
+from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
+
+
+def main() -> None:
+    # a test runner started in the background by a shell hands its children SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    folder, backend = sys.argv[1], sys.argv[2]
+    if backend == "ray":
+        import ray
+
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # after the engine has closed (atexit runs last in, first out: before Ray's own shutdown)
+        atexit.register(lambda: print(f"actors left: {len(flowrl_actor_names())}", flush=True))
+    cpu = {"cpus_per_replica": 0.25}
+    policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **cpu}, srcs=["x"], dst="y", sleep_s=0.02)
+    trainer = CountingTrainer("trainer", {"num_replicas": 2 if backend == "ray" else 1, **cpu})
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={
+            "sample_per_episode": 8,
+            "num_episode": 1000,
+            "train_global_batch_size": 8,
+            "checkpoint_every": 1,
+            "checkpoint_dir": folder,
+            "pipeline": {"backend": backend},
+        },
+    )
+    engine.set_dataset([{"x": np.full(1, float(i))} for i in range(64)])
+    engine.learn()
+
+
+if __name__ == "__main__":
+    main()
