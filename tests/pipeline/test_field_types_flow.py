@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flowrl
+from flowrl.testing import flowrl_actor_names
 
 INPROC = {"backend": "inprocess"}
 
@@ -69,14 +70,19 @@ class Drift(flowrl.Model):
         return {"response": torch.zeros(len(batch), 1 + self.calls)}
 
 
-async def test_a_stage_whose_tensor_changes_shape_fails_where_it_is_produced():
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+async def test_a_stage_whose_tensor_changes_shape_fails_where_it_is_produced(backend, request):
     # The consumer takes one sample a call, so no gather ever joins two of the producer's
     # outputs: the driver finds the change in the producer's reports, whatever the shards.
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     drift = Drift("gen", {"num_replicas": 2, "batch_size": 2})
     look = Look("look", {"num_replicas": 1, "batch_size": 1})
     with pytest.raises(flowrl.OutputError) as info:
-        async with flowrl.open_pipeline(lambda x: look.forward_step(drift.forward_step(x)), INPROC) as pipe:
-            await pipe.run([{"prompt": i} for i in range(8)])  # 4+ calls on 2 replicas: one calls twice
+        async with flowrl.open_pipeline(lambda x: look.forward_step(drift.forward_step(x)), {"backend": backend}) as p:
+            await p.run([{"prompt": i} for i in range(8)])  # 4+ calls on 2 replicas: one calls twice
+    if backend == "ray":
+        assert flowrl_actor_names() == []
     assert info.value.stage == "gen.forward_step"
     assert "field 'response' arrives as a float32 tensor of shape [n, 2]" in str(info.value)
     assert "float32 tensor of shape [n, 3]" in str(info.value) and "pad it to a fixed length" in str(info.value)
