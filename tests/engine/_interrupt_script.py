@@ -1,6 +1,7 @@
-"""Run by test_interrupt.py: a synchronous learn() on its own Ray cluster, writing a checkpoint
-after every episode into argv[1], interrupted with SIGINT (Ctrl-C) once the third episode's
-rollout is done. Prints what was left after the interrupt: actors, and the last checkpoint."""
+"""Run by test_interrupt.py: a synchronous learn() on its own Ray cluster (argv[2] "with": in
+`with engine:`), writing a checkpoint after every episode into argv[1], interrupted with SIGINT
+(Ctrl-C) once the third episode's rollout is done. Prints what was left after the interrupt:
+actors, and the last checkpoint."""
 
 from __future__ import annotations
 
@@ -59,10 +60,16 @@ def main() -> None:
     engine.set_relay_sample_fn(relay)
     engine.set_dataset([{"x": np.full(1, float(i))} for i in range(64)])
     try:
-        engine.learn()
+        if sys.argv[2] == "with":  # learn() through the portal of an open engine
+            with engine:
+                engine.learn()
+        else:
+            engine.learn()
         outcome = "finished"
-    except KeyboardInterrupt:
-        outcome = "interrupted"
+    except KeyboardInterrupt as err:
+        # Python prints no chain for it: no cause, and no context or one suppressed (`from None`)
+        chained = err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__)
+        outcome = "chained" if chained else "interrupted"
     print(
         json.dumps({"outcome": outcome, "left": flowrl_actor_names(), "checkpoint": last_checkpoint(sys.argv[1])}),
         flush=True,

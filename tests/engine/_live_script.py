@@ -1,30 +1,22 @@
 """Run by test_live_view.py (under a pseudo-terminal, or with pipes): a synchronous learn() of
-1000 episodes that writes a checkpoint after each into argv[1], on backend argv[2] ("ray": a
-cluster of its own), until Ctrl-C. On Ray it reports, as it exits, how many flowrl actors are
-left."""
+1000 episodes that writes a checkpoint after each into argv[1], on backend argv[2] ("ray": the
+backend starts a cluster of its own, as in the examples), until Ctrl-C."""
 
 from __future__ import annotations
 
-import atexit
 import signal
 import sys
 
 import numpy as np
 
 import flowrl
-from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
+from flowrl.testing import CountingTrainer, Scale
 
 
 def main() -> None:
     # a test runner started in the background by a shell hands its children SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
     folder, backend = sys.argv[1], sys.argv[2]
-    if backend == "ray":
-        import ray
-
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-        # after the engine has closed (atexit runs last in, first out: before Ray's own shutdown)
-        atexit.register(lambda: print(f"actors left: {len(flowrl_actor_names())}", flush=True))
     cpu = {"cpus_per_replica": 0.25}
     policy = Scale("policy", {"num_replicas": 2, "batch_size": 2, **cpu}, srcs=["x"], dst="y", sleep_s=0.02)
     trainer = CountingTrainer("trainer", {"num_replicas": 2 if backend == "ray" else 1, **cpu})

@@ -4,9 +4,11 @@ actor and leave the last checkpoint whole."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import flowrl
 from flowrl.testing import Scale, flowrl_actor_names
@@ -46,7 +48,8 @@ async def test_cancelling_alearn_mid_run_stops_every_actor(ray_cluster):
     assert relayed.is_set() and flowrl_actor_names() == []
 
 
-def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_whole(tmp_path):
+@pytest.mark.parametrize("how", ["learn", "with"])
+def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_whole(tmp_path, how):
     import json
     import signal
     import subprocess
@@ -55,7 +58,11 @@ def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_wh
     script = Path(__file__).with_name("_interrupt_script.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script), str(tmp_path), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert proc.stdout is not None
@@ -70,3 +77,10 @@ def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_wh
     assert result == {"outcome": "interrupted", "left": []}, err[-3000:]
     assert checkpoint["episode"] >= 2 and checkpoint["hidden"] == []  # read back whole, nothing half-written
     assert checkpoint["files"] == ["engine.json", "relay.msgpack", "trainer.model.msgpack", "trainer.rng.msgpack"]
+    # one line says where the run stopped and names the last checkpoint (no later episode ran after it)
+    stops = [line for line in err.splitlines() if line.startswith("flowrl: stopped")]
+    assert len(stops) == 1, err[-3000:]
+    done = int(re.search(r"\((\d+) done\)", stops[0])[1])
+    named = int(re.search(r"last checkpoint \S+/episode-(\d+);", stops[0])[1])
+    assert named == checkpoint["episode"] and done - 1 <= named <= done
+    assert "Traceback" not in err

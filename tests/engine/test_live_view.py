@@ -66,7 +66,7 @@ def test_a_real_example_on_a_terminal_shows_startup_rows_metrics_and_eta_and_sto
     child.expect(r"flowrl: 8 actors of 6 models ready in [\d.]+ s")
     child.expect("samples trained this episode")  # the trainer rows' header
     child.expect(r"episode \d+/40 · \w+ · [^\n]*episodes/s · ETA ")
-    child.expect(r"last episode: ppo_policy policy_loss=\S+ score=\S+; ppo_value value_loss=")
+    child.expect(r"last episode: ppo_policy policy_loss=-?[\d.]+ [^\n]*; ppo_value value_loss=[\d.]+")
     after = _stop(child)
     stop = _check_stopped(child, after)
     assert after == [after[0]]  # the message alone
@@ -74,7 +74,7 @@ def test_a_real_example_on_a_terminal_shows_startup_rows_metrics_and_eta_and_sto
     assert stop.group(4) == "nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
 
 
-def test_ctrl_c_on_ray_leaves_one_line_naming_the_last_checkpoint_and_no_actor(tmp_path):
+def test_ctrl_c_on_ray_leaves_one_line_naming_the_last_checkpoint(tmp_path):
     child = _spawn(str(SCRIPT), str(tmp_path), "ray")
     child.expect(r"starting actors: \d+/4 ready")  # the startup view: 2 policy replicas, 2 trainer ranks
     child.expect(r"flowrl: 4 actors of 2 models ready in [\d.]+ s")
@@ -83,7 +83,7 @@ def test_ctrl_c_on_ray_leaves_one_line_naming_the_last_checkpoint_and_no_actor(t
     child.expect("last episode: trainer global=8")
     after = _stop(child)
     stop = _check_stopped(child, after)
-    assert after[1:] == ["actors left: 0"]  # the script's own report, as it exits
+    assert after == [after[0]]  # (test_interrupt.py checks that no actor is left)
     folder = re.fullmatch(r"last checkpoint (\S+); resume with the same command \(RunConfig.resume='auto'\)", stop[4])
     assert folder is not None and Path(folder[1]).parent == tmp_path
 
