@@ -284,7 +284,7 @@ class Batch:
     assigning an existing field is an error, because a stage never overwrites a field.
     """
 
-    __slots__ = ("ids", "_fields")
+    __slots__ = ("ids", "_fields", "_kinds")
 
     def __init__(
         self, ids: Sequence[int] | np.ndarray, fields: Mapping[str, Column] | None = None, *, _check: bool = True
@@ -363,7 +363,10 @@ class Batch:
     def kinds(self) -> dict[str, str]:
         """Field -> ``"list"``, ``"tensor"`` or ``"array"``: what a ``Sample`` read from one of
         these rows remembers, so that ``from_samples`` rebuilds each column as it was."""
-        return {n: kind_of(v) for n, v in self._fields.items()}
+        kinds: dict[str, str] | None = getattr(self, "_kinds", None)  # asked once per delivered sample
+        if kinds is None or len(kinds) != len(self._fields):  # fields are only ever added
+            kinds = self._kinds = {n: kind_of(v) for n, v in self._fields.items()}
+        return kinds
 
     # ---- mapping-like reads ----
     def __len__(self) -> int:
