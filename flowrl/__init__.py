@@ -18,6 +18,7 @@ from ._core.errors import (
     MissingFieldError,
     OutputError,
     PipelineClosedError,
+    RankDivergenceError,
     ReplicaDiedError,
     StageError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineStats",
     "RLHFEngine",
+    "RankDivergenceError",
     "RankStats",
     "ReplicaDiedError",
     "ReplicaStats",
