@@ -51,12 +51,11 @@ VERSION="$("$WORK/venv/bin/flowrl" --version)"
 echo "$VERSION"
 
 echo "== the README's first command, smoke mode"
-# its exit status says whether the reward rose by 0.2, which 2 episodes need not do: the check is
-# that it runs to its summary line (a crash prints no summary)
+# under 10 episodes the example does not judge its reward: exit status 0 means it ran through
 status=0
 "$VPY" "$REPO/examples/ppo_tiny.py" --backend inprocess --episodes 2 >"$WORK/example.log" 2>&1 || status=$?
 cat "$WORK/example.log"
-if ! grep -q "^mean reward: first" "$WORK/example.log" || [[ $status -gt 1 ]] || grep -q "^Traceback" "$WORK/example.log"; then
+if ! grep -q "^mean reward: first" "$WORK/example.log" || [[ $status != 0 ]] || grep -q "^Traceback" "$WORK/example.log"; then
     echo "check_wheel: examples/ppo_tiny.py did not run to its summary (exit status $status)"
     exit 1
 fi
