@@ -246,8 +246,7 @@ class RayBackend:
         await pg.ready()
         self.counts.reserved.add(group)
 
-    def _forget_reserving(self) -> None:
-        """Stop waiting on placement groups (their actors have started, or failed to)."""
+    def _forget_reserving(self) -> None:  # their actors have started (or failed to): no more to show
         for fut in self._reserving:
             fut.cancel()
         self._reserving.clear()
