@@ -178,3 +178,23 @@ def test_the_live_table_shows_each_stage_its_samples_busy_replicas_and_queue():
     rows = {c[0]: c[1:] for c in cells if c and c[0].startswith(("a.", "b."))}
     # a: 6 ready, 2 replicas take 2 each, 2 wait (peak 2); b gets them as they come
     assert rows == {"a.forward_step": ["4/6", "0/2", "0", "(2)"], "b.forward_step": ["6/6", "0/3", "0", "(0)"]}
+
+
+def test_the_interrupt_raised_after_the_stop_line_gets_no_traceback_and_other_errors_still_do(capsys, monkeypatch):
+    import sys
+
+    from flowrl._pipeline import progress
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
+    monkeypatch.setattr(progress, "_previous_hook", [])
+    err = progress.interrupted("flowrl: stopped at episode 2 of 3 (1 done); nothing to resume")
+    assert type(err) is KeyboardInterrupt  # Python exits by SIGINT only for this very type
+    assert capsys.readouterr().err == "flowrl: stopped at episode 2 of 3 (1 done); nothing to resume\n"
+    other = ValueError("a real failure")
+    sys.excepthook(KeyboardInterrupt, err, None)
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)  # one flowrl did not tell about
+    sys.excepthook(ValueError, other, None)
+    assert len(seen) == 2 and seen[1] is other and seen[0] is not err
+    progress.interrupted("again")  # installed once: the hook before ours is kept, not ours
+    assert progress._previous_hook[0] is not progress._quiet_hook
