@@ -185,6 +185,7 @@ class RayBackend:
                 "(the cluster may lack a resource they ask for, or setup() hangs)"
             )
         handles = [f.result() for f in waits]
+        self.counts.reserved.update(s.bundle.group for s in specs if s.bundle is not None)  # their actors run
         await self._open_channels(handles)
         return handles
 
