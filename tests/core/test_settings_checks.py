@@ -30,6 +30,7 @@ MODULES = (core_config, run_config, hf_config, sim)
 REQUIRED: dict[str, dict[str, Any]] = {
     "Autoscale": {"max_replicas": 1},
     "RunConfig": {"sample_per_episode": 1},
+    "LoggerConfig": {"kind": "tensorboard"},
     "LM": {"path": "some/folder"},
     "SimStage": {"name": "a", "replicas": 1, "batch_size": 1},
     "Workload": {"stages": [sim.SimStage(name="a", replicas=1, batch_size=1)], "samples": 1},
