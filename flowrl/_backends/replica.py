@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .._core.batch import Batch, approx_nbytes, column_length, signature
+from .._core.batch import Batch, approx_nbytes
+from .._core.columns import column_length, signature
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowError, OutputError, StageError
 from .._core.model import Model, step_info, step_target, weight_hooks_problem

@@ -2,205 +2,26 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
-from .errors import FlowDefinitionError, FlowError, MissingFieldError
-
-if TYPE_CHECKING:
-    import torch
-
-# torch.Tensor | np.ndarray | list; Any, not that union, so that a step's ``batch["x"] * 2``
-# needs no isinstance first.
-Column = Any
-
-
-def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
-    # torch is imported lazily: if nobody imported it, nothing here can be a tensor, and a
-    # replica that never touches torch starts without paying for its import.
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def column_length(value: Column) -> int | None:
-    """Rows of a column, or None when the value cannot be a column."""
-    if _is_tensor(value) or isinstance(value, np.ndarray):
-        return int(value.shape[0]) if value.ndim > 0 else None
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return None
-
-
-def _take(value: Column, rows: np.ndarray) -> Column:
-    if _is_tensor(value):
-        torch = sys.modules["torch"]
-        return value[torch.from_numpy(rows).to(value.device)]
-    if isinstance(value, np.ndarray):
-        return value[rows]
-    return [value[i] for i in rows.tolist()]
-
-
-def _copy(value: Column) -> Column:
-    if _is_tensor(value):
-        return value.clone()
-    return value.copy() if isinstance(value, np.ndarray) else list(value)
-
-
-# ---- field types: one type per field whatever the shard boundaries (docs/flow-api.md) ----
-Signature = tuple[str, str, tuple[int, ...]]  # (kind, dtype, shape); ("list", "", ()) for a list
-
-_FIX = "return a list of per-sample tensors for a ragged field, or pad it to a fixed length"
-_INPUT_FIX = (
-    "write 1.0 rather than 1 in a float field, nan rather than None for a missing number; pad an array "
-    "field to one length, or give a ragged one as Python lists (e.g. ids.tolist()), which stay a list"
+from .columns import (
+    RAGGED_FIX,
+    Column,
+    column_length,
+    concat_column,
+    copy_column,
+    from_column,
+    is_tensor,
+    kind_of,
+    per_sample,
+    stack_alike,
+    take_rows,
 )
-_PY_DTYPES: dict[type, str] = {bool: "bool", int: "int64", float: "float64"}
-
-
-def _row_signature(value: Any) -> Signature:
-    """A value's kind, dtype and whole shape (a column's signature has its trailing shape)."""
-    if _is_tensor(value):
-        return ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
-    if isinstance(value, (np.ndarray, np.generic)):
-        return ("array", str(value.dtype), tuple(value.shape))
-    return ("list", "", ())
-
-
-def signature(value: Column) -> Signature:
-    """What two parts of one field must share: kind, dtype and trailing shape."""
-    kind, dtype, shape = _row_signature(value)
-    return (kind, dtype, shape[1:])
-
-
-def kind_of(value: Column) -> str:
-    """``"tensor"``, ``"array"`` or ``"list"``: what a column is."""
-    if _is_tensor(value):
-        return "tensor"
-    return "array" if isinstance(value, np.ndarray) else "list"
-
-
-def describe(sig: Signature) -> str:
-    kind, dtype, trailing = sig
-    if kind == "list":
-        return "a list of per-sample values"
-    shape = ", ".join(["n", *map(str, trailing)])
-    return f"{_a(dtype)} {'tensor' if kind == 'tensor' else 'numpy array'} of shape [{shape}]"
-
-
-def _a(word: str) -> str:
-    return f"{'an' if word[:1] in tuple('aeiou') else 'a'} {word}"
-
-
-def drift_message(name: str, source: str, was: Signature, now: Signature, fix: str = _FIX) -> str:
-    where = f" of {source}" if source else ""
-    return (
-        f"field {name!r}{where} arrives as {describe(was)} for some samples and as {describe(now)} for others; "
-        f"a field keeps one type, dtype and trailing shape for the whole run: {fix}"
-    )
-
-
-def _cat(name: str, parts: list[Column], source: str) -> Column:
-    want = signature(parts[0])
-    bad = next((sig for sig in map(signature, parts[1:]) if sig != want), None)
-    if bad is not None:
-        raise FlowDefinitionError(drift_message(name, source, want, bad))
-    if len(parts) == 1:
-        return parts[0]
-    if want[0] == "tensor":
-        return sys.modules["torch"].cat(parts)
-    return np.concatenate(parts) if want[0] == "array" else [row for part in parts for row in part]
-
-
-def _value_class(value: Any) -> Signature:
-    """An input value's class: ("number", dtype, ()), the signature of a tensor or an array
-    of one dimension or more, or ("other", "", ())."""
-    dtype = _PY_DTYPES.get(type(value))
-    if dtype is not None:
-        return ("number", dtype, ())
-    if isinstance(value, (np.bool_, np.number)) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        return ("number", str(value.dtype), ())
-    return _row_signature(value) if _is_tensor(value) or isinstance(value, np.ndarray) else ("other", "", ())
-
-
-def _per_sample(name: str, values: list[Any], first_item: int) -> Column:
-    """One field of input items as a column, by the values' classes, never their neighbours'."""
-    if not values:
-        return []
-    first = _value_class(values[0])
-    pos = next((i for i, v in enumerate(values) if _value_class(v) != first), None)
-    if pos is not None:
-        raise FlowDefinitionError(
-            f"field {name!r} of the input items: item {first_item} holds {_shown(first, values[0])}, item "
-            f"{first_item + pos} holds {_shown(_value_class(values[pos]), values[pos])}; every item must give "
-            f"a field one type, dtype and shape: {_INPUT_FIX}"
-        )
-    if first[0] == "number":
-        try:
-            return np.asarray(values, dtype=first[1])
-        except OverflowError as err:
-            raise FlowDefinitionError(f"field {name!r} of the input items: {err} (an int must fit int64)") from err
-    if first[0] == "other":
-        return list(values)
-    return sys.modules["torch"].stack(values) if first[0] == "tensor" else np.stack(values)
-
-
-def _shown(cls: Signature, value: Any) -> str:
-    kind, dtype, shape = cls
-    if kind in ("number", "other"):
-        return _a(type(value).__name__) + (f" ({dtype})" if dtype else "")
-    return f"{_a(dtype)} {'tensor' if kind == 'tensor' else 'numpy array'} of shape {list(shape)}"
-
-
-def _from_column(name: str, values: list[Any], kind: str) -> Column:
-    """Rows of a producer's column (``Sample.kinds``) back into a column of that kind."""
-    if kind == "list" or not values:
-        return list(values)
-    rows = list(dict.fromkeys(map(_row_signature, values)))
-    if len(rows) > 1:
-        raise FlowDefinitionError(drift_message(name, "", rows[0], rows[1]))
-    if rows[0][0] != kind:
-        raise FlowDefinitionError(f"field {name!r} was read from a {kind} column but a sample holds {values[0]!r}")
-    return sys.modules["torch"].stack(values) if kind == "tensor" else np.stack(values)
-
-
-def _stack_alike(values: list[Any]) -> Column:
-    """Values with no column behind them (a dict of yours): stacked when all are tensors (or
-    all arrays) of one shape and dtype, an array when all are Python numbers, else a list."""
-    rows = set(map(_row_signature, values))
-    if len(rows) == 1 and next(iter(rows))[0] != "list":
-        return sys.modules["torch"].stack(values) if _is_tensor(values[0]) else np.stack(values)
-    return np.asarray(values) if all(type(v) in _PY_DTYPES for v in values) else list(values)
-
-
-class FieldTypes:
-    """The signature each field had the first time it was seen, checked on every later batch
-    of one source (the input items' chunks, one stage's outputs): a field that changes type
-    fails where it changes, whatever the shard or chunk boundaries."""
-
-    def __init__(self, source: str, fix: str = _FIX) -> None:
-        self.source, self.fix = source, fix
-        self._seen: dict[str, Signature] = {}
-
-    @classmethod
-    def inputs(cls) -> FieldTypes:
-        return cls("the input items", _INPUT_FIX)
-
-    def check(self, batch: Batch | Mapping[str, Column]) -> None:
-        drift = self.drift({name: signature(value) for name, value in batch.items()})
-        if drift is not None:
-            raise FlowDefinitionError(drift)
-
-    def drift(self, signatures: Mapping[str, Signature]) -> str | None:
-        """What changed (a message), or None; ``signatures`` as a replica reports them."""
-        for name, sig in signatures.items():
-            was = self._seen.setdefault(name, tuple(sig))  # type: ignore[arg-type]
-            if was != tuple(sig):
-                return drift_message(name, self.source, was, sig, self.fix)
-        return None
+from .errors import FlowDefinitionError, FlowError, MissingFieldError
 
 
 def approx_nbytes(batch: Batch) -> int:
@@ -215,7 +36,7 @@ def approx_nbytes(batch: Batch) -> int:
 
 
 def _nbytes(value: Any) -> int | None:
-    if _is_tensor(value):
+    if is_tensor(value):
         return value.element_size() * value.numel()
     return value.nbytes if isinstance(value, np.ndarray) else None
 
@@ -228,7 +49,7 @@ _Packed = tuple[Any, ...]
 
 def _encode(value: Column) -> _Packed:
     # numpy buffers are read zero-copy from Ray's shared memory; torch tensors are pickled.
-    if _is_tensor(value) and value.device.type == "cpu":
+    if is_tensor(value) and value.device.type == "cpu":
         try:
             return _pack("torch", value.detach().numpy())
         except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
@@ -313,7 +134,7 @@ class Batch:
         return cls(
             ids,
             {
-                n: _from_column(n, values, kinds[n]) if n in kinds else _stack_alike(values)
+                n: from_column(n, values, kinds[n]) if n in kinds else stack_alike(values)
                 for n, values in ((n, [s[n] for s in samples]) for n in names)
             },
         )
@@ -325,7 +146,7 @@ class Batch:
         (arrays) of one shape and dtype -> stacked, anything else (strings, lists, objects) ->
         a list of per-item values; a field that mixes these is an error."""
         names = cls._sample_names(ids, items)
-        return cls(ids, {n: _per_sample(n, [s[n] for s in items], first_item) for n in names})
+        return cls(ids, {n: per_sample(n, [s[n] for s in items], first_item) for n in names})
 
     @staticmethod
     def _sample_names(ids: Sequence[int], samples: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -358,7 +179,7 @@ class Batch:
             if b.keys() != names:
                 raise FlowError(f"cannot concatenate batches with fields {sorted(names)} and {sorted(b.keys())}")
         ids = np.concatenate([b.ids for b in batches])
-        return Batch(ids, {n: _cat(n, [b._fields[n] for b in batches], source) for n in names}, _check=False)
+        return Batch(ids, {n: concat_column(n, [b._fields[n] for b in batches], source) for n in names}, _check=False)
 
     def kinds(self) -> dict[str, str]:
         """Field -> ``"list"``, ``"tensor"`` or ``"array"``: what a ``Sample`` read from one of
@@ -410,7 +231,7 @@ class Batch:
             raise FlowDefinitionError(
                 f"Batch.select: rows {idx.tolist()} out of range for {len(self)} samples"
             ) from err
-        return Batch(ids, {n: _take(v, idx) for n, v in self._fields.items()}, _check=False)
+        return Batch(ids, {n: take_rows(v, idx) for n, v in self._fields.items()}, _check=False)
 
     def merge(self, other: Batch) -> Batch:
         """The union of two batches' fields for the same samples in the same order."""
@@ -427,7 +248,7 @@ class Batch:
     def copy(self) -> Batch:
         """The same rows in columns of its own (a list column's items are shared): what a
         step returned, kept after the step although the model may reuse its buffers."""
-        return Batch(self.ids.copy(), {n: _copy(v) for n, v in self._fields.items()}, _check=False)
+        return Batch(self.ids.copy(), {n: copy_column(v) for n, v in self._fields.items()}, _check=False)
 
     def row(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
@@ -491,6 +312,6 @@ def _kinds_of(samples: Sequence[Mapping[str, Any]]) -> dict[str, str]:
             if was != kind:
                 raise FlowDefinitionError(
                     f"field {name!r} was returned as a {was} for some samples and as a {kind} for others "
-                    f"(sample {getattr(s, 'id', '?')}); a field keeps one type for the whole run: {_FIX}"
+                    f"(sample {getattr(s, 'id', '?')}); a field keeps one type for the whole run: {RAGGED_FIX}"
                 )
     return kinds

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from .._core.batch import Batch, FieldTypes
+from .._core.batch import Batch
+from .._core.columns import FieldTypes
 from .._core.errors import FlowDefinitionError
 from .._core.graph import SOURCE
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._core.batch import FieldTypes
+from .._core.columns import FieldTypes
 from .._core.config import Piece
 from .._core.errors import FlowDefinitionError, FlowError, OutputError
 from .._core.graph import SOURCE

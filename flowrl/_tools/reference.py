@@ -121,7 +121,7 @@ WHERE: dict[type[msgspec.Struct], str] = {
     PipelineConfig: "`open_pipeline(flow, config)`, `Pipeline`, `RunConfig.pipeline`",
     RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`",
     Autoscale: '`ModelConfig.autoscale`, e.g. `{"max_replicas": 8}`',
-    LoggerConfig: '`RunConfig.loggers`, e.g. `[tensorboard, {kind: wandb, mode: offline}]`',
+    LoggerConfig: "`RunConfig.loggers`, e.g. `[tensorboard, {kind: wandb, mode: offline}]`",
 }
 
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flowrl
-from flowrl._core.batch import FieldTypes, signature
+from flowrl._core.columns import FieldTypes, signature
 
 # ---- input items: one value per item ----
 
