@@ -78,6 +78,9 @@ def signature(value: Column) -> Signature:
     return (kind, dtype, shape[1:])
 
 
+COLUMN_KINDS = ("tensor", "array", "list")
+
+
 def kind_of(value: Column) -> str:
     """``"tensor"``, ``"array"`` or ``"list"``: what a column is."""
     if is_tensor(value):

@@ -22,6 +22,7 @@ import msgspec
 
 from .._backends.replica import unviewed
 from .._core.batch import Sample
+from .._core.columns import COLUMN_KINDS
 from .._core.errors import CheckpointError, ConfigError, ReplicaDiedError, StageError
 from .._core.rng_state import check_rng_state
 from .._core.sampler import EpisodeBuffer
@@ -314,7 +315,10 @@ async def _trainer_states(backend: Trainers, ranks: list[ReplicaHandle]) -> list
 
 def _episode_state(episode: EpisodeBuffer) -> dict[str, Any]:
     samples = episode.buffer
-    return {"episode": episode.episode_id, "ids": [s.id for s in samples], "fields": [dict(s) for s in samples]}
+    fields = [dict(s) for s in samples]
+    # each field's column kind, so that a trainer batch of restored samples is built as before
+    kinds = [dict(s.kinds) for s in samples]
+    return {"episode": episode.episode_id, "ids": [s.id for s in samples], "fields": fields, "kinds": kinds}
 
 
 def _check_counts(state: EngineState, expect: Expect) -> None:
@@ -343,7 +347,8 @@ def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
     seen: set[int] = set()  # sample ids are unique across the relay (the pipeline numbers each once)
     for i, e in enumerate(raw):
         keys = ("episode", "ids", "fields")
-        expect(isinstance(e, dict) and set(e) == set(keys), f"[{i}]", e, f"a dict with keys {list(keys)}")
+        ok = isinstance(e, dict) and set(e) - {"kinds"} == set(keys)
+        expect(ok, f"[{i}]", e, f"a dict with keys {list(keys)} (and kinds)")
         first = out[-1].episode_id + 1 if out else 0
         episode, ids, fields = e["episode"], e["ids"], e["fields"]
         ok = type(episode) is int and first <= episode < state.episode
@@ -359,8 +364,20 @@ def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
             (j for j, f in enumerate(fields) if not isinstance(f, dict) or not all(isinstance(k, str) for k in f)), None
         )
         expect(bad is None, f"[{i}].fields[{bad}]", bad is not None and fields[bad], "a dict of field name -> value")
-        out.append(EpisodeBuffer(episode, [Sample(s, f) for s, f in zip(ids, fields, strict=True)]))
+        kinds = _relay_kinds(e.get("kinds"), fields, expect, f"[{i}].kinds")
+        out.append(EpisodeBuffer(episode, [Sample(s, f, k) for s, f, k in zip(ids, fields, kinds, strict=True)]))
     return out
+
+
+def _relay_kinds(kinds: Any, fields: list[dict[str, Any]], expect: Expect, where: str) -> list[dict[str, str] | None]:
+    """Each sample's field -> column kind (None for a checkpoint written before kinds were kept)."""
+    if kinds is None:
+        return [None] * len(fields)
+    expect(isinstance(kinds, list) and len(kinds) == len(fields), where, kinds, f"a list of {len(fields)} dicts")
+    for j, (k, f) in enumerate(zip(kinds, fields, strict=True)):
+        ok = isinstance(k, dict) and set(k) <= set(f) and all(v in COLUMN_KINDS for v in k.values())
+        expect(ok, f"{where}[{j}]", k, f"a dict of its fields' kinds, each one of {list(COLUMN_KINDS)}")
+    return [dict(k) for k in kinds]
 
 
 def _repeated(ids: list[int], seen: set[int]) -> int | None:

@@ -21,7 +21,7 @@ from _resume_models import CPU, Learner, Policy, dataset, make_engine
 
 import flowrl
 from flowrl._core.state_format import decode_state, encode_state
-from flowrl._engine.checkpoint_files import CheckpointFiles
+from flowrl._engine.checkpoint_files import CheckpointFiles, _read_relay, _read_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -110,6 +110,14 @@ def test_an_engine_json_too_large_to_be_one_is_refused_before_reading(copy, monk
         (lambda r: r[0]["ids"].__setitem__(0, -5), r"field \[0\].ids is a list of length 8; expected a list of sample"),
         (lambda r: r[0]["fields"].__setitem__(2, {1: 2}), r"field \[0\].fields\[2\] is a dict of length 1"),
         (lambda r: r.append(r[0]), r"field \[1\].episode is an int; expected an episode done after the one before"),
+        (
+            lambda r: r[0].update(kinds=r[0]["kinds"][:-1]),
+            r"field \[0\].kinds is a list of length 7; expected a list of 8",
+        ),
+        (
+            lambda r: r[0]["kinds"].__setitem__(1, {"x": "blob"}),
+            r"field \[0\].kinds\[1\] is a dict of length 1; expected a dict of its fields' kinds",
+        ),
     ],
 )
 def test_a_tampered_relay_buffer_is_refused_naming_the_field(copy, edit, message):
@@ -118,6 +126,17 @@ def test_a_tampered_relay_buffer_is_refused_naming_the_field(copy, edit, message
     (copy / "relay.msgpack").write_bytes(encode_state(relay))
     with pytest.raises(flowrl.CheckpointError, match=f"checkpoint {copy}: relay.msgpack {message}"):
         resume(copy)
+
+
+def test_relay_samples_resume_with_their_fields_kinds_and_without_them_from_an_older_checkpoint(copy):
+    relay = decode_state((copy / "relay.msgpack").read_bytes())
+    assert relay[0]["kinds"] and all(k and set(k.values()) <= {"tensor", "array", "list"} for k in relay[0]["kinds"])
+    restored = _read_relay(copy, _read_state(copy))
+    assert [dict(s.kinds) for s in restored[0].buffer] == relay[0]["kinds"]
+    for episode in relay:  # a checkpoint written before kinds were kept
+        del episode["kinds"]
+    (copy / "relay.msgpack").write_bytes(encode_state(relay))
+    assert all(not s.kinds for s in _read_relay(copy, _read_state(copy))[0].buffer)
 
 
 def test_a_renamed_synced_model_is_refused_instead_of_serving_its_initial_weights(copy):
