@@ -13,4 +13,5 @@ else
     "$PYTHON" -m pip install --quiet ${FLOWRL_TORCH_INDEX:+--index-url "$FLOWRL_TORCH_INDEX"} \
         "${FLOWRL_TORCH_SPEC:-torch==2.13.0}"
 fi
-"$PYTHON" -m pip install --quiet -e ".[test,plot,metrics]"
+# track: the TensorBoard, W&B and MLflow loggers (the examples' --tensorboard flag, their tests)
+"$PYTHON" -m pip install --quiet -e ".[test,plot,metrics,track]"
