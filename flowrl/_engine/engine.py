@@ -203,7 +203,12 @@ class Engine:
             return "flowrl: stopped while starting the actors; no episode ran"
         total = max(self._runs, 1) * self.config.num_episode
         folder = session.episodes.checkpoints.folder
-        return stopped_line(self._learning.episode, total, folder, self.config.checkpoint_dir)
+        # the latest as resume="auto" finds it: a write that Ctrl-C cut short once its folder was in
+        # place counts, though the engine has not heard back from it
+        with contextlib.suppress(OSError, FlowError):
+            on_disk = self._checkpoint_files.dir.latest() if self._checkpoint_files.dir is not None else None
+            folder = on_disk or folder
+        return stopped_line(self._learning.episode, total, folder, self.config.checkpoint_dir, self.config.resume)
 
     async def alearn(self) -> EngineStats:
         """Run ``num_episode`` episodes (async)."""

@@ -92,11 +92,14 @@ def interrupted(line: str) -> KeyboardInterrupt:
     return err
 
 
-def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | None) -> str:
-    """The one line a Ctrl-C leaves: where the run stopped and how to go on from there."""
+def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | None, resume: str = "auto") -> str:
+    """The one line a Ctrl-C leaves: where the run stopped and how to go on from there (the same
+    command resumes only where it says ``resume="auto"``)."""
     where = f"flowrl: stopped at episode {min(done + 1, total)} of {total} ({done} done)"
-    if checkpoint is not None:
+    if checkpoint is not None and resume == "auto":
         return f"{where}; last checkpoint {checkpoint}; resume with the same command (RunConfig.resume='auto')"
+    if checkpoint is not None:
+        return f"{where}; last checkpoint {checkpoint}; resume with RunConfig.resume='auto' (this run has {resume!r})"
     if checkpoint_dir:
         return f"{where}; no checkpoint written yet in {checkpoint_dir}, so nothing to resume"
     return f"{where}; nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"

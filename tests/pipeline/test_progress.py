@@ -128,6 +128,9 @@ def test_the_stop_and_resume_lines_say_where_and_how_to_go_on():
         "flowrl: stopped at episode 13 of 30 (12 done); last checkpoint runs/x/episode-000010; "
         "resume with the same command (RunConfig.resume='auto')"
     )
+    assert stopped_line(12, 30, Path("runs/x/episode-000010"), "runs/x", "never").endswith(
+        "last checkpoint runs/x/episode-000010; resume with RunConfig.resume='auto' (this run has 'never')"
+    )
     assert stopped_line(0, 30, None, "runs/x").endswith("no checkpoint written yet in runs/x, so nothing to resume")
     assert stopped_line(3, 30, None, None).endswith(
         "nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
