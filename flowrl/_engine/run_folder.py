@@ -267,7 +267,12 @@ def _episode_gauges(last: EpisodeStats) -> list[Metric]:
     out += [("flowrl_weight_version", version, {"model": m}, float(v)) for m, v in last.weight_versions.items()]
     lag = "most versions behind of a sample trained in the last episode"
     out += [("flowrl_staleness_max", lag, {"model": m}, float(max(lags))) for m, lags in last.staleness.items()]
-    return out
+    metric = "a metric train_step returned (loss, reward, ...), averaged over the last episode's steps"
+    return out + [
+        ("flowrl_train_metric", metric, {"trainer": t, "metric": k}, float(v))
+        for t, values in last.metrics.items()
+        for k, v in values.items()
+    ]
 
 
 def _trainer_gauges(trainers: dict[str, TrainerStats]) -> list[Metric]:

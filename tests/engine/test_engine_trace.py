@@ -91,6 +91,8 @@ def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_clust
     wanted = {
         "ray_flowrl_stage_samples": ('stage="prom_policy.forward_step"', 16.0),
         "ray_flowrl_trainer_steps": ('trainer="prom_trainer"', float(stats.trainers["prom_trainer"].steps)),
+        # what train_step returned: CountingTrainer reports its world size, 1 here
+        "ray_flowrl_train_metric": ('metric="world"', stats.episodes[-1].metrics["prom_trainer"]["world"]),
     }
     seen: dict[str, float] = {}
     # TODO(issue 18): a scrape is a poll by nature. Ray exports the gauges to its metrics agent
