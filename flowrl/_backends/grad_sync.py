@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._core.model import sum_over_ranks
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -109,12 +111,7 @@ def sum_grads(params: list[torch.Tensor]) -> None:
             p.grad = torch.zeros_like(p)
         by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     for grads in by_kind.values():  # one flat collective per dtype and device
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_over_ranks(grads)
 
 
 def trainable(model: Model) -> list[torch.Tensor]:

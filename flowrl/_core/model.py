@@ -211,7 +211,6 @@ class Model:
         if self.world_size <= 1:
             return
         import torch
-        import torch.distributed as dist
 
         # Every rank must join with the same tensor, even one whose shard was empty.
         grads = []
@@ -221,12 +220,7 @@ class Model:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
                 self._reduced_grads.add(id(p))
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_over_ranks(grads)
 
     # ---- weight hooks (trainer -> inference sync) ----
     def get_weights(self) -> Mapping[str, Any]:
@@ -324,3 +318,17 @@ def weight_hooks_problem(model: Model) -> str | None:
 
 
 Model.forward_step = _traceable(Model.forward_step, "forward_step")  # type: ignore[method-assign]
+
+
+def sum_over_ranks(tensors: list[torch.Tensor]) -> None:
+    """Sum ``tensors`` (of one dtype and device) over the process group in place: one flat
+    all-reduce rather than one collective per tensor."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
