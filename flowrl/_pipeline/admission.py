@@ -54,6 +54,9 @@ class Admission:
         self._window = window
         self._recorder = recorder
         self._supervisor = supervisor
+        # Kept for the pipeline's life, not per run: an engine's episodes are runs of one
+        # pipeline, and a field that is int64 in episode 1 must not turn float64 in episode 3.
+        self._types = FieldTypes.inputs()
 
     def expect(self, count: int) -> None:
         """Tell every stage that ``count`` more samples will come (negative: fewer)."""
@@ -75,7 +78,6 @@ class Admission:
         if total:
             self.expect(total)
         take, close = self._taker(items)
-        types = FieldTypes.inputs()  # one type per field for the whole run
         exhausted = False
         try:
             while not exhausted and not run.abandoned:
@@ -90,7 +92,7 @@ class Admission:
                     self._window.release(room - len(chunk))
                 if chunk:
                     expected = total is not None and run.admitted + len(chunk) <= total
-                    self._admit_chunk(run, chunk, types, expected=expected)
+                    self._admit_chunk(run, chunk, expected=expected)
         finally:
             close()  # stops an async source's pump
             if total is not None and run.admitted < total:
@@ -98,7 +100,7 @@ class Admission:
             run.admission_done = True
             run.maybe_close()
 
-    def _admit_chunk(self, run: Run, chunk: list[Any], types: FieldTypes, *, expected: bool) -> None:
+    def _admit_chunk(self, run: Run, chunk: list[Any], *, expected: bool) -> None:
         for pos, item in enumerate(chunk):
             if not isinstance(item, Mapping):
                 raise FlowDefinitionError(
@@ -108,7 +110,7 @@ class Admission:
         costs = self._read_costs(run, chunk)
         first = self._ledger.next_id
         batch = Batch.from_items(list(range(first, first + len(chunk))), chunk, first_item=run.admitted)
-        types.check(batch)
+        self._types.check(batch)
         self._ledger.note_fields(SOURCE, frozenset(batch.keys()))
         ids = self._ledger.admit(run, len(chunk), self._store.put(batch), costs)
         if not expected:

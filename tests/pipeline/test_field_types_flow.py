@@ -59,6 +59,19 @@ async def test_an_input_field_that_changes_type_between_chunks_is_refused():
             await pipe.run(items)
 
 
+async def test_an_input_field_keeps_its_type_across_the_runs_of_one_pipeline():
+    """An engine's episodes are runs of one pipeline: int prompts in one run, then a float one
+    in a later run, is the same drift as within a run, and is refused the same way."""
+    done: list[int] = []
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"'prompt' of the input items .*int64.*float64"):
+        async with flowrl.open_pipeline(flow((2, 2)), INPROC) as pipe:
+            done.append(len(await pipe.run([{"prompt": i} for i in range(4)])))
+            done.append(len(await pipe.run([{"prompt": i} for i in range(4, 8)])))  # same type: accepted
+            await pipe.run([{"prompt": 0.5}] * 4)
+    assert done == [4, 4]  # the first two runs went through; only the third was refused
+    assert flowrl_actor_names() == []
+
+
 class Drift(flowrl.Model):
     """Pads its output to a longer length at each call: a field whose shape changes."""
 
