@@ -8,6 +8,7 @@ small ``CallMeta`` plus the new fields as a ``Batch`` that stays in the object s
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -22,8 +23,10 @@ from .._core.errors import CheckpointError, FlowError, OutputError, StageError
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
 from .._core.state_format import decode_state, encode_state
-from .grad_sync import GradReducer, checksum
+from .grad_sync import GradReducer, check_scaler, checksum, unchecked
 from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
+
+log = logging.getLogger("flowrl")
 
 Fetch = Callable[[list[Any]], list[Batch]]
 
@@ -273,6 +276,8 @@ class TrainerRuntime:
                     timeout=datetime.timedelta(seconds=timeout_s),
                 )
             m.setup()
+            if self._reducer is not None:
+                check_scaler(m)  # an AMP scaler would hang the gradient sum: refused before episode 0
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
         check_weight_hooks(m, m.rank)
@@ -283,7 +288,10 @@ class TrainerRuntime:
         m.global_batch_size, m.micro_batch_size = step_size, micro_batch
         m._reduced_grads.clear()
         if self._reducer is not None:
-            self._reducer.attach()
+            try:
+                self._reducer.attach()
+            except FlowError as err:  # a GradScaler made in a train step
+                raise StageError(str(err), f"{m.name}.train_step", m.rank, batch.ids.tolist()) from err
         # the first step on this group: the driver compares the ranks' weights before and after it
         extra = {} if self._compared else {"_weights_before": checksum(m)}
         start, started = time.perf_counter(), time.time()
@@ -304,6 +312,8 @@ class TrainerRuntime:
         if not self._compared:
             self._compared = True
             extra["_weights_after"] = checksum(m)
+            for line in unchecked(m, self._reducer) if m.rank == 0 else []:
+                log.warning("%s", line)
         return {**(out or {}), **extra, "_busy_s": busy, "_samples": len(batch), "_started": started}
 
     def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast | None:

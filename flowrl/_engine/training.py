@@ -3,7 +3,6 @@ over the trainer group's data-parallel ranks."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -106,33 +105,23 @@ class Trainers:
             )
 
 
-# Ranks that summed the same gradients hold the same bits; the slack only covers a collective
-# whose result could differ in the last bits between ranks.
-_RTOL = 1e-6
-
-
 def check_same_weights(trainer: str, results: list[RankResult], episode: int) -> None:
-    """After a group's first train step each rank reports a checksum of its trainable weights,
-    before and after the step (``_backends.grad_sync.checksum``); they must agree."""
+    """After a group's first train step each rank reports a fingerprint of its trainable
+    weights, before and after the step (``_backends.grad_sync.checksum``); they must agree
+    exactly: ranks that summed the same gradients hold the same bits, and a tolerance would
+    let a step at an LLM's learning rate (1e-6) diverge unseen."""
     for key, when in (("_weights_before", "before"), ("_weights_after", "after")):
         sums = [res.pop(key, None) for res in results]
         if any(s is None for s in sums) or len(sums) < 2:
             continue  # not the first step, or nothing to compare (no torch module, sharded)
-        odd = [r for r, s in enumerate(sums) if not _close(s, sums[0])]
+        odd = [r for r, s in enumerate(sums) if tuple(s) != tuple(sums[0])]
         if odd:
             raise _diverged(trainer, when, odd, sums, episode)
 
 
-def _close(a: Any, b: Any) -> bool:
-    return bool(a[0] == b[0]) and all(
-        math.isclose(x, y, rel_tol=_RTOL, abs_tol=_RTOL * scale)
-        for x, y, scale in zip(a[1:], b[1:], (max(a[2], b[2]), a[2], a[3]), strict=True)
-    )
-
-
 def _diverged(trainer: str, when: str, odd: list[int], sums: list[Any], episode: int) -> RankDivergenceError:
     shown = "; ".join(
-        f"rank {r}: {int(s[0])} weights, sum {s[1]:.9g}, sum|w| {s[2]:.9g}, sum w^2 {s[3]:.9g}"
+        f"rank {r}: {int(s[0])} weights, sum {s[1]:.9g}, sum|w| {s[2]:.9g}, sum w^2 {s[3]:.9g}, hash {s[4][:12]}"
         for r, s in enumerate(sums)
         if r in (0, *odd)
     )
