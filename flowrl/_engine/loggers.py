@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import netrc
 import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
 
 from .._core.errors import ConfigError
@@ -30,6 +31,9 @@ PACKAGES = {
     "mlflow": ("mlflow", "mlflow-skinny"),
 }
 DEFAULT_ROOT = "runs"  # where loggers write when neither their dir nor RunConfig.run_dir is set
+# how a run ended, for the trackers that record it: MLflow's run status, W&B's exit code
+Outcome = Literal["finished", "failed", "killed"]
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
 def check_installed(spec: LoggerConfig, where: str) -> None:
@@ -40,6 +44,40 @@ def check_installed(spec: LoggerConfig, where: str) -> None:
             f"{where}: kind={spec.kind!r} needs the package {module!r}, which is not installed: "
             f"pip install {pip} (or pip install 'flowrl[track]' for TensorBoard, W&B and MLflow)"
         )
+
+
+def check_wandb_login(mode: str | None, where: str) -> None:
+    """ConfigError when W&B would run online without an API key: it would ask for one on stdin,
+    hidden behind the live view, and the run would wait forever."""
+    if mode is not None or os.environ.get("WANDB_MODE"):
+        return
+    if os.environ.get("WANDB_API_KEY") or _netrc_has(_wandb_host()):
+        return
+    raise ConfigError(
+        f"{where}: kind='wandb' without mode logs online, and no W&B API key was found (WANDB_API_KEY "
+        f"unset, no {_wandb_host()} entry in {_netrc_path()}): run `wandb login` first, or set mode: offline "
+        "(wandb sync uploads the run later) or mode: disabled"
+    )
+
+
+def _wandb_host() -> str:
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc or "api.wandb.ai"
+
+
+def _netrc_path() -> Path:
+    """The netrc file W&B reads its key from: $NETRC, else ~/.netrc, else ~/_netrc."""
+    if os.environ.get("NETRC"):
+        return Path(os.environ["NETRC"]).expanduser()
+    unix = Path("~/.netrc").expanduser()
+    windows = Path("~/_netrc").expanduser()
+    return windows if not unix.exists() and windows.exists() else unix
+
+
+def _netrc_has(host: str) -> bool:
+    try:
+        return netrc.netrc(str(_netrc_path())).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):  # none, unreadable or malformed: W&B finds no key there either
+        return False
 
 
 def build(spec: LoggerConfig, run_dir: str | None) -> TensorBoardLogger | WandbLogger | MLflowLogger:
@@ -81,18 +119,19 @@ class TensorBoardLogger:
         self._writer.flush()  # an episode takes seconds: show it now, not after flush_secs
         self._last = step
 
+    def close(self, outcome: Outcome = "finished") -> None:
+        """Flush and close the event file (TensorBoard keeps no run status: ``outcome`` is unused)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
     def _open(self, step: int) -> None:
-        self.close()
+        self.close()  # the writer of the earlier steps, if any
         tensorboard = importlib.import_module("torch.utils.tensorboard")
         self._writer = tensorboard.SummaryWriter(str(self.log_dir), purge_step=step)
         if self._config is not None:
             self._writer.add_text("config", self._config, step)
             self._config = None  # once
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
 
 class WandbLogger:
@@ -125,6 +164,7 @@ class WandbLogger:
         self._run.log(dict(scalars), step=step)
 
     def _open(self, config: dict[str, Any]) -> None:
+        check_wandb_login(self.mode, "WandbLogger")  # again: the environment may have changed since
         wandb = importlib.import_module("wandb")
         self.dir.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(console="off", quiet=True)
@@ -138,9 +178,10 @@ class WandbLogger:
             settings=settings,
         )
 
-    def close(self) -> None:
+    def close(self, outcome: Outcome = "finished") -> None:
+        """Finish the run; a failed or cancelled one with exit code 1, so that W&B shows it failed."""
         if self._run is not None:
-            self._run.finish()
+            self._run.finish(exit_code=0 if outcome == "finished" else 1)
             self._run = None
 
 
@@ -196,9 +237,10 @@ class MLflowLogger:
         self._client = client
         return entities
 
-    def close(self) -> None:
+    def close(self, outcome: Outcome = "finished") -> None:
+        """End the run with the status ``outcome`` names: FINISHED, FAILED, or KILLED (cancelled, Ctrl-C)."""
         if self._client is not None:
-            self._client.set_terminated(self.run_id)
+            self._client.set_terminated(self.run_id, status=MLFLOW_STATUS[outcome])
             self._client = None
 
 

@@ -3,7 +3,9 @@
 ``metrics.jsonl``: one JSON object per episode (its ``EpisodeStats``, the trainers' and the
 rollout pipeline's counters so far, the wall-clock time), each episode once: an engine's first
 line drops the lines of that episode and later ones (a run resumed from a checkpoint redoes
-them, and so does a trainer rebuilt from one); ``trace.json``: the timeline of every
+them, a fresh run into the same folder starts again at 0, and a trainer rebuilt from a
+checkpoint redoes them too); the file as the earlier run left it stays beside, as
+``metrics.jsonl.1`` (``.2``, ... : never over an earlier one), and a line says so; ``trace.json``: the timeline of every
 replica, trainer rank and episode phase as a Chrome trace (``flowrl trace RUN_DIR`` renders it).
 ``metric_values``: the same counters as gauges (``flowrl_*``; Ray prefixes ``ray_``), which the
 Ray backend exports through ``ray.util.metrics`` after every episode.
@@ -28,6 +30,7 @@ import msgspec
 
 from .._core.errors import ConfigError, FlowError
 from .._core.trace import Span, chrome_trace
+from .._pipeline.progress import say
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -165,7 +168,8 @@ class RunDir:
         that episode and later ones when this engine did not write them just before."""
         e = stats.episodes[-1].episode
         if self._next is None or e < self._next:
-            self.drop_from(e)
+            # an earlier run's lines are its record: kept aside; this engine's own are redone
+            self.drop_from(e, keep=self._next is None)
         self._next = e + 1
         line: dict[str, Any] = {
             **msgspec.to_builtins(stats.episodes[-1]),
@@ -184,10 +188,11 @@ class RunDir:
         except (OSError, ConfigError) as err:  # a full disk, or a FIFO or link put there since
             raise FlowError(f"run folder {self.path}: cannot append to {METRICS} ({err})") from err
 
-    def drop_from(self, episode: int) -> int:
+    def drop_from(self, episode: int, *, keep: bool = False) -> int:
         """Remove the lines of ``metrics.jsonl`` of ``episode`` and later ones (and a line a killed
         process left cut short): the kept lines go, a line at a time, to a new file renamed over
-        the old one, so that a reader sees one file or the other. How many lines went."""
+        the old one, so that a reader sees one file or the other. ``keep``: the old file stays,
+        under the first free name ``metrics.jsonl.<n>``, and a line says where. How many lines went."""
         path = self.path / METRICS
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         tmp = path.with_name(f".{METRICS}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
@@ -195,6 +200,7 @@ class RunDir:
             with os.fdopen(os.open(path, flags), "rb") as f:
                 refuse_irregular(path, os.fstat(f.fileno()), 2**62)
                 dropped = _copy_before(f, tmp, episode)
+            backup = _link_aside(path) if dropped and keep else None
             if dropped:
                 os.replace(tmp, path)
         except FileNotFoundError:
@@ -207,6 +213,11 @@ class RunDir:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+        if backup is not None:
+            say(
+                f"run folder {self.path}: {METRICS} held {dropped} line(s) of episodes >= {episode} from an "
+                f"earlier run; that file is kept as {backup.name}"
+            )
         return dropped
 
     def trace(self, spans: list[Span]) -> Path:
@@ -216,6 +227,19 @@ class RunDir:
         except OSError as err:
             raise FlowError(f"run folder {self.path}: cannot write {TRACE} ({err})") from err
         return path
+
+
+def _link_aside(path: Path) -> Path:
+    """A second name for ``path``, ``<name>.<n>`` with the first free ``n`` (a hard link: the
+    file itself stays where readers find it until the new one replaces it)."""
+    n = 1
+    while True:
+        backup = path.with_name(f"{path.name}.{n}")
+        try:
+            os.link(path, backup, follow_symlinks=False)
+            return backup
+        except FileExistsError:  # an earlier backup: never over it
+            n += 1
 
 
 def _copy_before(source: BinaryIO, tmp: Path, episode: int) -> int:

@@ -8,7 +8,9 @@ runtime's own (phase seconds, busy fractions, starvation, queues, staleness, epi
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -20,7 +22,7 @@ import msgspec
 from .._core.errors import ConfigError, FlowError
 from .._core.graph import check_one_argument
 from .._core.run_config import logger_config
-from .loggers import build, check_installed
+from .loggers import MLflowLogger, Outcome, TensorBoardLogger, WandbLogger, build, check_installed, check_wandb_login
 from .stats import EpisodeStats
 
 if TYPE_CHECKING:
@@ -158,6 +160,8 @@ class Tracking:
         self.specs = [logger_config(item, f"RunConfig.loggers[{i}]") for i, item in enumerate(config.loggers)]
         for i, spec in enumerate(self.specs):
             check_installed(spec, f"RunConfig.loggers[{i}]")
+            if spec.kind == "wandb":
+                check_wandb_login(spec.mode, f"RunConfig.loggers[{i}]")
         self.loggers: list[Logger] = []
         self._opened = False
         self._before: EngineStats | None = None
@@ -194,21 +198,39 @@ class Tracking:
             _call(logger, "log_scalars", report.episode, report.episode, report.scalars)
 
     async def close(self, *, failing: bool = False) -> None:
-        """Close every logger (shielded: also when the run is cancelled). A logger that cannot close
-        fails with a FlowError naming it; when the run is failing already (``failing``) that is
-        logged instead, so that the run's own error is the one raised."""
+        """Close every logger (shielded: also when the run is cancelled). The built-in ones learn
+        how the run ended (a failed or cancelled run is not marked finished); a user's logger gets
+        a plain ``close()``. A logger that cannot close fails with a FlowError naming it; when the
+        run is failing already (``failing``) that is logged instead, so that the run's own error
+        is the one raised."""
+        outcome = _outcome(failing)
         loggers, self.loggers, self._opened = self.loggers, [], False
         errors: list[FlowError] = []
         with anyio.CancelScope(shield=True):
             for logger in loggers:
+                args = (outcome,) if isinstance(logger, BUILT_IN) else ()
                 try:
-                    await anyio.to_thread.run_sync(_call, logger, "close", None)
+                    await anyio.to_thread.run_sync(_call, logger, "close", None, *args)
                 except FlowError as err:
                     errors.append(err)
                     if failing:
                         log.warning("%s", err)
         if errors and not failing:
             raise errors[0]
+
+
+BUILT_IN = (TensorBoardLogger, WandbLogger, MLflowLogger)
+
+
+def _outcome(failing: bool) -> Outcome:
+    """How the run ended: a failing run whose error in flight is a cancellation (Ctrl-C cancels
+    the run's task) was killed, else it failed. The engine closes tracking while that error
+    propagates, so it is the one being handled."""
+    if not failing:
+        return "finished"
+    error = sys.exc_info()[1]
+    cancelled = (asyncio.CancelledError, KeyboardInterrupt, anyio.get_cancelled_exc_class())
+    return "killed" if isinstance(error, cancelled) else "failed"
 
 
 def _call(logger: Logger, method: str, episode: int | None, *args: Any) -> None:
