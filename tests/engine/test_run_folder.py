@@ -69,3 +69,31 @@ def test_a_link_put_at_the_trace_after_the_build_is_replaced_not_written_through
     assert not (tmp_path / TRACE).is_symlink()
     assert json.loads((tmp_path / TRACE).read_text())["traceEvents"]
     assert len((tmp_path / METRICS).read_text().splitlines()) == 2
+
+
+def episodes_in(path: Path) -> list[int]:
+    return [json.loads(line)["episode"] for line in path.read_text().splitlines()]
+
+
+def test_a_fresh_run_into_a_used_folder_keeps_the_earlier_metrics_aside_and_says_so(tmp_path, caplog):
+    """A second and a third fresh run (no checkpoint: both start at episode 0) into one folder:
+    each earlier file is kept under the next free name, none over another, and a line names it."""
+    caplog.set_level("INFO", logger="flowrl.progress")
+    for episodes in (3, 2, 1):
+        engine, _ = make_engine(**MODELS, run_dir=str(tmp_path), num_episode=episodes)
+        engine.learn()
+    assert episodes_in(tmp_path / METRICS) == [0]
+    assert episodes_in(tmp_path / f"{METRICS}.1") == [0, 1, 2]
+    assert episodes_in(tmp_path / f"{METRICS}.2") == [0, 1]
+    said = [r.getMessage() for r in caplog.records if "earlier run" in r.getMessage()]
+    assert len(said) == 2
+    assert f"{METRICS} held 3 line(s) of episodes >= 0 from an earlier run; that file is kept as {METRICS}.1" in said[0]
+    assert said[1].endswith(f"kept as {METRICS}.2")
+
+
+def test_a_run_that_drops_no_line_keeps_no_copy(tmp_path):
+    from flowrl._engine.run_folder import RunDir
+
+    (tmp_path / METRICS).write_text(json.dumps({"episode": 0}) + "\n")
+    assert RunDir(tmp_path).drop_from(1, keep=True) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS]
