@@ -158,6 +158,98 @@ def test_the_mlflow_file_store_holds_the_metrics_and_the_config_as_params(tracke
     assert run.data.params["pipeline.backend"] == "inprocess"
 
 
+def mlflow_status(run_dir: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient((run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("flowrl").experiment_id])
+    return str(run.info.status)
+
+
+def wandb_exit_code(run_dir: Path) -> int:
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    (code,) = [r.exit.exit_code for r in wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    return int(code)
+
+
+def test_the_wandb_offline_run_of_a_run_that_ended_well_exits_with_code_0(tracked):
+    assert wandb_exit_code(tracked["dir"]) == 0
+
+
+FAILING_LOGGERS = [{"kind": "wandb", "mode": "offline"}, {"kind": "mlflow"}]
+
+
+def test_a_failed_run_is_failed_in_mlflow_and_exits_with_code_1_in_wandb(tmp_path):
+    def fail(report: flowrl.EpisodeReport) -> None:
+        if report.episode == 1:
+            raise RuntimeError("enough")
+
+    engine = tracked_engine(callbacks=[fail], run_dir=str(tmp_path), loggers=FAILING_LOGGERS)
+    with pytest.raises(flowrl.FlowError, match="enough"):
+        engine.learn()
+    assert mlflow_status(tmp_path) == "FAILED"
+    assert wandb_exit_code(tmp_path) == 1
+
+
+async def test_a_cancelled_run_is_killed_in_mlflow_and_exits_with_code_1_in_wandb(tmp_path):
+    import anyio
+
+    async with anyio.create_task_group() as tg:
+        cancel = [lambda report: tg.cancel_scope.cancel()]
+        engine = tracked_engine(callbacks=cancel, run_dir=str(tmp_path), loggers=FAILING_LOGGERS)
+        tg.start_soon(engine.alearn)
+    assert mlflow_status(tmp_path) == "KILLED"
+    assert wandb_exit_code(tmp_path) == 1
+
+
+def test_a_user_logger_is_closed_with_no_argument_when_the_run_fails(tmp_path):
+    """The public Logger protocol's close() takes nothing: the outcome goes to the built-in ones only."""
+    recorder = Broken()
+    with pytest.raises(flowrl.FlowError, match="disk full"):
+        tracked_engine(user_loggers=[recorder], run_dir=str(tmp_path), loggers=[{"kind": "mlflow"}]).learn()
+    assert recorder.closed == 1 and mlflow_status(tmp_path) == "FAILED"
+
+
+@pytest.fixture
+def no_wandb_key(monkeypatch, tmp_path):
+    """No W&B key anywhere W&B looks: an empty netrc file, no WANDB_API_KEY, no WANDB_MODE."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login x password y\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    return netrc
+
+
+def test_wandb_online_without_an_api_key_is_a_config_error_naming_the_fix(no_wandb_key):
+    with pytest.raises(
+        flowrl.ConfigError,
+        match=r"RunConfig.loggers\[0\]: kind='wandb' without mode logs online, and no W&B API key was found "
+        r"\(WANDB_API_KEY unset, no api.wandb.ai entry in .*netrc\): run `wandb login` first, or set mode: offline",
+    ):
+        tracked_engine(loggers=["wandb"])
+    with pytest.raises(flowrl.FlowError, match=r"WandbLogger: kind='wandb' without mode"):  # made by hand: the same
+        flowrl.WandbLogger(dir=no_wandb_key.parent).log_scalars(0, {"x": 1.0})
+    assert not (no_wandb_key.parent / "wandb").exists()  # refused before W&B ran
+
+
+@pytest.mark.parametrize(
+    "found",
+    ["netrc", "env", "mode", "WANDB_MODE"],
+)
+def test_wandb_online_with_a_key_or_a_mode_builds(no_wandb_key, monkeypatch, found):
+    loggers: list[Any] = ["wandb"]
+    if found == "netrc":
+        no_wandb_key.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    elif found == "env":
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    elif found == "mode":
+        loggers = [{"kind": "wandb", "mode": "disabled"}]
+    else:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+    tracked_engine(loggers=loggers)  # built; it never runs, so W&B is never reached
+
+
 def test_a_callback_gets_each_episode_s_report_and_a_user_logger_the_same_scalars(tracked):
     reports, recorder, stats = tracked["reports"], tracked["recorder"], tracked["stats"]
     assert [r.episode for r in reports] == list(range(EPISODES))
