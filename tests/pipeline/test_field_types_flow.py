@@ -69,7 +69,6 @@ async def test_an_input_field_keeps_its_type_across_the_runs_of_one_pipeline():
             done.append(len(await pipe.run([{"prompt": i} for i in range(4, 8)])))  # same type: accepted
             await pipe.run([{"prompt": 0.5}] * 4)
     assert done == [4, 4]  # the first two runs went through; only the third was refused
-    assert flowrl_actor_names() == []
 
 
 class Drift(flowrl.Model):
