@@ -33,10 +33,11 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[d
     return {name: [per_rank[0][name], per_rank[1][name]] for name in rt.TRAINERS}
 
 
-@pytest.mark.parametrize("name", ["auto", "manual"])
+@pytest.mark.parametrize("name", ["auto", "manual", "held"])
 def test_two_ranks_take_the_steps_of_one_rank_whoever_sums_the_gradients(two_ranks, name):
     # "auto": no all_reduce_grads, flowrl sums before optimizer.step(); "manual": all_reduce_grads
-    # and two optimizers. Unsummed gradients would give each rank half the step, summed twice
+    # and two optimizers; "held": the optimizer in a plain helper object (self.state.opt).
+    # Unsummed gradients would give each rank half the step, summed twice
     # twice the step: either way not the one-rank weights.
     one = [step["weights"] for step in rt.train(name, 0, 1, None, micro_batch=4)]
     for rank in range(2):
@@ -78,6 +79,91 @@ def test_ranks_report_checksums_after_their_first_step_only(two_ranks):
     assert first["_weights_before"] != first["_weights_after"]
     assert "_weights_before" not in later and "_weights_after" not in later
     check_same_weights("auto", [dict(r[0]) for r in two_ranks["auto"]], 0)  # identical: no error
+
+
+def test_a_module_held_in_a_plain_object_is_fingerprinted(two_ranks):
+    before, after = (two_ranks["held"][r][0] for r in range(2))
+    assert before["_weights_before"][0] == before["_weights_after"][0] == 3  # self.state.net: Linear(2, 1)
+    assert before["_weights_before"] != before["_weights_after"]
+    check_same_weights("held", [dict(before), dict(after)], 0)
+
+
+class AdamLayer(flowrl.Model):
+    """A 1024x1024 layer trained by Adam at an LLM's learning rate, each rank on data of its own,
+    with no gradient sum: every weight moves by about 1e-6, differently on each rank."""
+
+    auto_reduce_grads = False
+
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(1024, 1024)
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=1e-6)
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(100 + self.rank))
+        self.optimizer.zero_grad()
+        (self.module(x) ** 2).sum().backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        return {}
+
+
+def _first_step(model: flowrl.Model, rank: int) -> dict[str, Any]:
+    """Rank ``rank`` of 2 takes its first step in this process (no group: nothing is summed)."""
+    runtime = rt.TrainerRuntime(model, rank, 2)
+    model.setup()
+    return runtime.train(rt.shard(rank, 2), rt.SAMPLES, 4, 0)
+
+
+def test_a_step_at_learning_rate_1e_6_without_a_gradient_sum_is_caught():
+    results = [_first_step(AdamLayer("adam"), rank) for rank in range(2)]
+    assert results[0]["_weights_before"] == results[1]["_weights_before"]
+    with pytest.raises(RankDivergenceError, match=r"trainer 'adam': ranks \[0, 1\] hold different weights after"):
+        check_same_weights("adam", results, 0)
+
+
+class Idle(flowrl.Model):
+    """Holds a module but no optimizer, and never sums a gradient."""
+
+    def setup(self) -> None:
+        self.module = torch.nn.Linear(2, 1)
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {}
+
+
+class Empty(Idle):
+    """Holds no trainable parameter at all."""
+
+    def setup(self) -> None:
+        self.module = torch.nn.Linear(2, 1).requires_grad_(False)
+
+
+def test_several_ranks_with_no_optimizer_to_hook_are_told_once(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level("WARNING", logger="flowrl"):
+        _first_step(Idle("idle"), 0)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith("trainer 'idle' (Idle) on 2 ranks: auto_reduce_grads is on but after the first")
+    assert "holds no torch optimizer" in said[0] and "self.all_reduce_grads(module)" in said[0]
+
+
+def test_several_ranks_with_no_trainable_parameters_are_told_nothing_is_compared(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level("WARNING", logger="flowrl"):
+        result = _first_step(Empty("empty"), 0)
+    assert result["_weights_before"] is None and result["_weights_after"] is None
+    assert any("found no trainable parameters" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(120)
+def test_a_grad_scaler_under_the_automatic_sum_is_refused_at_setup_on_every_rank(tmp_path: Path):
+    # a real gloo group: were it let through, a rank whose scaler found inf would skip the sum
+    mp.start_processes(rt.amp_main, args=(2, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert said.startswith(f"StageError: stage 'amp.setup', replica {rank}, samples []: ConfigError: "), said
+        assert "trainer 'amp' (AmpTrainer) runs on 2 ranks with auto_reduce_grads = True" in said
+        assert "holds a GradScaler (self.scaler), optimizers self.optimizer" in said
+        assert "Set auto_reduce_grads = False" in said and "after scaler.scale(loss).backward()" in said
 
 
 @pytest.mark.parametrize(

@@ -101,7 +101,33 @@ class DDPTrainer(AutoTrainer):
             self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.2)
 
 
+class State:
+    """A plain helper object holding the trainer's module and optimizer (no ``self.module``)."""
+
+    def __init__(self, net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.net, self.opt = net, opt
+
+
+class HeldTrainer(AutoTrainer):
+    """``AutoTrainer`` with its module and optimizer held in ``self.state``: flowrl still finds
+    the optimizer (to sum its gradients) and the module (to compare the ranks' weights)."""
+
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(2, 1)
+        self.state = State(net, torch.optim.SGD(net.parameters(), lr=0.2))
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        net, opt = self.state.net, self.state.opt
+        opt.zero_grad()
+        x = x_of(batch)
+        (((net(x).squeeze(1) - (x[:, 0] - x[:, 1])) ** 2).sum() / self.global_batch_size).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        return {"weights": [float(v) for v in torch.cat([p.detach().reshape(-1) for p in net.parameters()])]}
+
+
 TRAINERS: dict[str, type[AutoTrainer]] = {
+    "held": HeldTrainer,
     "auto": AutoTrainer,
     "manual": ManualTrainer,
     "per-micro-batch": PerMicroBatchTrainer,
@@ -142,6 +168,30 @@ def rank_main(rank: int, world: int, folder: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
     torch.save(out, Path(folder, f"rank{rank}.pt"))
+
+
+class AmpTrainer(AutoTrainer):
+    """Mixed precision with a GradScaler under the automatic gradient sum: refused at setup,
+    since a rank whose scaler found inf skips optimizer.step() and the sum there."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.scaler = torch.amp.GradScaler("cpu")
+
+
+def amp_main(rank: int, world: int, folder: str) -> None:
+    """One rank of a gloo group: ``AmpTrainer``'s setup; the error it raised, saved."""
+    torch.set_num_threads(1)
+    runtime = TrainerRuntime(AmpTrainer("amp", {"num_replicas": world}), rank, world)
+    try:
+        runtime.setup(Path(folder, "group").as_uri(), [], "local", 60.0)
+        said = "no error"
+    except flowrl.FlowError as err:
+        said = f"{type(err).__name__}: {err}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(folder, f"rank{rank}.txt").write_text(said)
 
 
 HF_STEPS = 2
