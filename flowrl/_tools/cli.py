@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .run_file import RunFile
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+CHECKPOINTS = "checkpoints"  # in the run folder, where a run file turns checkpoints on but names no folder
 
 
 def version() -> str:
@@ -108,30 +109,31 @@ def one_line(err: BaseException) -> str:
 def run_main(args: argparse.Namespace) -> int:
     import logging
 
-    from .run_file import build_engine, load_run_file
+    from .run_file import build_engine, load_run_file, run_imports
 
     if not logging.getLogger().handlers:  # episode lines when stderr is not a terminal
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec, made = _with_run_dir(load_run_file(args.config, args.overrides), args)
-    try:
-        engine = build_engine(spec, Path(args.config).parent)
-    except BaseException as err:
-        if made is not None:  # a mistake in the file (or Ctrl-C) before anything ran: no empty folder left
-            for folder in (made, made.parent):  # runs/ too, when this left it empty
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-        if isinstance(err, KeyboardInterrupt):  # the engine, not running yet, has nothing to say
-            print("flowrl run: stopped while the engine was being built; nothing ran", file=sys.stderr)
-        raise
-    run_dir = Path(engine.config.run_dir) if engine.config.run_dir else None
-    if run_dir is not None:
-        print(f"run folder: {run_dir}", flush=True)
-    try:
-        stats = engine.learn()
-    except BaseException:  # Ctrl-C or a failure: what was written is there to read
+    # The run file's folder stays importable for the whole run, not only while the engine is
+    # built: a model's setup() (here, or in an embedded Ray cluster's replicas) imports from it.
+    with run_imports(Path(args.config).parent):
+        try:
+            engine = build_engine(spec, Path(args.config).parent)
+        except BaseException as err:
+            _remove_if_empty(made)  # a mistake in the file (or Ctrl-C) before anything ran
+            if isinstance(err, KeyboardInterrupt):  # the engine, not running yet, has nothing to say
+                print("flowrl run: stopped while the engine was being built; nothing ran", file=sys.stderr)
+            raise
+        run_dir = Path(engine.config.run_dir) if engine.config.run_dir else None
         if run_dir is not None:
-            print(_run_dir_line(run_dir), flush=True)
-        raise
+            print(f"run folder: {run_dir}", flush=True)
+        try:
+            stats = engine.learn()
+        except BaseException:  # Ctrl-C or a failure: what was written is there to read
+            if run_dir is not None and not _remove_if_empty(made):
+                print(_run_dir_line(run_dir), flush=True)
+                print(_again_line(args, spec, run_dir), flush=True)
+            raise
     trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
     print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
     if run_dir is not None:
@@ -139,19 +141,57 @@ def run_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remove_if_empty(made: Path | None) -> bool:
+    """Remove ``made`` (a run folder this command made), and runs/ above it, where nothing was
+    written in them; whether ``made`` went."""
+    if made is None:
+        return False
+    try:
+        made.rmdir()
+    except OSError:  # something was written: it stays to be read
+        return False
+    with contextlib.suppress(OSError):
+        made.parent.rmdir()
+    return True
+
+
 def _with_run_dir(spec: RunFile, args: argparse.Namespace) -> tuple[RunFile, Path | None]:
     """``spec`` with its run folder chosen (the flags', the file's, else a new one under runs/),
-    and the folder made here for it, if one was."""
+    and the folder made here for it, if one was; a run that writes checkpoints but names no
+    folder for them writes them in ``<run folder>/checkpoints``."""
     import msgspec
 
     from .run_file import new_run_folder, run_name
 
+    made = None
     if args.no_run_dir or args.run_dir is not None:
-        return msgspec.structs.replace(spec, run={**spec.run, "run_dir": args.run_dir}), None
-    if "run_dir" in spec.run:  # the file's (or --set's) choice, null included
-        return spec, None
-    made = new_run_folder(run_name(spec, args.config))
-    return msgspec.structs.replace(spec, run={**spec.run, "run_dir": str(made)}), made
+        run = {**spec.run, "run_dir": args.run_dir}
+    elif "run_dir" in spec.run:  # the file's (or --set's) choice, null included
+        run = dict(spec.run)
+    else:
+        made = new_run_folder(run_name(spec, args.config))
+        run = {**spec.run, "run_dir": str(made)}
+    if run.get("run_dir") and run.get("checkpoint_every") and run.get("checkpoint_dir") is None:
+        # checkpoints are on (the file's choice) with nowhere to go: beside the run's other files,
+        # so that resuming into the run folder finds them
+        run["checkpoint_dir"] = str(Path(run["run_dir"]) / CHECKPOINTS)
+    return msgspec.structs.replace(spec, run=run), made
+
+
+def _again_line(args: argparse.Namespace, spec: RunFile, run_dir: Path) -> str:
+    """The command that goes on in ``run_dir``: this one, into this folder."""
+    import shlex
+
+    redirect = ("run.run_dir=", "run.resume=")  # --run-dir names the folder; resume is auto below
+    command = ["flowrl", "run", args.config, "--run-dir", str(run_dir)]
+    for item in args.overrides:
+        if not item.replace(" ", "").startswith(redirect):
+            command += ["--set", item]
+    if not spec.run.get("checkpoint_dir") or not spec.run.get("checkpoint_every"):
+        return f"to run again into this folder (no checkpoints: from episode 0): {shlex.join(command)}"
+    if spec.run.get("resume", "auto") != "auto":
+        command += ["--set", "run.resume=auto"]
+    return f"resume into this folder with: {shlex.join(command)}"
 
 
 def _run_dir_line(folder: Path) -> str:

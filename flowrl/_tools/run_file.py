@@ -14,9 +14,9 @@ every ``run.eval_every`` episodes.
 
 Import paths are looked up in the run file's folder first, then in the current folder, as a
 script's imports are: ``cd examples && flowrl run ppo_tiny.yaml`` and ``flowrl run
-examples/ppo_tiny.yaml`` from anywhere name the same modules. Those folders are on ``sys.path``
-only while the engine is built: the imports happen then, and a module found beside the run file
-is a top-level one, which the Ray backend sends to its replicas by value.
+examples/ppo_tiny.yaml`` from anywhere name the same modules. ``flowrl run`` keeps the run
+file's folder on ``sys.path`` (and ``PYTHONPATH``, for an embedded Ray cluster's replicas) for
+the whole run (``run_imports``), so a module a model's ``setup()`` imports from there is found.
 """
 
 from __future__ import annotations
@@ -88,6 +88,26 @@ def import_paths(folder: str | Path | None) -> Iterator[None]:
         for entry in added:
             with contextlib.suppress(ValueError):  # the user's code took it out already
                 sys.path.remove(entry)
+
+
+@contextlib.contextmanager
+def run_imports(folder: str | Path) -> Iterator[None]:
+    """``folder`` (a run file's) importable for a whole run: first on ``sys.path`` here, and on
+    ``PYTHONPATH``, which the processes of a Ray cluster the run starts (an embedded one) inherit;
+    both as they were afterwards. A cluster already running (``ray_address``) does not see it."""
+    path = os.path.abspath(folder)
+    before = os.environ.get("PYTHONPATH")
+    parts = before.split(os.pathsep) if before else []
+    if path not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
+    try:
+        with import_paths(folder):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def resolve(target: object, where: str, folder: str | Path | None = None) -> Any:
