@@ -5,11 +5,14 @@ test waits on the child's output, not on a timer."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -100,3 +103,72 @@ def test_ctrl_c_while_the_engine_is_built_exits_130_and_leaves_no_folder(tmp_pat
     captured = capsys.readouterr()
     assert captured.err == "flowrl run: stopped while the engine was being built; nothing ran\n"
     assert captured.out == "" and not (tmp_path / "runs").exists()
+
+
+GATED_FILE = """\
+flow: gated_flow:rollout
+dataset: gated_flow:items
+train: [trainer]
+models:
+  gen: {class: gated_flow:Gate, batch_size: 4}
+  trainer: {class: flowrl.testing:CountingTrainer}
+run: {sample_per_episode: 4, num_episode: 4, checkpoint_every: 1, progress: log, pipeline: {backend: inprocess}}
+"""
+
+# Holds the third episode's rollout while a file named "hold" exists, having said so in "held":
+# the test interrupts a run known to be inside episode 3, with two checkpoints written.
+GATED_MODULE = """\
+import os, time
+import numpy as np
+import flowrl
+
+class Gate(flowrl.Model):
+    def setup(self):
+        self.calls = 0
+
+    def forward_step(self, batch, iteration):
+        self.calls += 1
+        if self.calls == 3 and os.path.exists("hold"):
+            open("held", "w").close()
+            while os.path.exists("hold"):  # the test removes it once it has sent Ctrl-C
+                time.sleep(0.01)
+        return {"y": np.asarray(batch["x"]) * 2}
+
+def rollout(prompts, *, gen):
+    return gen.forward_step(prompts)
+
+def items():
+    return [{"x": np.full(1, float(i))} for i in range(8)]
+"""
+
+
+def test_the_printed_command_resumes_into_the_same_folder(tmp_path):
+    (tmp_path / "gated_flow.py").write_text(GATED_MODULE)
+    (tmp_path / "run.yaml").write_text(GATED_FILE)
+    (tmp_path / "hold").touch()
+    command = [sys.executable, "-c", CHILD, "run", "run.yaml", "--set", "run.shuffle=false"]
+    run = subprocess.Popen(
+        command, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert run.stdout is not None
+    first = run.stdout.readline()  # "run folder: ...", printed before the run starts
+    while not (tmp_path / "held").exists():  # the child is inside episode 3 (a hang is pytest-timeout's)
+        assert run.poll() is None, run.communicate()
+        time.sleep(0.01)
+    os.killpg(run.pid, signal.SIGINT)
+    (tmp_path / "hold").unlink()
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 130, (out, err)
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert first == f"run folder: runs/{folder.name}\n"
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()), "checkpoints go in the run folder"
+    resume = out.splitlines()[-1]
+    expected = f"flowrl run run.yaml --run-dir runs/{folder.name} --set run.shuffle=false"
+    assert resume == f"resume into this folder with: {expected}", out
+    again = subprocess.run(
+        [sys.executable, "-c", CHILD, *shlex.split(expected)[1:]], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr
+    assert list((tmp_path / "runs").iterdir()) == [folder]  # no second folder
+    episodes = [json.loads(line)["episode"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert episodes == sorted(set(episodes)) and len(episodes) == 4, episodes  # every episode, once
