@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -232,3 +233,87 @@ def test_on_ray_a_model_class_beside_the_run_file_reaches_its_replicas(ray_clust
     assert main(["run", "../proj/toy.yaml", "--no-run-dir"]) == 0, capsys.readouterr().err
     assert "trainer: 1 steps, 4 samples" in capsys.readouterr().out
     assert flowrl_actor_names() == []
+
+
+def write_setup_import_project(folder: Path, backend: str) -> str:
+    """A model whose setup() imports a module beside the run file, as a reward model imports its
+    scorer: found only if the run file's folder is importable while the replicas start."""
+    module = f"cli_run_dir_setup_{next(_module_names)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}_helper.py").write_text("FACTOR = 3\n")
+    (folder / f"{module}.py").write_text(
+        "import importlib\nimport numpy as np\nimport flowrl\n"
+        "class Triple(flowrl.Model):\n"
+        "    def setup(self):\n"
+        f"        self.factor = importlib.import_module('{module}_helper').FACTOR\n"
+        "    def forward_step(self, batch, iteration):\n"
+        "        return {'y': np.asarray(batch['x']) * self.factor}\n"
+        "def rollout(prompts, *, gen):\n    return gen.forward_step(prompts)\n"
+        "def items():\n    return [{'x': np.full(1, float(i))} for i in range(8)]\n"
+    )
+    (folder / "toy.yaml").write_text(
+        f"flow: {module}:rollout\ndataset: {module}:items\ntrain: [trainer]\n"
+        f"models:\n  gen: {{class: {module}:Triple, batch_size: 2}}\n"
+        "  trainer: {class: flowrl.testing:CountingTrainer}\n"
+        f"run: {{sample_per_episode: 4, num_episode: 1, progress: off, pipeline: {{backend: {backend}}}}}\n"
+    )
+    return module
+
+
+def test_a_module_that_setup_imports_beside_the_run_file_is_found(tmp_path, monkeypatch, capsys):
+    module = write_setup_import_project(tmp_path / "proj", "inprocess")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    path_before = list(sys.path)
+    assert main(["run", "../proj/toy.yaml", "--no-run-dir"]) == 0, capsys.readouterr().err
+    assert f"{module}_helper" in sys.modules  # setup() ran and imported it
+    assert "trainer: 1 steps, 4 samples" in capsys.readouterr().out
+    assert sys.path == path_before and "PYTHONPATH" not in os.environ  # both as they were
+
+
+@pytest.mark.slow
+def test_on_an_embedded_ray_cluster_setup_imports_beside_the_run_file(tmp_path):
+    """A fresh process whose `flowrl run` starts its own Ray cluster: the replicas get the run
+    file's folder through PYTHONPATH. (In this test process Ray runs already, without it.)"""
+    write_setup_import_project(tmp_path / "proj", "ray")
+    (tmp_path / "elsewhere").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "flowrl", "run", "../proj/toy.yaml", "--no-run-dir"],
+        cwd=tmp_path / "elsewhere",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "trainer: 1 steps, 4 samples" in done.stdout
+
+
+def test_a_run_that_fails_before_writing_leaves_no_empty_folder(tmp_path, monkeypatch, capsys):
+    module = write_setup_import_project(tmp_path, "inprocess")
+    (tmp_path / f"{module}_helper.py").unlink()  # setup() fails once the engine is built: nothing ran
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "toy.yaml"]) == 2
+    assert f"No module named '{module}_helper'" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        ((), None),
+        (("run.checkpoint_every=1",), "checkpoints"),
+        (("run.checkpoint_every=1", "run.checkpoint_dir=ck"), "../../ck"),
+    ],
+    ids=["off", "in-the-run-folder", "the-files-own"],
+)
+def test_checkpoints_go_in_the_run_folder_when_on_and_given_no_folder(tmp_path, monkeypatch, capsys, sets, expected):
+    write_project(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "toy.yaml", *(f"--set={s}" for s in sets)]) == 0, capsys.readouterr().err
+    (folder,) = (tmp_path / "runs").iterdir()
+    ours = folder / "checkpoints"
+    if expected is None:  # checkpoints stay off where the file has them off
+        assert not ours.exists() and not (tmp_path / "ck").exists()
+    else:
+        assert any((folder / expected).resolve().iterdir())
