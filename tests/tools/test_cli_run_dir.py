@@ -317,3 +317,24 @@ def test_checkpoints_go_in_the_run_folder_when_on_and_given_no_folder(tmp_path, 
         assert not ours.exists() and not (tmp_path / "ck").exists()
     else:
         assert any((folder / expected).resolve().iterdir())
+
+
+def test_a_run_that_fails_midway_prints_the_command_that_resumes_in_its_folder(tmp_path, monkeypatch, capsys):
+    module = write_project(tmp_path)
+    (tmp_path / "fail.yaml").write_text(
+        f"flow: {module}:rollout\ndataset: {module}:items\ntrain: [trainer]\n"
+        "models:\n  gen: {class: flowrl.testing:Fail, batch_size: 2, args: {bad_id: 5}}\n"  # in episode 2
+        "  trainer: {class: flowrl.testing:CountingTrainer}\n"
+        "run: {sample_per_episode: 4, num_episode: 3, checkpoint_every: 1, progress: off, "
+        "pipeline: {backend: inprocess, max_retries: 0}}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "fail.yaml", "--set", "run.num_episode=3", "--set", "run.resume=never"]) == 2
+    out, err = capsys.readouterr()
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert "bad sample 5" in err
+    assert out.splitlines()[-1] == (
+        f"resume into this folder with: flowrl run fail.yaml --run-dir runs/{folder.name} "
+        "--set run.num_episode=3 --set run.resume=auto"  # the file's (here --set's) "never" would refuse it
+    )
+    assert (folder / "checkpoints").is_dir() and (folder / "metrics.jsonl").read_text().count("\n") == 1
