@@ -132,7 +132,9 @@ def run_main(args: argparse.Namespace) -> int:
         except BaseException:  # Ctrl-C or a failure: what was written is there to read
             if run_dir is not None and not _remove_if_empty(made):
                 print(_run_dir_line(run_dir), flush=True)
-                print(_again_line(args, spec, run_dir), flush=True)
+                again = _resume_line(args, spec, run_dir)
+                if again is not None:
+                    print(again, flush=True)
             raise
     trained = ", ".join(f"{t.model}: {t.steps} steps, {t.samples} samples" for t in stats.trainers.values())
     print(f"done: {len(stats.episodes)} episodes in all (resumed ones included); {trained}")
@@ -178,17 +180,19 @@ def _with_run_dir(spec: RunFile, args: argparse.Namespace) -> tuple[RunFile, Pat
     return msgspec.structs.replace(spec, run=run), made
 
 
-def _again_line(args: argparse.Namespace, spec: RunFile, run_dir: Path) -> str:
-    """The command that goes on in ``run_dir``: this one, into this folder."""
+def _resume_line(args: argparse.Namespace, spec: RunFile, run_dir: Path) -> str | None:
+    """The command that resumes in ``run_dir`` (this one, into this folder), where the run
+    writes checkpoints; without any there is nothing to resume, and the engine said so."""
     import shlex
+
+    if not spec.run.get("checkpoint_dir") or not spec.run.get("checkpoint_every"):
+        return None
 
     redirect = ("run.run_dir=", "run.resume=")  # --run-dir names the folder; resume is auto below
     command = ["flowrl", "run", args.config, "--run-dir", str(run_dir)]
     for item in args.overrides:
         if not item.replace(" ", "").startswith(redirect):
             command += ["--set", item]
-    if not spec.run.get("checkpoint_dir") or not spec.run.get("checkpoint_every"):
-        return f"to run again into this folder (no checkpoints: from episode 0): {shlex.join(command)}"
     if spec.run.get("resume", "auto") != "auto":
         command += ["--set", "run.resume=auto"]
     return f"resume into this folder with: {shlex.join(command)}"
