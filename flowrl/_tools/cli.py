@@ -73,7 +73,8 @@ def _main(argv: list[str] | None) -> int:
     where.add_argument(
         "--run-dir",
         metavar="DIR",
-        help="write metrics.jsonl and trace.json here (default: run.run_dir of the file, else a new "
+        help="write metrics.jsonl, trace.json and, where the file turns them on without a folder, the "
+        "checkpoints here; the same DIR resumes there (default: run.run_dir of the file, else a new "
         "runs/<name>-<YYYYmmdd-HHMMSS> in the current folder)",
     )
     where.add_argument("--no-run-dir", action="store_true", help="write no run folder")
