@@ -92,12 +92,17 @@ def interrupted(line: str) -> KeyboardInterrupt:
     return err
 
 
+# How a run resumes, in the stop line: a script is run again as it was; `flowrl run`, which
+# makes a new run folder each time, sets this to point at the command it prints after the line.
+RESUME_HOW = "resume with the same command (RunConfig.resume='auto')"
+
+
 def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | None, resume: str = "auto") -> str:
     """The one line a Ctrl-C leaves: where the run stopped and how to go on from there (the same
     command resumes only where it says ``resume="auto"``)."""
     where = f"flowrl: stopped at episode {min(done + 1, total)} of {total} ({done} done)"
     if checkpoint is not None and resume == "auto":
-        return f"{where}; last checkpoint {checkpoint}; resume with the same command (RunConfig.resume='auto')"
+        return f"{where}; last checkpoint {checkpoint}; {RESUME_HOW}"
     if checkpoint is not None:
         return f"{where}; last checkpoint {checkpoint}; resume with RunConfig.resume='auto' (this run has {resume!r})"
     if checkpoint_dir:

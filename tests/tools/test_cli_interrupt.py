@@ -165,6 +165,7 @@ def test_the_printed_command_resumes_into_the_same_folder(tmp_path):
     resume = out.splitlines()[-1]
     expected = f"flowrl run run.yaml --run-dir runs/{folder.name} --set run.shuffle=false"
     assert resume == f"resume into this folder with: {expected}", out
+    assert "resume into this folder with the command printed below" in err, err  # the engine's stop line
     again = subprocess.run(
         [sys.executable, "-c", CHILD, *shlex.split(expected)[1:]], cwd=tmp_path, capture_output=True, text=True
     )
