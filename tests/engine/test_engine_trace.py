@@ -89,10 +89,14 @@ def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_clust
     port = ray_cluster._private.worker._global_node.metrics_export_port
     assert isinstance(port, int), "Ray's metrics agent is not running: install flowrl[metrics] (ray[default])"
     wanted = {
-        "ray_flowrl_stage_samples": ('stage="prom_policy.forward_step"', 16.0),
-        "ray_flowrl_trainer_steps": ('trainer="prom_trainer"', float(stats.trainers["prom_trainer"].steps)),
-        # what train_step returned: CountingTrainer reports its world size, 1 here
-        "ray_flowrl_train_metric": ('metric="world"', stats.episodes[-1].metrics["prom_trainer"]["world"]),
+        "ray_flowrl_stage_samples": (['stage="prom_policy.forward_step"'], 16.0),
+        "ray_flowrl_trainer_steps": (['trainer="prom_trainer"'], float(stats.trainers["prom_trainer"].steps)),
+        # what train_step returned: CountingTrainer reports its world size, 1 here (other
+        # engines of this session exported their own trainers' under other trainer names)
+        "ray_flowrl_train_metric": (
+            ['metric="world"', 'trainer="prom_trainer"'],
+            stats.episodes[-1].metrics["prom_trainer"]["world"],
+        ),
     }
     seen: dict[str, float] = {}
     # TODO(issue 18): a scrape is a poll by nature. Ray exports the gauges to its metrics agent
@@ -101,8 +105,9 @@ def test_episode_counters_reach_a_prometheus_scrape_of_the_ray_cluster(ray_clust
     period = ray_cluster._config.metrics_report_interval_ms() / 1000
     for _ in range(int(12 * period)):
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        for name, (tag, _) in wanted.items():
-            found = re.search(rf"^{name}{{[^}}]*{re.escape(tag)}[^}}]*}} (\S+)$", body, re.M)
+        for name, (tags, _) in wanted.items():
+            every = "".join(f"(?=[^}}]*{re.escape(tag)})" for tag in tags)
+            found = re.search(rf"^{name}{{{every}[^}}]*}} (\S+)$", body, re.M)
             if found:
                 seen[name] = float(found.group(1))
         if len(seen) == len(wanted):

@@ -132,7 +132,9 @@ def test_a_replica_that_died_in_a_shard_gets_no_later_sync_and_the_run_completes
         with engine:
             stats = engine.learn()
             trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
-            after = engine._portal.call(engine._session.deployment.rollout.run, [{"x": np.ones(4)}] * 4)
+            after = engine._portal.call(
+                engine._session.deployment.rollout.run, [{"x": np.ones(4, dtype=np.float32)}] * 4
+            )
         left_empty = tokens.empty()
     finally:
         tokens.shutdown()
