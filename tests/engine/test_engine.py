@@ -33,6 +33,7 @@ def seed_models(gpu: float | None = None):
     )
 
 
+@pytest.mark.slow  # ~47 s; tests/pipeline/test_seed_scenario.py runs the seed's layout by default
 def test_seed_scenario_through_rlhf_engine_with_all_six_models_colocated(ray_cluster):
     models = seed_models(gpu=1.0)
     names = [m.name for m in models]
@@ -318,7 +319,7 @@ class LinearTrainer(flowrl.Model):
         return {"w": float(self.module.weight.item())}
 
 
-@pytest.mark.parametrize("gbs, micro", [(5, 2), (7, 3)])
+@pytest.mark.parametrize("gbs, micro", [(5, 2), pytest.param(7, 3, marks=pytest.mark.slow)])  # 7-3: ~17 s more
 def test_uneven_shards_give_the_same_weights_as_one_rank(ray_cluster, gbs, micro):
     def weights(ranks: int) -> list[float]:
         policy = Scale("policy", {"num_replicas": 2, "batch_size": 3, **CPU}, srcs=["x"], dst="y")

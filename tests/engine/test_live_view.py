@@ -74,6 +74,7 @@ def test_a_real_example_on_a_terminal_shows_startup_rows_metrics_and_eta_and_sto
     assert stop.group(4) == "nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
 
 
+@pytest.mark.slow  # ~18 s; Ctrl-C on Ray is tests/engine/test_interrupt.py's by default
 def test_ctrl_c_on_ray_leaves_one_line_naming_the_last_checkpoint(tmp_path):
     child = _spawn(str(SCRIPT), str(tmp_path), "ray")
     child.expect(r"starting actors: \d+/4 ready")  # the startup view: 2 policy replicas, 2 trainer ranks

@@ -48,6 +48,7 @@ def make_engine(tokenizer: str, tmp: Path, episodes: int, **run: Any) -> flowrl.
     return engine
 
 
+@pytest.mark.slow  # ~50 s: FSDP on Ray; the in-process and gloo hf tests cover the rest by default
 def test_grpo_on_ray_with_a_sharded_trainer_syncs_checkpoints_and_resumes(ray_cluster, tmp_path: Path) -> None:
     tokenizer = hf_tiny.make_tokenizer(tmp_path / "tok")
     stats = make_engine(tokenizer, tmp_path, 3).learn()

@@ -67,7 +67,8 @@ def interrupt_after_the_first_episode(run: subprocess.Popen[str]) -> tuple[str, 
     return out, "".join(seen) + err
 
 
-@pytest.mark.parametrize("backend", ["inprocess", "ray"])  # ray: about 50 s on a loaded 2-core machine
+# ray: about 15 s (50 s on a loaded machine), slow: Ctrl-C on Ray is tests/engine/test_interrupt.py's
+@pytest.mark.parametrize("backend", ["inprocess", pytest.param("ray", marks=pytest.mark.slow)])
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path, backend):
     run = start_run(tmp_path, "--set", f"run.pipeline.backend={backend}")
     out, err = interrupt_after_the_first_episode(run)
