@@ -9,7 +9,7 @@ an ``isinstance`` or two: they run once per call, never per sample.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, Iterable, Mapping
+from collections.abc import AsyncIterable, Iterable, Mapping, Sized
 from numbers import Real
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,23 @@ def number(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ConfigError(f"{where}: expected a number, got {value!r} ({_kind(value)})")
     return float(value)
+
+
+def item_costs(value: object, items: object, where: str) -> list[float] | None:
+    """``value`` as one finite cost >= 0 per item of ``items`` (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{where}: expected a list of numbers, one per item, got {_kind(value)}")
+    if not isinstance(items, Sized):
+        raise ConfigError(f"{where}: costs need items with a length (a list), got {_kind(items)}")
+    costs = [number(c, where) for c in value]
+    if len(costs) != len(items):
+        raise ConfigError(f"{where}: expected one cost per item ({len(items)}), got {len(costs)}")
+    bad = [(i, c) for i, c in enumerate(costs) if not (0.0 <= c < float("inf"))][:3]
+    if bad:
+        raise ConfigError(f"{where}: costs must be finite numbers >= 0, got {', '.join(f'[{i}]={c}' for i, c in bad)}")
+    return costs
 
 
 def file_path(value: object, where: str) -> Path:

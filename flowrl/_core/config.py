@@ -12,7 +12,7 @@ import msgspec
 
 from .errors import ConfigError
 
-SplitterName = Literal["guided", "factoring", "greedy"]
+SplitterName = Literal["cost", "guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
 WeightTransport = Literal["host", "cuda_ipc", "nccl"]
 S = TypeVar("S", bound=msgspec.Struct)
@@ -163,6 +163,20 @@ class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
 
 
+class CallCostPrior(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
+    """What a call of the model is expected to cost before any call has been measured (the
+    ``cost`` splitter's start): ``fixed_s`` whatever the call's size (a kernel launch, padding
+    to a shape, a micro-batch), plus ``per_sample_s`` for each sample. Measured calls replace it."""
+
+    fixed_s: float = 0.0
+    per_sample_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _non_negative("CallCostPrior", fixed_s=self.fixed_s, per_sample_s=self.per_sample_s)
+        _at_most("CallCostPrior", 1e9, "seconds", fixed_s=self.fixed_s, per_sample_s=self.per_sample_s)
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """How one model runs: replica count, per-call batch size, resources, splitter policy.
 
@@ -173,6 +187,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
     behind another on its replica waits for it too); a later reply fails the run.
     ``autoscale``: grow and shrink the pool from its measured queue and starvation.
+    ``splitter``: how shards are cut; ``cost`` (the default) learns a call's fixed and per-sample
+    cost and sizes shards to finish soonest, ``call_cost`` seeding it (see concepts.md).
     ``weight_transport`` (trainers): ``"host"`` sends weights as numpy arrays through Ray's
     object store; ``"cuda_ipc"`` sends handles to a GPU snapshot, which replicas on the same
     GPU copy on the GPU (colocated models; weights that are not CUDA tensors go by host);
@@ -187,7 +203,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     batch_size: int = 1
     gpus_per_replica: float | None = None
     cpus_per_replica: float = 1.0
-    splitter: SplitterName = "guided"
+    splitter: SplitterName = "cost"
+    call_cost: CallCostPrior | None = None
     prefetch: int = 2
     call_timeout_s: float | None = None
     autoscale: Autoscale | None = None

@@ -109,6 +109,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     old (0: synchronous). ``on_stale``: ``"wait"`` admits an episode's prompts only once the
     bound can be met; ``"drop"`` and ``"regenerate"`` start each rollout one version earlier
     and drop, or generate again, the samples that end up more than k versions behind.
+
+    Length-aware scheduling: ``length_field`` names an output field of the rollout holding each
+    sample's response length (a number, or a sequence of token ids whose ``len()`` is used, e.g.
+    ``"response_ids"``). The engine remembers it per prompt (dataset item) across episodes and
+    epochs (checkpoints keep it), and each later rollout starts the longest predicted samples
+    first and groups samples of similar predicted length in a shard. None: nothing remembered
+    (an ``Engine(predict_cost=...)`` hook may still predict).
     """
 
     sample_per_episode: int
@@ -130,6 +137,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     max_trainer_restarts: int = 3
     max_staleness: int = 0
     on_stale: str = "wait"
+    length_field: str | None = None
     run_dir: str | None = None
     progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
     loggers: list[str | LoggerConfig] = msgspec.field(default_factory=list)  # each a LoggerConfig after __post_init__
@@ -171,6 +179,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 "the checkpoints go to)"
             )
         check_progress("RunConfig", self.progress)
+        if self.length_field is not None and not self.length_field:
+            raise ConfigError(
+                "RunConfig.length_field must name an output field (e.g. 'response_ids') or be None, got ''"
+            )
         loggers = [logger_config(item, f"RunConfig.loggers[{i}]") for i, item in enumerate(self.loggers)]
         msgspec.structs.force_setattr(self, "loggers", loggers)  # "tensorboard" and {kind: ...} alike
         if not self.resume:

@@ -5,7 +5,7 @@ per replica). Samples become ready per stage. ``poll`` pairs waiting slots with 
 the splitter at that moment, never ahead of a request. Among waiting replicas, those with
 fewer shards in flight go first, then the least recently served, so a second slot is served
 only when every replica already has work, and work rotates over the whole pool. A second
-slot is served at all only while queueing a shard ahead pays (``ShardFloor.queue_ahead``).
+slot is served at all only while queueing a shard ahead pays (``CallCost.queue_ahead``).
 
 Pending samples leave in order of their cost estimate, costliest first, then oldest first
 (without estimates: oldest first). Starting the long samples first keeps them off the end of
@@ -20,8 +20,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .splitter import ShardFloor, shard_size
+from .call_cost import CallCost
 from .splitter import policy as check_policy
+from .splitter import shard_size
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -36,12 +37,14 @@ class _StageQueue:
     finished: int = 0
     holders: int = 0  # replicas running samples of this stage
     peak: int = 0  # the most samples ever left waiting after a poll (no replica free to take them)
+    admitted: int = 0  # samples inside the pipeline that will reach this stage (``admit``)
     floor: int = 1  # the smallest shard worth a call, from ``measure``
+    prior: tuple[float, float] | None = None  # (fixed, per-sample) seconds of a call, from config
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
-    fit: ShardFloor = field(init=False)  # the floor, refitted from measured calls
+    fit: CallCost = field(init=False)  # the call's cost, refitted from measured calls
 
     def __post_init__(self) -> None:
-        self.fit = ShardFloor(self.batch_size)
+        self.fit = CallCost(self.batch_size, prior=self.prior)
 
     def push(self, ids: list[int], costs: Sequence[float] | None) -> None:
         """Samples ``ids`` are pending, costliest first; ``costs`` has one per sample (strict:
@@ -54,6 +57,12 @@ class _StageQueue:
     def remaining(self) -> int:
         """Samples not finished yet: pending, still upstream, or running."""
         return self.expected - self.finished
+
+    @property
+    def coming(self) -> int:
+        """Samples admitted into the pipeline but not yet ready for this stage: they are
+        upstream, so they arrive (a stage that waits for them cannot wait for admission)."""
+        return max(0, self.admitted - self.dispatched - len(self.heap))
 
 
 @dataclass(frozen=True)
@@ -85,17 +94,23 @@ class PoolScheduler:
         self._seq = itertools.count()
         self.retired: set[int] = set()  # replicas that serve no more (their process died)
 
-    def add_stage(self, name: str, batch_size: int) -> None:
-        """Register a stage served by this pool; later stages in a flow are added later."""
-        self._stages[name] = _StageQueue(name, batch_size)
+    def add_stage(self, name: str, batch_size: int, prior: tuple[float, float] | None = None) -> None:
+        """Register a stage served by this pool; later stages in a flow are added later.
+        ``prior``: a call's (fixed, per-sample) seconds until calls are measured."""
+        self._stages[name] = _StageQueue(name, batch_size, prior=prior)
 
     def expect(self, stage: str, count: int) -> None:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
         self._stages[stage].expected += count
 
+    def admit(self, stage: str, count: int) -> None:
+        """``count`` samples entered the pipeline and will reach ``stage``: the ``cost``
+        splitter may wait for them. Samples only expected (not admitted) are never waited for."""
+        self._stages[stage].admitted += count
+
     def measure(self, stage: str, rows: int, busy_s: float, overhead_s: float | None) -> None:
         """A finished call of ``stage``: its step time and its overhead (None when unknown),
-        from which the smallest shard worth a call is refitted (``ShardFloor``)."""
+        from which the smallest shard worth a call is refitted (``CallCost``)."""
         q = self._stages[stage]
         q.fit.observe(rows, busy_s, overhead_s)
         q.floor = q.fit.floor()
@@ -168,16 +183,18 @@ class PoolScheduler:
     def poll(self) -> list[Assignment]:
         out: list[Assignment] = []
         while self._queue:
-            stage = self._next_stage()
-            if stage is None:
+            if not any(q.heap for q in self._stages.values()):
                 break
             replica = self._pop_waiting()
             if replica is None:
                 break
-            if self.in_flight[replica] and not stage.fit.queue_ahead(stage.remaining, self.serving):
+            cut = self._next_cut(replica)
+            if cut is None:
+                self._enqueue(replica)  # still waiting: the stages wait for more samples, or
                 break  # every replica still waiting has work; each asks again when a shard ends
+            stage, n = cut
             self._waiting[replica] -= 1
-            out.append(Assignment(replica, stage.name, self._cut(stage, replica)))
+            out.append(Assignment(replica, stage.name, self._take(stage, replica, n)))
             self.in_flight[replica] += 1
             self._last_served[replica] = next(self._seq)
             self._changed(replica)
@@ -205,11 +222,17 @@ class PoolScheduler:
                 return r
         return None
 
-    def _next_stage(self) -> _StageQueue | None:
-        # The deepest stage first (stages are added in flow order): it drains the pipeline.
+    def _next_cut(self, replica: int) -> tuple[_StageQueue, int] | None:
+        """The stage ``replica`` serves next and the shard's size; None when none should be cut
+        now. The deepest stage first (stages are added in flow order): it drains the pipeline."""
         for q in reversed(self._stages.values()):
-            if q.heap:
-                return q
+            if not q.heap:
+                continue
+            if self.in_flight[replica] and not q.fit.queue_ahead(q.remaining, self.serving):
+                return None
+            n = self._size(q, replica)
+            if n:
+                return q, n
         return None
 
     def _held_add(self, replica: int, q: _StageQueue, n: int) -> None:
@@ -218,20 +241,25 @@ class PoolScheduler:
         self._held[key] = before + n
         q.holders += (before + n > 0) - (before > 0)
 
-    def _cut(self, q: _StageQueue, replica: int) -> list[int]:
+    def _size(self, q: _StageQueue, replica: int) -> int:
         held = self._held.get((replica, q.name), 0)
         busy = q.holders - (held > 0)  # other replicas running samples of this stage
-        n = shard_size(
+        unassigned = q.expected - q.dispatched
+        return shard_size(
             self.policy,
             pending=len(q.heap),
             remaining=q.remaining,
             replicas=self.serving,
             batch_size=q.batch_size,
             held=held,
-            unassigned=q.expected - q.dispatched,
+            unassigned=unassigned,
             free_replicas=self.serving - busy,
             floor=q.floor,
+            target=q.fit.best_size(unassigned, self.serving) if self.policy == "cost" else None,
+            coming=q.coming,
         )
+
+    def _take(self, q: _StageQueue, replica: int, n: int) -> list[int]:
         self._held_add(replica, q, n)
         q.dispatched += n
         return [heapq.heappop(q.heap)[1] for _ in range(n)]

@@ -70,7 +70,7 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     batch_size: int
     inputs: list[str] = msgspec.field(default_factory=lambda: [INPUT])
     cost: StageCost = msgspec.field(default_factory=StageCost)
-    splitter: str = "guided"
+    splitter: str = "cost"
     prefetch: int = 2  # as ModelConfig's
 
     def __post_init__(self) -> None:
@@ -92,6 +92,9 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ``1 / dispatch_s`` calls a second go out however many replicas wait. With many replicas
     and short calls this, not the replicas, sets the makespan.
 
+    ``warm``: the ``cost`` splitter starts from each stage's nominal cost (as after a warm-up
+    run, or with ``ModelConfig.call_cost``) instead of learning it during the run.
+
     ``cost_hint_sigma``: when set, every sample carries an estimate of its cost (as with
     ``PipelineConfig.cost_field``): the first stage's tail times a log-normal error of that
     shape (0: exact estimates).
@@ -103,6 +106,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     overhead_s: float = 0.0
     dispatch_s: float = 0.0
     cost_hint_sigma: float | None = None
+    warm: bool = True
 
     def __post_init__(self) -> None:
         items = self.stages if isinstance(self.stages, list) else []
@@ -209,6 +213,14 @@ def least_work(cost: StageCost, tail: np.ndarray, batch_size: int) -> float:
     return len(longest) * cost.call_s + len(tail) * cost.per_sample_s + float(longest.sum())
 
 
+def _prior(st: SimStage, tail: np.ndarray) -> tuple[float, float] | None:
+    """What a warm ``cost`` splitter knows of a stage: its fixed time, and a sample's time with
+    the mean tail (a call's tail is its longest sample's, so this is a sample's share)."""
+    c = st.cost
+    per = c.per_sample_s + float(tail.mean())
+    return (c.call_s, per) if c.call_s or per else None
+
+
 def simulate(workload: Workload) -> SimResult:
     if not isinstance(workload, Workload):
         raise ConfigError(f"simulate: expected a flowrl.Workload, got {type(workload).__name__}")
@@ -225,8 +237,9 @@ class _Sim:
         self.pools = {}
         for st in w.stages:
             pool = PoolScheduler(replicas=st.replicas, policy=st.splitter, prefetch=st.prefetch)
-            pool.add_stage(st.name, st.batch_size)
+            pool.add_stage(st.name, st.batch_size, _prior(st, self.tail[st.name]) if w.warm else None)
             pool.expect(st.name, w.samples)
+            pool.admit(st.name, w.samples)
             self.pools[st.name] = pool
         self.stage = {st.name: st for st in w.stages}
         self.consumers = {name: [st for st in w.stages if name in st.inputs] for name in [INPUT, *self.stage]}

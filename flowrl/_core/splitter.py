@@ -11,7 +11,6 @@ only takes what the replica's share leaves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from .errors import ConfigError
@@ -66,6 +65,39 @@ def factoring(
     return _adaptive(2, pending, remaining, replicas, batch_size, held, unassigned, free_replicas)
 
 
+def cost(
+    *,
+    pending: int,
+    remaining: int,
+    replicas: int,
+    batch_size: int,
+    held: int = 0,
+    unassigned: int | None = None,
+    free_replicas: int | None = None,
+    target: int | None = None,
+    coming: int = 0,
+    floor: int = 1,
+) -> int:
+    """``guided``, with shards no smaller than ``target`` (the size that minimises the predicted
+    finish of the stage's work, from ``CallCost.best_size``) within the replica's share, nor
+    than ``floor`` (a shard whose work covers the call's overhead, which loads what replicas
+    share); while fewer are pending and ``coming`` more samples are on their way from upstream,
+    0: wait for them rather than pay a call's cost for a few. Without either, ``guided``."""
+    n = guided(
+        pending=pending,
+        remaining=remaining,
+        replicas=replicas,
+        batch_size=batch_size,
+        held=held,
+        unassigned=unassigned,
+        free_replicas=free_replicas,
+    )
+    want = min(batch_size, max(floor, min(target or 1, _ceil_div(remaining, replicas) - held)))
+    if pending < want and coming > 0:
+        return 0
+    return max(n, min(want, pending))
+
+
 def greedy(*, pending: int, batch_size: int, **_: int | None) -> int:
     """Fill the shard up to ``batch_size`` from what is pending (Ray Data / push-like)."""
     return min(batch_size, pending)
@@ -73,7 +105,7 @@ def greedy(*, pending: int, batch_size: int, **_: int | None) -> int:
 
 Policy = Callable[..., int]
 
-POLICIES: dict[str, Policy] = {"guided": guided, "factoring": factoring, "greedy": greedy}
+POLICIES: dict[str, Policy] = {"cost": cost, "guided": guided, "factoring": factoring, "greedy": greedy}
 
 
 def policy(name: str) -> Policy:
@@ -94,21 +126,27 @@ def shard_size(
     unassigned: int | None = None,
     free_replicas: int | None = None,
     floor: int = 1,
+    target: int | None = None,
+    coming: int = 0,
 ) -> int:
-    """The size of the next shard; 0 only when nothing is pending.
+    """The size of the next shard; 0 when nothing is pending, or when ``cost`` waits.
 
     ``remaining``: samples of the stage not finished (pending, still upstream, running);
     ``unassigned``: not yet handed to any replica (pending and still upstream; default
     ``remaining``); ``held``: samples the asking replica runs already; ``free_replicas``:
     replicas running none of the stage's samples (default ``replicas``); ``floor``: the
-    adaptive policies cut no shard smaller than this while enough is pending (``ShardFloor``).
+    adaptive policies cut no shard smaller than this while enough is pending (``CallCost.floor``);
+    ``target`` and ``coming``: the ``cost`` policy's best shard size and the samples still
+    upstream of the stage (admitted, not yet ready for it).
     """
     fn = policy(name)
     if pending <= 0:
         return 0
     if remaining < pending + held:
         raise ValueError(f"remaining={remaining} cannot be below pending={pending} + held={held}")
+    extra = {"target": target, "coming": coming, "floor": floor} if fn is cost else {}
     n = fn(
+        **extra,
         pending=pending,
         remaining=remaining,
         replicas=replicas,
@@ -117,65 +155,6 @@ def shard_size(
         unassigned=unassigned,
         free_replicas=free_replicas,
     )
+    if n == 0 or fn is cost:
+        return n
     return max(n, min(floor, pending, batch_size))
-
-
-class ShardFloor:
-    """The smallest shard worth a call, from measured calls: one whose samples' work covers a
-    call's overhead (its time outside the step: transport, dispatch, waiting for a CPU).
-
-    The work of a sample is the step's marginal time per sample, fitted as ``busy = a + b * n``
-    over recent calls (moving averages); a call's fixed time ``a`` is not counted, since each
-    replica pays its own, while the overhead loads what replicas share (the driver, the CPUs).
-    While every call had the same size there is nothing to fit and ``busy / n`` stands in.
-    Where model time dominates (a GPU) the floor is 1 and the splitter spreads freely; where
-    steps are short and calls costly, waves are not spread thinner than they are worth.
-    """
-
-    def __init__(self, batch_size: int, weight: float = 0.2) -> None:
-        self.batch_size, self.weight = batch_size, weight
-        self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
-
-    def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
-        """One completed call; ``overhead_s`` None when it is not known (the call waited
-        behind another shard on its replica, so its time outside the step says nothing)."""
-        if rows <= 0:
-            return
-        new = {"n": rows, "y": busy_s, "nn": rows * rows, "ny": rows * busy_s}
-        if overhead_s is not None:
-            new["o"] = overhead_s
-        for key, value in new.items():
-            old = self._avg.get(key)
-            self._avg[key] = value if old is None else old + self.weight * (value - old)
-
-    def per_sample_s(self) -> float | None:
-        """The step's marginal time per sample (None before any call)."""
-        if not self._avg:
-            return None
-        m = self._avg
-        var = m["nn"] - m["n"] ** 2
-        if var > 0.01 * m["nn"]:  # several sizes seen: fit the slope
-            slope = (m["ny"] - m["n"] * m["y"]) / var
-            if slope > 0:
-                return slope
-        return m["y"] / m["n"]
-
-    def queue_ahead(self, remaining: int, replicas: int) -> bool:
-        """Whether a replica should get its next shard before its current one ends (prefetch).
-
-        Queued, a shard saves the replica the call's overhead of idling between calls; but
-        one queued behind a long call (a heavy tail as the episode drains) can wait far longer,
-        while another replica idles. So: only while the overhead saved over the calls each
-        replica has left (``remaining`` samples of the stage) exceeds one call's step time,
-        which stops well before the drain; and not before a call's overhead is known.
-        """
-        m = self._avg
-        return "o" in m and m["o"] * remaining / (replicas * m["n"]) >= m["y"]
-
-    def floor(self) -> int:
-        per_sample = self.per_sample_s()
-        if per_sample is None or "o" not in self._avg:
-            return 1
-        if per_sample <= 0:
-            return self.batch_size
-        return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))

@@ -65,6 +65,8 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     trainer_counts: Counts  # trainer -> rank -> [samples, steps, busy s]
     synced: list[str]  # inference models whose last received weights are in <name>.synced.msgpack
     episodes: list[EpisodeStats]
+    # [dataset index, predicted length, rollouts seen] per prompt (RunConfig.length_field)
+    prompt_lengths: list[list[float]] = msgspec.field(default_factory=list)
 
 
 def _model_file(trainer: str) -> str:

@@ -36,7 +36,7 @@ from .checkpoints import Checkpoints
 from .deployment import Deployment, deploy
 from .elastic import Elasticity
 from .episodes import EpisodeLoop
-from .learning import LearningState, RelayFn, dataset_items
+from .learning import CostFn, LearningState, RelayFn, dataset_items
 from .models import all_models, apply_model_configs, check, sync_pairs, trainer_models
 from .overlap import Overlap, overlapped
 from .placement import Placement
@@ -88,6 +88,9 @@ class Engine:
     and each ``learn()`` continues where the last stopped. ``callbacks``: functions called with
     an ``EpisodeReport`` after each episode; ``loggers``: objects with the ``Logger`` methods that
     get each episode's scalars (besides the ones ``RunConfig.loggers`` names).
+    ``predict_cost``: ``fn(item, remembered) -> float``, a predicted cost (e.g. a response
+    length) for each item of a rollout, where ``remembered`` is what ``RunConfig.length_field``
+    recorded for its prompt (None if nothing): the rollout starts the costliest first.
     """
 
     def __init__(
@@ -100,8 +103,14 @@ class Engine:
         eval_flow: Flow | None = None,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Logger] = (),
+        predict_cost: CostFn | None = None,
     ) -> None:
         self.config: RunConfig = to_config(RunConfig, config, "run config")
+        if predict_cost is not None and not callable(predict_cost):
+            raise ConfigError(
+                f"Engine(predict_cost=...): expected a function (item, remembered) -> float, got a "
+                f"{type(predict_cost).__name__}"
+            )
         self._tracking = Tracking(self.config, loggers, callbacks)  # a missing package fails here
         self.trainers = trainer_models(train)
         self.rollout_graph = build_flow(rollout)
@@ -117,6 +126,7 @@ class Engine:
         for _, target in self.sync_pairs:
             target.track_version = True
         self._learning = LearningState(self.config, [m.name for m in self.trainers])
+        self._learning.predict_cost = predict_cost
         self._checkpoint_files = CheckpointFiles(self.config)  # a bad resume setting fails here
         self._run_dir = RunDir(self.config.run_dir) if self.config.run_dir else None
         self.timeline = Timeline(self.config.pipeline.trace_spans)  # episode phases, trainer steps

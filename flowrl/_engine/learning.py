@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._core.batch import Sample
 from .._core.checks import item_source
-from .._core.errors import ConfigError, FlowDefinitionError
+from .._core.errors import CheckpointError, ConfigError, FlowDefinitionError
+from .._core.lengths import LengthMemory, length_of
 from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
 from .checkpoint_files import EngineState, sampling
 from .stats import EngineStats, TrainCounters
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from .stats import EpisodeStats
 
 RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
+# ``Engine(predict_cost=...)``: an item and what the engine remembers of its prompt -> a cost
+CostFn = Callable[[Mapping[str, Any], "float | None"], float]
 GROUP_FIELDS = ("prompt_index", "copy_index")
 TrainResults = dict[str, list[list[dict[str, Any]]]]  # trainer -> step -> rank -> its result
 
@@ -45,6 +48,9 @@ class LearningState:
         # episode -> (sampler position, next sample id) at its rollout's start: a rollout
         # running ahead of training has drawn past the episode a checkpoint resumes from
         self._marks: dict[int, tuple[int, int]] = {}
+        self.lengths = LengthMemory()  # per prompt, its responses' lengths (RunConfig.length_field)
+        self.predict_cost: CostFn | None = None
+        self._prompts: dict[int, list[int]] = {}  # episode -> each sample's prompt (dataset index)
 
     def set_dataset(self, items: Sequence[Mapping[str, Any]]) -> None:
         items = dataset_items(items, "dataset", "engine.set_dataset(items)")
@@ -64,12 +70,55 @@ class LearningState:
         self._marks[episode] = (self.sampler.position, next_sample_id)
         grouped = self.config.num_samples_per_prompt > 1
         items = []
-        for prompt, copy in self.sampler.next_episode():
+        drawn = self.sampler.next_episode()
+        self._prompts[episode] = [prompt for prompt, _ in drawn]
+        for prompt, copy in drawn:
             item = dict(self.dataset[prompt])
             if grouped:  # GRPO groups: which prompt, which copy
                 item.update(prompt_index=prompt, copy_index=copy)
             items.append(item)
         return items
+
+    def estimates(
+        self, episode: int, items: Sequence[Mapping[str, Any]], rows: Sequence[int] | None = None
+    ) -> list[float] | None:
+        """A predicted cost per item of ``episode``'s rollout (``rows``: which of its items), from
+        the remembered lengths and the ``predict_cost`` hook; None when neither is on."""
+        if self.config.length_field is None and self.predict_cost is None:
+            return None
+        prompts = self._prompts[episode]
+        keys = prompts if rows is None else [prompts[i] for i in rows]
+        remembered = self.lengths.costs(keys)
+        hook = self.predict_cost
+        if hook is None:
+            return remembered
+        out = []
+        for i, (item, key) in enumerate(zip(items, keys, strict=True)):
+            value = hook(item, self.lengths.predict(key))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(
+                    f"Engine(predict_cost=...) returned {value!r} for item {i} of episode {episode}; expected a "
+                    "finite number >= 0 (a predicted cost, e.g. a response length)"
+                )
+            out.append(float(value))
+        return out
+
+    def remember(self, episode: int, samples: Sequence[Sample]) -> None:
+        """Record the lengths of ``episode``'s rollout (``RunConfig.length_field``), per prompt."""
+        field = self.config.length_field
+        prompts = self._prompts.get(episode)
+        if field is None or prompts is None or len(prompts) != len(samples):
+            return
+        lengths = []
+        for i, sample in enumerate(samples):
+            if field not in sample:
+                raise ConfigError(
+                    f"RunConfig.length_field={field!r}: sample {i} of episode {episode}'s rollout has no such field; "
+                    f"its fields are {sorted(sample)}"
+                )
+            where = f"RunConfig.length_field={field!r}, sample {i} of episode {episode}"
+            lengths.append(length_of(sample[field], where))
+        self.lengths.observe(prompts, lengths)
 
     def relay_samples(self, episode: int, samples: list[Sample]) -> list[Sample]:
         """Add ``episode``'s samples to the relay buffer; the samples to train on."""
@@ -86,6 +135,8 @@ class LearningState:
 
     def episode_done(self, stats: EpisodeStats, results: TrainResults) -> None:
         self.episodes.append(stats)
+        # the prompts of episodes trained are needed no more (a rollout running ahead keeps its own)
+        self._prompts = {e: p for e, p in self._prompts.items() if e >= len(self.episodes)}
         self.train_results.append(results)  # with the episode's end: a rebuild undoes whole episodes
 
     def undo(self, redone: range) -> None:
@@ -127,6 +178,7 @@ class LearningState:
             trainer_counts=self.counters.snapshot(),
             synced=synced,
             episodes=list(self.episodes),
+            prompt_lengths=self.lengths.state(),
             **sampling(self.config, len(self.dataset)),
         )
 
@@ -137,6 +189,10 @@ class LearningState:
         self.counters.restore(state.trainer_counts)
         self.episodes = list(state.episodes)
         self._marks = {}
+        try:
+            self.lengths.restore(state.prompt_lengths)
+        except ConfigError as err:
+            raise CheckpointError(f"the checkpoint's prompt_lengths: {err}") from None
 
 
 def relayed(fn: RelayFn, episodes: list[EpisodeBuffer]) -> list[Sample]:

@@ -105,9 +105,12 @@ class Overlap:
         """``episode``'s rollout, and the items drawn for it."""
         pipe = self.rollout
         items = self.learning.draw(episode, pipe.numbering()[0])
+        costs = self.learning.estimates(episode, items)
         started = time.perf_counter()
-        samples = await pipe.run(items)
-        return Rollout(episode, samples, started, time.perf_counter()), items
+        samples = await pipe.run(items, costs=costs)
+        ended = time.perf_counter()
+        self.learning.remember(episode, samples)
+        return Rollout(episode, samples, started, ended), items
 
     async def run(self, target: int, train: Callable[[Rollout], Awaitable[None]]) -> None:
         """Roll out episodes up to ``target`` ahead of training, and ``train`` each in order."""
@@ -155,7 +158,8 @@ class Overlap:
         pipe = self.rollout
         # the samples generated again belong to episode e: its run number, then the next one's
         pipe.resume_at(pipe.numbering()[0], e)
-        again = await pipe.run([items[i] for i in stale])
+        redo = [items[i] for i in stale]
+        again = await pipe.run(redo, costs=self.learning.estimates(e, redo, stale))
         pipe.resume_at(pipe.numbering()[0], e + 1)
         for i, sample in zip(stale, again, strict=True):
             rollout.samples[i] = sample

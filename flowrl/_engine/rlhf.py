@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .._core.model import Model
     from .._core.run_config import RunConfig
     from .._pipeline.opening import Flow
+    from .learning import CostFn
     from .tracking import Callback, Logger
 
 
@@ -32,6 +33,7 @@ class RLHFEngine(Engine):
         eval_flow: Flow | None = None,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Logger] = (),
+        predict_cost: CostFn | None = None,
     ) -> None:
         # a flow calls steps on its nodes, not with the arguments a replica's step takes
         stages: list[Any] = [policy, reference, value, reward]
@@ -51,4 +53,5 @@ class RLHFEngine(Engine):
             eval_flow=eval_flow,
             callbacks=callbacks,
             loggers=loggers,
+            predict_cost=predict_cost,
         )

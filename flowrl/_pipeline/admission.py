@@ -116,11 +116,15 @@ class Admission:
         if not expected:
             self.expect(len(chunk))
         run.admitted += len(chunk)
+        for spec in self._graph.stages.values():
+            self._pools[spec.model].scheduler.admit(spec.name, len(chunk))
         for spec in self._graph.consumers(SOURCE):
             if all(i == SOURCE for i in spec.inputs):  # others wait for their upstream stages
                 self._pools[spec.model].ready(spec.name, ids, costs)
 
     def _read_costs(self, run: Run, chunk: list[Any]) -> list[float] | None:
+        if run.costs is not None:
+            return run.costs[run.admitted : run.admitted + len(chunk)]
         field = self._config.cost_field
         if field is None:
             return None

@@ -30,6 +30,7 @@ class Run:
         self.first_id = first_id
         self.ordered = ordered
         self.fields = fields  # None: every field of the flow's output
+        self.costs: list[float] | None = None  # an estimate per item (``stream(costs=...)``)
         self.admitted = 0
         self.finished = 0
         self.admission_done = False

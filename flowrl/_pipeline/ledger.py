@@ -52,7 +52,8 @@ class Ledger:
         return ids
 
     def costs(self, ids: list[int]) -> list[float] | None:
-        return [self.samples[sid].cost for sid in ids] if self._config.cost_field else None
+        # without estimates every cost is 0 and the stages take the oldest first, as with None
+        return [self.samples[sid].cost for sid in ids]
 
     # ---- what a shard reads, what it returns ----
     def pieces(self, stage: str, ids: list[int], states: Mapping[int, SampleState] | None = None) -> list[Piece]:

@@ -11,7 +11,7 @@ import anyio.from_thread
 
 from .._backends.select import make_backend
 from .._backends.specs import ReplicaSpec, default_spec
-from .._core.checks import field_names, file_path, item_source
+from .._core.checks import field_names, file_path, item_costs, item_source
 from .._core.config import PipelineConfig, to_config
 from .._core.errors import FlowError, PipelineClosedError
 from .._core.graph import FlowGraph, trace
@@ -169,16 +169,23 @@ class Pipeline:
             raise real from None
 
     def run(
-        self, items: Iterable[Mapping[str, Any]], *, ordered: bool | None = None, fields: Iterable[str] | None = None
+        self,
+        items: Iterable[Mapping[str, Any]],
+        *,
+        ordered: bool | None = None,
+        fields: Iterable[str] | None = None,
+        costs: Iterable[float] | None = None,
     ) -> list[Sample]:
-        """Run ``items`` through the flow and return the finished samples (only ``fields``, if given)."""
+        """Run ``items`` through the flow and return the finished samples (only ``fields``, if
+        given); ``costs``: an estimate per item (see ``AsyncPipeline.stream``)."""
         if self._stack is None or self._pipe is None or self._portal is None:
             raise PipelineClosedError("use the pipeline inside `with flowrl.Pipeline(...) as pipe:`")
         item_source(items, "Pipeline.run(items=...)")
         field_names(fields, "Pipeline.run(fields=...)")
+        estimates = item_costs(costs, items, "Pipeline.run(costs=...)")
         pipe = self._pipe
         try:
-            return self._portal.call(lambda: pipe.run(items, ordered=ordered, fields=fields))
+            return self._portal.call(lambda: pipe.run(items, ordered=ordered, fields=fields, costs=estimates))
         except Exception as err:
             self._reported = err  # seen by the caller: not raised again when the block exits
             raise

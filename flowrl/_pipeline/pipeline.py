@@ -63,8 +63,10 @@ def _pools(graph: FlowGraph) -> dict[str, AsyncPool]:
         sched = PoolScheduler(
             replicas=model.config.replicas, policy=model.config.splitter, prefetch=model.config.prefetch
         )
+        c = model.config.call_cost
+        prior = None if c is None else (c.fixed_s, c.per_sample_s)
         for stage in graph.stages_of(name):
-            sched.add_stage(stage, model.config.batch_size)
+            sched.add_stage(stage, model.config.batch_size, prior)
         pools[name] = AsyncPool(sched)
     return pools
 
@@ -126,25 +128,39 @@ class AsyncPipeline:
 
     # ---- runs ----
     async def run(
-        self, items: Items, *, ordered: bool | None = None, fields: Iterable[str] | None = None
+        self,
+        items: Items,
+        *,
+        ordered: bool | None = None,
+        fields: Iterable[str] | None = None,
+        costs: Iterable[float] | None = None,
     ) -> list[Sample]:
         """Run every item through the flow; the finished samples, in input order by default."""
-        stream = self.stream(items, ordered=ordered, fields=fields)
+        stream = self.stream(items, ordered=ordered, fields=fields, costs=costs)
         try:
             return [s async for s in stream]
         finally:
             await stream.aclose()
 
     async def stream(
-        self, items: Items, *, ordered: bool | None = None, fields: Iterable[str] | None = None
+        self,
+        items: Items,
+        *,
+        ordered: bool | None = None,
+        fields: Iterable[str] | None = None,
+        costs: Iterable[float] | None = None,
     ) -> AsyncGenerator[Sample, None]:
         """Yield finished samples as the flow produces them (input order unless ``ordered=False``).
 
         ``fields`` limits what comes back to the driver: only the objects holding those fields
-        are fetched; everything else stays in the object store.
+        are fetched; everything else stays in the object store. ``costs``: an estimate of each
+        item's cost (e.g. its response length last epoch), one per item: every stage takes the
+        costliest pending samples first, and a shard holds samples of similar cost (as
+        ``PipelineConfig.cost_field``, which it replaces for this run).
         """
         wanted = checks.field_names(fields, "AsyncPipeline.stream(fields=...)")
-        run = await self._runs.begin(ordered, wanted, items)
+        estimates = checks.item_costs(costs, items, "AsyncPipeline.stream(costs=...)")
+        run = await self._runs.begin(ordered, wanted, items, estimates)
         view = self._show(run)
         try:
             async for sample in self._runs.deliver(run):

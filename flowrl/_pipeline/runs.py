@@ -117,7 +117,9 @@ class Runs:
         run = self.current
         return 0.0 if run is None or run.active_closed else time.perf_counter() - run.started
 
-    async def begin(self, ordered: bool | None, fields: frozenset[str] | None, items: Any) -> Run:
+    async def begin(
+        self, ordered: bool | None, fields: frozenset[str] | None, items: Any, costs: list[float] | None = None
+    ) -> Run:
         """Start a run over ``items`` (superseding one left unfinished); admission starts too."""
         item_source(items, "AsyncPipeline.run/stream(items=...)")  # not once admission has started
         async with self._begin_lock:
@@ -131,6 +133,7 @@ class Runs:
                 self._supervisor.raise_if_failed()
             ordered = self._config.ordered if ordered is None else ordered
             run = Run(self.count, self._ledger.next_id, ordered, self._window.limit, fields)
+            run.costs = costs
             self.count += 1
             self.current = run
         self._supervisor.start_soon(self._admission.admit, run, items)

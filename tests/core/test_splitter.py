@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._core.splitter import ShardFloor, shard_size
+from flowrl._core.call_cost import CallCost
+from flowrl._core.splitter import shard_size
 
 POLICIES = sorted(flowrl.SPLITTERS)
 ADAPTIVE = ["guided", "factoring"]
@@ -207,14 +208,14 @@ def test_seed_issue_every_replica_gets_exactly_its_share(policy):
     ],
 )
 def test_shard_floor_is_the_smallest_shard_carrying_a_calls_overhead(calls, batch, expected):
-    floor = ShardFloor(batch)
+    floor = CallCost(batch)
     for rows, busy, overhead in calls:
         floor.observe(rows, busy, overhead)
     assert floor.floor() == expected
 
 
 def test_shard_floor_follows_recent_calls():
-    floor = ShardFloor(8, weight=0.5)
+    floor = CallCost(8, weight=0.5)
     floor.observe(1, 0.010, 0.030)  # 3 samples' work per overhead
     assert floor.floor() == 3
     for _ in range(12):
@@ -232,7 +233,7 @@ def test_a_floor_raises_small_shards_while_enough_is_pending(policy):
 
 
 def test_shard_floor_counts_a_samples_marginal_time_not_the_calls_fixed_time():
-    floor = ShardFloor(8, weight=0.5)
+    floor = CallCost(8, weight=0.5)
     for _ in range(6):  # 10 ms a call + 2 ms a sample, 10 ms overhead
         floor.observe(1, 0.012, 0.010)
         floor.observe(2, 0.014, 0.010)
@@ -241,7 +242,7 @@ def test_shard_floor_counts_a_samples_marginal_time_not_the_calls_fixed_time():
 
 
 def test_shard_floor_ignores_calls_that_waited_behind_another_shard():
-    floor = ShardFloor(8)
+    floor = CallCost(8)
     for _ in range(10):
         floor.observe(2, 0.004, None)  # each queued behind a shard on its replica: overhead unknown
     assert floor.floor() == 1
@@ -260,7 +261,7 @@ def test_shard_floor_ignores_calls_that_waited_behind_another_shard():
     ],
 )
 def test_shards_queue_ahead_only_while_the_overhead_saved_exceeds_a_step(calls, remaining, replicas, expected):
-    floor = ShardFloor(16)
+    floor = CallCost(16)
     for rows, busy, overhead in calls:
         floor.observe(rows, busy, overhead)
     assert floor.queue_ahead(remaining, replicas) is expected

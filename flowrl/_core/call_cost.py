@@ -1,0 +1,119 @@
+"""What a call of a stage costs, learned from the runtime's own call timings (sans-IO).
+
+A call of ``n`` samples keeps its replica ``fixed + n * per_sample`` seconds, plus the runtime's
+overhead (transport, dispatch, waiting for a CPU). ``CallCost`` fits the step's time
+``busy = a + b * n`` over recent calls (moving averages of n, busy, n*n and n*busy, with
+outliers clipped so that one stalled call does not move the fit), and keeps the measured
+overhead beside it. From that it answers the splitter's questions:
+
+- ``best_size``: the shard size that minimises the predicted finish of the stage's remaining
+  work, ``U / R * (b + F / s) + s * b / 2`` for ``U`` samples left to hand out over ``R``
+  replicas and ``F`` the fixed seconds of a call: each extra call costs ``F``, a bigger last
+  call leaves the others idle for half of it on average. ``s = sqrt(2 U F / (R b))``.
+- ``floor``: the smallest shard whose samples' work covers a call's overhead (the guided and
+  factoring splitters' floor).
+- ``queue_ahead``: whether a replica should get its next shard before its current one ends.
+
+Before two different sizes have been measured, the fixed time of a step cannot be told from
+its per-sample time; the prior (``ModelConfig.call_cost``) stands in, and without one the whole
+step is counted per sample (the shard size then follows the overhead alone).
+"""
+
+from __future__ import annotations
+
+import math
+
+# A call more than this many times its predicted time (after warm-up) counts as this many:
+# a stall (a garbage collection, a noisy neighbour) must not double the fixed cost.
+CLIP = 3.0
+WARM = 4  # calls before clipping starts
+
+
+class CallCost:
+    def __init__(self, batch_size: int, weight: float = 0.2, prior: tuple[float, float] | None = None) -> None:
+        self.batch_size, self.weight, self.prior = batch_size, weight, prior
+        self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
+        self.calls = 0
+
+    def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
+        """One completed call; ``overhead_s`` None when it is not known (the call waited
+        behind another shard on its replica, so its time outside the step says nothing)."""
+        if rows <= 0 or not math.isfinite(busy_s):
+            return
+        if self.calls >= WARM:
+            busy_s = min(busy_s, CLIP * max(self.predict(rows), 1e-9))
+            if overhead_s is not None and "o" in self._avg:
+                overhead_s = min(overhead_s, CLIP * max(self._avg["o"], 1e-6))
+        self.calls += 1
+        new = {"n": rows, "y": busy_s, "nn": rows * rows, "ny": rows * busy_s}
+        if overhead_s is not None and math.isfinite(overhead_s):
+            new["o"] = max(0.0, overhead_s)
+        for key, value in new.items():
+            old = self._avg.get(key)
+            self._avg[key] = value if old is None else old + self.weight * (value - old)
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed, per sample) seconds of the step, from the calls measured or the prior."""
+        m = self._avg
+        if not m:
+            return self.prior
+        var = m["nn"] - m["n"] ** 2
+        if var > 0.01 * m["nn"]:  # several sizes seen: fit the line
+            slope = (m["ny"] - m["n"] * m["y"]) / var
+            if slope > 0:
+                return max(0.0, m["y"] - slope * m["n"]), slope
+        if self.prior is not None:  # one size: split its time as the prior does
+            fixed, per = self.prior
+            scale = m["y"] / max(fixed + per * m["n"], 1e-12)
+            return fixed * scale, per * scale
+        return 0.0, m["y"] / m["n"]
+
+    def predict(self, rows: int) -> float:
+        fit = self._fit()
+        return 0.0 if fit is None else fit[0] + fit[1] * rows
+
+    def per_sample_s(self) -> float | None:
+        """The step's marginal time per sample (None before any call or prior)."""
+        fit = self._fit()
+        return None if fit is None else fit[1]
+
+    def overhead_s(self) -> float | None:
+        return self._avg.get("o")
+
+    def fixed_s(self) -> float | None:
+        """What a call costs whatever its size: the step's fixed time and the overhead."""
+        fit = self._fit()
+        if fit is None:
+            return None
+        return fit[0] + (self._avg.get("o") or 0.0)
+
+    def best_size(self, unassigned: int, replicas: int) -> int | None:
+        """The shard size that finishes ``unassigned`` samples over ``replicas`` soonest by the
+        model above (None before anything is known: the splitter then spreads freely)."""
+        fixed, per = self.fixed_s(), self.per_sample_s()
+        if fixed is None or per is None or unassigned <= 0:
+            return None
+        if per <= 0:
+            return self.batch_size
+        size = math.sqrt(2.0 * unassigned * fixed / (max(1, replicas) * per))
+        return max(1, min(self.batch_size, math.ceil(size - 1e-9)))
+
+    def queue_ahead(self, remaining: int, replicas: int) -> bool:
+        """Whether a replica should get its next shard before its current one ends (prefetch).
+
+        Queued, a shard saves the replica the call's overhead of idling between calls; but
+        one queued behind a long call (a heavy tail as the episode drains) can wait far longer,
+        while another replica idles. So: only while the overhead saved over the calls each
+        replica has left (``remaining`` samples of the stage) exceeds one call's step time,
+        which stops well before the drain; and not before a call's overhead is known.
+        """
+        m = self._avg
+        return "o" in m and m["o"] * remaining / (replicas * m["n"]) >= m["y"]
+
+    def floor(self) -> int:
+        per_sample = self.per_sample_s()
+        if per_sample is None or "o" not in self._avg:
+            return 1
+        if per_sample <= 0:
+            return self.batch_size
+        return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))

@@ -1,0 +1,69 @@
+"""ChatLearn-style static push on the simulator's virtual clock (sans-IO).
+
+The baseline the load test runs for real (``flowrl/_tools/baselines.run_push``), predicted with
+the same workload, per-call overhead and dispatcher capacity as ``simulate``: the first stage's
+batches are cut in input order; each batch keeps its identity through the flow and goes whole,
+round-robin over the replicas, to every stage once the stages it reads have finished it; a
+replica runs it in calls of its own batch size, one call after another.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .simulate import INPUT, SimResult, Workload, lower_bound, tails
+
+
+def simulate_push(workload: Workload) -> SimResult:
+    w, tail = workload, tails(workload)
+    first = w.stages[0].batch_size
+    batches = [np.arange(i, min(i + first, w.samples)) for i in range(0, w.samples, first)]
+    free_at = {st.name: [0.0] * st.replicas for st in w.stages}
+    busy = {st.name: [0.0] * st.replicas for st in w.stages}
+    sizes: dict[str, dict[int, int]] = {st.name: {} for st in w.stages}
+    turn = dict.fromkeys(free_at, 0)
+    done: dict[tuple[int, str], float] = {}
+    dispatcher = 0.0
+    # Calls go out in the order their batch becomes ready (a shared dispatcher serves them in
+    # that order): events are (ready time, batch, stage index).
+    events = [(0.0, b, 0) for b in range(len(batches)) if w.stages[0].inputs == [INPUT]]
+    heapq.heapify(events)
+    pending = {(b, k) for b in range(len(batches)) for k in range(len(w.stages))}
+    while events:
+        ready, b, k = heapq.heappop(events)
+        if (b, k) not in pending:
+            continue
+        st = w.stages[k]
+        if any(i != INPUT and (b, i) not in done for i in st.inputs):
+            continue
+        pending.discard((b, k))
+        r = turn[st.name] % st.replicas
+        turn[st.name] += 1
+        end = max(ready, free_at[st.name][r])
+        ids = batches[b]
+        for lo in range(0, len(ids), st.batch_size):
+            part = ids[lo : lo + st.batch_size]
+            sent = ready
+            if w.dispatch_s:
+                sent = dispatcher = max(sent, dispatcher) + w.dispatch_s
+            begin = max(sent + w.overhead_s, end)
+            took = st.cost.call_s + len(part) * st.cost.per_sample_s + float(tail[st.name][part].max())
+            end = begin + took
+            busy[st.name][r] += took
+            sizes[st.name][len(part)] = sizes[st.name].get(len(part), 0) + 1
+        free_at[st.name][r] = end
+        done[(b, st.name)] = end
+        for j, later in enumerate(w.stages):
+            if st.name in later.inputs:
+                heapq.heappush(events, (max(done.get((b, i), end) for i in later.inputs if i != INPUT), b, j))
+    makespan = max(done.values(), default=0.0)
+    return SimResult(
+        makespan_s=makespan,
+        lower_bound_s=lower_bound(w, tail),
+        busy_s=busy,
+        replicas_used={k: sum(1 for x in v if x > 0) for k, v in busy.items()},
+        calls={k: sum(v.values()) for k, v in sizes.items()},
+        shard_sizes={k: dict(sorted(v.items())) for k, v in sizes.items()},
+    )
