@@ -38,7 +38,8 @@ import ray
 
 import flowrl
 from flowrl._core.simulate import INPUT, Workload, tails
-from flowrl._tools.loadtest import Sleeper, _table, scenarios
+from flowrl._tools.loadtest import _table
+from flowrl._tools.scenarios import Sleeper, scenarios
 
 MODES = {"sync": 0, "k=1": 1, "k=2": 2}
 CPU = 0.05  # logical CPUs per replica: sleeping actors must not wait for Ray's CPU slots

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import ray
 
-import flowrl._tools.loadtest as lt
+import flowrl._tools.scenarios as scen
 from flowrl import Batch, open_pipeline
 from flowrl._backends.ray_backend import RayBackend
 
 
-class Stamped(lt.Sleeper):
+class Stamped(scen.Sleeper):
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         start = time.time()
         out = super().forward_step(batch, iteration)
@@ -61,10 +61,10 @@ async def main(name: str) -> None:
         return meta, ref
 
     RayBackend.call = stamped_call  # type: ignore[method-assign]
-    lt.Sleeper = Stamped  # type: ignore[misc]
-    w = lt.scenarios()[name]
-    items = [{"k": i} for i in range(w.samples)]
-    async with open_pipeline(lt.workload_flow(w)) as pipe:
+    scen.Sleeper = Stamped  # type: ignore[misc]
+    w = scen.scenarios()[name]
+    items = scen.items(w)
+    async with open_pipeline(scen.workload_flow(w)) as pipe:
         await pipe.run(items[:8])  # warm-up
         for _ in range(2):
             log.clear()

@@ -15,7 +15,7 @@ import time
 
 import ray
 
-import flowrl._tools.loadtest as lt
+import flowrl._tools.scenarios as scen
 from flowrl import open_pipeline
 
 
@@ -28,11 +28,11 @@ def busy_seconds() -> float:
 
 
 async def measure(name: str, repeats: int = 5) -> None:
-    w = lt.scenarios()[name]
-    items = [{"k": i} for i in range(w.samples)]
+    w = scen.scenarios()[name]
+    items = scen.items(w)
     calls = sum(-(-w.samples // st.batch_size) for st in w.stages)  # at least this many calls
     cores = os.cpu_count() or 1
-    async with open_pipeline(lt.workload_flow(w)) as pipe:
+    async with open_pipeline(scen.workload_flow(w)) as pipe:
         await pipe.run(items[: min(8, len(items))])
         for _ in range(repeats):
             busy, start = busy_seconds(), time.perf_counter()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import ray
 
+import flowrl._tools.scenarios as scen
 from flowrl import open_pipeline
 from flowrl._core.trace import chrome_trace, write_json
-from flowrl._tools.loadtest import scenarios, workload_flow
 from flowrl._tools.timeline_view import format_summary, render_png, summary
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "images"
@@ -26,9 +26,9 @@ SHOWN = {
 
 
 async def picture(name: str) -> None:
-    w = scenarios()[name]
-    items = [{"k": i} for i in range(w.samples)]
-    async with open_pipeline(workload_flow(w)) as pipe:
+    w = scen.scenarios()[name]
+    items = scen.items(w)
+    async with open_pipeline(scen.workload_flow(w)) as pipe:
         await pipe.run(items[:8])  # warm-up: imports, first calls (left out of the picture)
         start = time.time()
         await pipe.run(items)

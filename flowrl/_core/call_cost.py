@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import math
 
-# A call more than this many times its predicted time (after warm-up) counts as this many:
-# a stall (a garbage collection, a noisy neighbour) must not double the fixed cost.
+# After warm-up a call counts as at most its predicted time plus CLIP times the calls' mean
+# deviation from the fit (at least SPREAD of the prediction): a stall (a garbage collection,
+# a noisy neighbour) must not double the fixed cost, while a stage whose calls vary widely (a
+# long tail) is clipped only far out.
 CLIP = 3.0
+SPREAD = 0.1
 WARM = 4  # calls before clipping starts
 
 
@@ -41,7 +44,11 @@ class CallCost:
         if rows <= 0 or not math.isfinite(busy_s):
             return
         if self.calls >= WARM:
-            busy_s = min(busy_s, CLIP * max(self.predict(rows), 1e-9))
+            predicted = self.predict(rows)
+            dev = self._avg.get("dev", predicted)
+            busy_s = min(busy_s, predicted + CLIP * max(dev, SPREAD * predicted))
+            miss = abs(busy_s - predicted)
+            self._avg["dev"] = miss if "dev" not in self._avg else dev + self.weight * (miss - dev)
             if overhead_s is not None and "o" in self._avg:
                 overhead_s = min(overhead_s, CLIP * max(self._avg["o"], 1e-6))
         self.calls += 1
@@ -58,10 +65,9 @@ class CallCost:
         if not m:
             return self.prior
         var = m["nn"] - m["n"] ** 2
-        if var > 0.01 * m["nn"]:  # several sizes seen: fit the line
-            slope = (m["ny"] - m["n"] * m["y"]) / var
-            if slope > 0:
-                return max(0.0, m["y"] - slope * m["n"]), slope
+        if var > 0.01 * m["nn"]:  # several sizes seen: fit the line (size-free calls: slope 0)
+            slope = max(0.0, (m["ny"] - m["n"] * m["y"]) / var)
+            return max(0.0, m["y"] - slope * m["n"]), slope
         if self.prior is not None:  # one size: split its time as the prior does
             fixed, per = self.prior
             scale = m["y"] / max(fixed + per * m["n"], 1e-12)
@@ -95,20 +101,33 @@ class CallCost:
             return None
         if per <= 0:
             return self.batch_size
-        size = math.sqrt(2.0 * unassigned * fixed / (max(1, replicas) * per))
-        return max(1, min(self.batch_size, math.ceil(size - 1e-9)))
+        share = unassigned / max(1, replicas)
+        best = math.sqrt(2.0 * share * fixed / per)
+
+        def finish(s: int) -> float:
+            return share * (per + fixed / s) + s * per / 2
+
+        size = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
+        return min(self.batch_size, size)
 
     def queue_ahead(self, remaining: int, replicas: int) -> bool:
         """Whether a replica should get its next shard before its current one ends (prefetch).
 
         Queued, a shard saves the replica the call's overhead of idling between calls; but
         one queued behind a long call (a heavy tail as the episode drains) can wait far longer,
-        while another replica idles. So: only while the overhead saved over the calls each
-        replica has left (``remaining`` samples of the stage) exceeds one call's step time,
-        which stops well before the drain; and not before a call's overhead is known.
+        while another replica idles. So: while the overhead saved over the calls each replica
+        has left (``remaining`` samples of the stage) exceeds one call's step time, which stops
+        well before the drain; or, where calls last as long as predicted (their deviation from
+        the fit is below the overhead, so a queued shard cannot wait much longer than on
+        another replica), while each replica has two calls or more left. Never before a
+        call's overhead is known.
         """
         m = self._avg
-        return "o" in m and m["o"] * remaining / (replicas * m["n"]) >= m["y"]
+        if "o" not in m:
+            return False
+        calls_left = remaining / (replicas * m["n"])
+        steady = "dev" in m and m["dev"] <= m["o"] and calls_left >= 2
+        return steady or m["o"] * calls_left >= m["y"]
 
     def floor(self) -> int:
         per_sample = self.per_sample_s()

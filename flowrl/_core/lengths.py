@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from numbers import Real
 from typing import Any
 
@@ -37,7 +37,7 @@ def length_of(value: Any, where: str) -> float:
         value = value.item()
     if isinstance(value, Real):  # numpy's scalars register as Real too
         length = float(value)
-    elif isinstance(value, Sized) and not isinstance(value, (str, bytes)):
+    elif isinstance(value, Sized) and not isinstance(value, (str, bytes, Mapping)):
         length = float(len(value))
     else:
         raise ConfigError(f"{where}: expected a length (a number or a sequence), got a {type(value).__name__}")

@@ -13,13 +13,17 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
-from .config import MAX_PREFETCH, Settings, _at_most, _check_types, _non_negative
+from .config import MAX_PREFETCH, Settings, _at_most, _check_types, _non_negative, _positive
 from .errors import ConfigError
 from .scheduler import Assignment, PoolScheduler
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 INPUT = "input"
 # Bounds that keep a simulation finite and in memory: every time is a float64 sum of costs (a
@@ -92,6 +96,12 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ``1 / dispatch_s`` calls a second go out however many replicas wait. With many replicas
     and short calls this, not the replicas, sets the makespan.
 
+    ``group``: samples per prompt (a GRPO group: consecutive samples share their prompt's
+    time); ``epoch``: which pass over the prompts this is; ``epoch_noise``: the log-normal shape
+    of how much a sample's time varies from epoch to epoch around its prompt's (0: the same
+    every epoch). A prompt's time is the same in every epoch but for that noise, as the length
+    of a prompt's responses is in RL (see ``simulate(costs=...)`` for what a memory predicts).
+
     ``warm``: the ``cost`` splitter starts from each stage's nominal cost (as after a warm-up
     run, or with ``ModelConfig.call_cost``) instead of learning it during the run.
 
@@ -107,6 +117,9 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     dispatch_s: float = 0.0
     cost_hint_sigma: float | None = None
     warm: bool = True
+    group: int = 1
+    epoch: int = 0
+    epoch_noise: float = 0.0
 
     def __post_init__(self) -> None:
         items = self.stages if isinstance(self.stages, list) else []
@@ -134,7 +147,10 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if bad:
                 raise ConfigError(f"stage {st.name!r}: {', '.join(bad)} must be > 0, got {bad}")
             seen.add(st.name)
-        _non_negative("Workload", seed=self.seed)  # numpy's generators take no negative seed
+        # numpy's generators take no negative seed
+        _non_negative("Workload", seed=self.seed, epoch=self.epoch, epoch_noise=self.epoch_noise)
+        _positive("Workload", group=self.group)
+        _at_most("Workload", MAX_SIGMA, "a log-normal shape", epoch_noise=self.epoch_noise)
         _at_most("Workload", MAX_SAMPLES, "the simulator keeps arrays of samples x stages", samples=self.samples)
         seconds = "seconds; the simulator's sums must stay finite"
         _at_most("Workload", MAX_SECONDS, seconds, overhead_s=self.overhead_s, dispatch_s=self.dispatch_s)
@@ -169,16 +185,23 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def tails(workload: Workload) -> dict[str, np.ndarray]:
-    """Each stage's per-sample tail times, deterministic from the seed."""
-    out = {}
-    for k, st in enumerate(workload.stages):
-        rng = np.random.default_rng([workload.seed, k])
+    """Each stage's per-sample tail times in ``workload.epoch``, deterministic from the seed: a
+    prompt's own time (shared by the ``group`` samples of a prompt, the same every epoch),
+    times an epoch's noise (``epoch_noise``: a log-normal shape, 0 for none)."""
+    w, out = workload, {}
+    prompts = -(-w.samples // w.group)
+    for k, st in enumerate(w.stages):
+        rng = np.random.default_rng([w.seed, k])
         c = st.cost
-        out[st.name] = (
-            c.tail_median_s * rng.lognormal(0.0, c.tail_sigma, workload.samples)
+        base = (
+            c.tail_median_s * rng.lognormal(0.0, c.tail_sigma, prompts)
             if c.tail_median_s > 0 and c.tail_sigma > 0
-            else np.full(workload.samples, c.tail_median_s)
+            else np.full(prompts, c.tail_median_s)
         )
+        tail = np.repeat(base, w.group)[: w.samples]
+        if w.epoch_noise > 0 and c.tail_median_s > 0:
+            tail = tail * np.random.default_rng([w.seed, k, 1 << 16, w.epoch]).lognormal(0.0, w.epoch_noise, w.samples)
+        out[st.name] = tail
     return out
 
 
@@ -221,19 +244,25 @@ def _prior(st: SimStage, tail: np.ndarray) -> tuple[float, float] | None:
     return (c.call_s, per) if c.call_s or per else None
 
 
-def simulate(workload: Workload) -> SimResult:
+def simulate(workload: Workload, costs: Sequence[float] | np.ndarray | None = None) -> SimResult:
+    """The workload's makespan and more on a virtual clock; ``costs``: an estimate of each
+    sample's cost handed to the scheduler (as ``AsyncPipeline.run(costs=...)``), in place of
+    ``cost_hint_sigma``'s."""
     if not isinstance(workload, Workload):
         raise ConfigError(f"simulate: expected a flowrl.Workload, got {type(workload).__name__}")
-    sim = _Sim(workload)
+    hints = None if costs is None else np.asarray(costs, dtype=np.float64)
+    if hints is not None and hints.shape != (workload.samples,):
+        raise ConfigError(f"simulate(costs=...): expected one cost per sample ({workload.samples}), got {hints.shape}")
+    sim = _Sim(workload, hints)
     sim.run()
     return sim.result()
 
 
 class _Sim:
-    def __init__(self, w: Workload) -> None:
+    def __init__(self, w: Workload, hints: np.ndarray | None = None) -> None:
         self.w = w
         self.tail = tails(w)
-        self.hints = cost_hints(w, self.tail)
+        self.hints = cost_hints(w, self.tail) if hints is None else hints
         self.pools = {}
         for st in w.stages:
             pool = PoolScheduler(replicas=st.replicas, policy=st.splitter, prefetch=st.prefetch)

@@ -233,3 +233,27 @@ async def substrate(replicas: int = 8, calls: int = 400, rounds: int = 3) -> dic
         "flowrl_shards_per_s": med["flow"],
         "throughput_ratio": med["flow"] / med["pool"],
     }
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+class cpu_hog:  # noqa: N801 (used like a function: ``hog = cpu_hog(2)`` ... ``hog.close()``)
+    """``n`` processes spinning on the CPU until ``close()``: a machine busy with other work,
+    for flowrl and the baselines alike (they run one after the other under the same hog)."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=_spin, daemon=True) for _ in range(max(0, n))]
+        for p in self.procs:
+            p.start()
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.join()
+        self.procs = []

@@ -1,11 +1,6 @@
-"""Load tests: synthetic RL-shaped workloads run by flowrl, by a static push
-scheduler as ChatLearn does it, and by Ray Data, side by side with the simulator's
-zero-overhead makespan and the strict lower bound.
-
-Model time is a sleep (standing in for GPU time, so two CPU cores are not the bottleneck):
-a call of n samples sleeps ``call_s + n * per_sample_s + max(tails of its samples)``, the
-same per-sample times the simulator uses (less the OS's measured lateness in waking a
-sleeper, ``sleep_slack``, so that a step lasts its nominal time on a quiet machine).
+"""Load tests: synthetic RL-shaped workloads (``scenarios.py``) run by flowrl, by a static
+push scheduler as ChatLearn does it, and by Ray Data, side by side with the simulator's
+zero-overhead makespan and the strict lower bound; optionally under a CPU hog.
 """
 
 from __future__ import annotations
@@ -22,126 +17,44 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 
-from .._core.model import Model
-from .._core.simulate import INPUT, SimStage, StageCost, Workload, cost_hints, simulate, tails
+from .._core.lengths import LengthMemory
+from .._core.sim_epochs import simulate_epochs
+from .._core.simulate import Workload, cost_hints, tails
 from .._pipeline.opening import open_pipeline
-from .baselines import model_sleep, run_push, run_ray_data, sleep_slack, substrate
+from .baselines import cpu_hog, run_push, run_ray_data, substrate
+from .scenarios import EPOCHS, items, scenarios, workload_flow
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from .._core.batch import Batch
-    from .._core.node import Node
     from .._core.stats import StageStats
 
-
-def scenarios() -> dict[str, Workload]:
-    """The scenarios of the performance issue, deterministic from their seeds."""
-    scorer = StageCost(call_s=0.010, per_sample_s=0.002)
-    policy = StageCost(call_s=0.020, tail_median_s=0.020, tail_sigma=0.8)
-
-    def rlhf(
-        samples: int, policy_r: int, policy_b: int, down_r: int, down_b: int, seed: int, cost: StageCost = policy
-    ) -> Workload:
-        def wide(name: str, inputs: list[str]) -> SimStage:
-            return SimStage(name=name, inputs=inputs, replicas=down_r, batch_size=down_b, cost=scorer)
-
-        return Workload(
-            samples=samples,
-            seed=seed,
-            stages=[
-                SimStage(name="policy", replicas=policy_r, batch_size=policy_b, cost=cost),
-                wide("reference", ["policy"]),
-                wide("value", ["policy"]),
-                wide("reward", ["policy", "reference", "value"]),
-            ],
-        )
-
-    heavy = StageCost(call_s=0.020, tail_median_s=0.030, tail_sigma=1.2)
-    tiny = StageCost(call_s=0.001, per_sample_s=0.0005)
-    heavy_tail = rlhf(256, 4, 16, 8, 8, seed=1, cost=heavy)
-    return {
-        "chatlearn-209": rlhf(16, 2, 4, 8, 2, seed=209),
-        "heavy-tail-256": heavy_tail,
-        # the same, each prompt carrying an estimate of its cost (off by a log-normal factor, sigma 0.5)
-        "heavy-tail-256-hinted": msgspec.structs.replace(heavy_tail, cost_hint_sigma=0.5),
-        "prime-97": Workload(
-            samples=97,
-            seed=7,
-            stages=[
-                SimStage(name="policy", replicas=7, batch_size=5, cost=policy),
-                SimStage(name="reward", inputs=["policy"], replicas=3, batch_size=7, cost=scorer),
-            ],
-        ),
-        "tiny-shards": Workload(
-            samples=400,
-            seed=3,
-            stages=[
-                SimStage(name="a", replicas=4, batch_size=1, cost=tiny),
-                SimStage(name="b", inputs=["a"], replicas=4, batch_size=1, cost=tiny),
-            ],
-        ),
-    }
+__all__ = ["loadtest_main", "run_flowrl", "scenarios"]
 
 
-class Sleeper(Model):
-    """A stage of a workload: sleeps its call time; samples are indexed by the input field ``k``."""
-
-    def __init__(self, name: str, config: dict[str, Any], cost: StageCost, tail: np.ndarray) -> None:
-        super().__init__(name, config)
-        self.cost, self.tail = cost, tail
-
-    def setup(self) -> None:
-        sleep_slack()
-
-    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
-        k = np.asarray(batch["k"], dtype=np.int64)
-        model_sleep(self.cost, self.tail, k)
-        return {f"{self.name}_done": [True] * len(k)}
-
-
-def workload_flow(w: Workload) -> Callable[[Node], tuple[Node, ...]]:
-    tail = tails(w)
-    models: dict[str, Model] = {
-        st.name: Sleeper(
-            st.name,
-            {
-                "num_replicas": st.replicas,
-                "batch_size": st.batch_size,
-                "splitter": st.splitter,
-                "prefetch": st.prefetch,
-                "cpus_per_replica": 0.05,
-            },
-            st.cost,
-            tail[st.name],
-        )
-        for st in w.stages
-    }
-
-    def flow(x: Node) -> tuple[Node, ...]:
-        nodes = {INPUT: x}
-        for st in w.stages:
-            nodes[st.name] = models[st.name].forward_step(*[nodes[i] for i in st.inputs])
-        return tuple(nodes[st.name] for st in w.stages if not any(st.name in o.inputs for o in w.stages))
-
-    return flow
-
-
-async def run_flowrl(w: Workload) -> dict[str, Any]:
-    """flowrl on the workload (after a warm-up run), with what the harness reports of it."""
+async def run_flowrl(w: Workload, epochs: int = 1) -> list[dict[str, Any]]:
+    """flowrl on the workload (after a warm-up run), with what the harness reports of it, per
+    epoch. From the second epoch on, each sample's cost is predicted by a ``LengthMemory`` of
+    the lengths its prompt had (the first stage's ``<stage>_length``), as the engine does."""
     hints = cost_hints(w, tails(w))
-    items = [{"k": i} if hints is None else {"k": i, "cost": float(hints[i])} for i in range(w.samples)]
     config = {} if hints is None else {"cost_field": "cost"}
-    async with open_pipeline(workload_flow(w), config) as pipe:
-        await pipe.run(items[: min(8, len(items))])  # warm-up: imports, first calls
-        before = pipe.stats()
-        cpu, start = time.process_time(), time.perf_counter()
-        await pipe.run(items, fields=[f"{w.stages[-1].name}_done"])
-        makespan = time.perf_counter() - start
-        cpu = time.process_time() - cpu
-        after = pipe.stats()
+    first, last = w.stages[0].name, w.stages[-1].name
+    prompts = [i // w.group for i in range(w.samples)]
+    memory, out = LengthMemory(), []
+    async with open_pipeline(workload_flow(w, epochs), config) as pipe:
+        await pipe.run(items(w, 0, hints)[: min(8, w.samples)])  # warm-up: imports, first calls
+        for epoch in range(epochs):
+            costs = memory.costs(prompts) if len(memory) else None
+            before = pipe.stats()
+            cpu, start = time.process_time(), time.perf_counter()
+            done = await pipe.run(items(w, epoch, hints), fields=[f"{last}_done", f"{first}_length"], costs=costs)
+            makespan = time.perf_counter() - start
+            cpu = time.process_time() - cpu
+            memory.observe(prompts, [s[f"{first}_length"] for s in done])
+            out.append(_flowrl_report(w, before, pipe.stats(), makespan, cpu))
+    return out
+
+
+def _flowrl_report(w: Workload, before: Any, after: Any, makespan: float, cpu: float) -> dict[str, Any]:
     stages = {
         st.name: _stage_report(after[f"{st.name}.forward_step"], before[f"{st.name}.forward_step"], makespan)
         for st in w.stages
@@ -171,39 +84,48 @@ def _stage_report(after: StageStats, before: StageStats, makespan: float) -> dic
     }
 
 
-def run_scenario(name: str, w: Workload, raw: dict[str, float]) -> dict[str, Any]:
+def run_scenario(name: str, w: Workload, raw: dict[str, float]) -> list[dict[str, Any]]:
     """One scenario run by flowrl and by static push, beside simulations: free, with the
     substrate's serial shard time as every call's overhead, and with the substrate's measured
-    capacity too (no-op shards a second: ``dispatch_s``; a lone call still takes the serial time)."""
-    zero = simulate(w)
+    capacity too (no-op shards a second: ``dispatch_s``; a lone call still takes the serial time).
+    A row per epoch (``scenarios.EPOCHS``; the simulations fed by the same length memory)."""
+    epochs = EPOCHS.get(name, 1)
     overhead_s, dispatch_s = raw["shard_ms"] / 1e3, 1 / raw["flowrl_shards_per_s"]
-    loaded = simulate(msgspec.structs.replace(w, overhead_s=overhead_s))
-    capped = simulate(msgspec.structs.replace(w, overhead_s=max(0.0, overhead_s - dispatch_s), dispatch_s=dispatch_s))
-    flow = asyncio.run(run_flowrl(w))
-    push = asyncio.run(run_push(w))
-    stages = flow["stages"].values()
-    measured = sum(st["overhead_ms_per_shard"] * st["calls"] for st in stages) / sum(st["calls"] for st in stages)
-    fitted = simulate(msgspec.structs.replace(w, overhead_s=measured / 1e3))
-    return {
-        "scenario": name,
-        "samples": w.samples,
-        "lower_bound_s": zero.lower_bound_s,
-        "simulated_s": zero.makespan_s,
-        "simulated_with_overhead_s": loaded.makespan_s,
-        "simulated_with_capacity_s": capped.makespan_s,
-        "run_overhead_ms": measured,
-        "simulated_with_run_overhead_s": fitted.makespan_s,
-        "flowrl": flow,
-        "push": push,
-        "ray_data": None,
-        "flowrl_over_sim": flow["makespan_s"] / zero.makespan_s,
-        "flowrl_over_sim_with_overhead": flow["makespan_s"] / loaded.makespan_s,
-        "flowrl_over_sim_with_capacity": flow["makespan_s"] / capped.makespan_s,
-        "flowrl_over_sim_with_run_overhead": flow["makespan_s"] / fitted.makespan_s,
-        "flowrl_over_bound": flow["makespan_s"] / zero.lower_bound_s,
-        "push_over_flowrl": push["makespan_s"] / flow["makespan_s"],
-        "ray_data_over_flowrl": None,
-    }
+    zero = simulate_epochs(w, epochs)
+    loaded = simulate_epochs(msgspec.structs.replace(w, overhead_s=overhead_s), epochs)
+    capped = simulate_epochs(
+        msgspec.structs.replace(w, overhead_s=max(0.0, overhead_s - dispatch_s), dispatch_s=dispatch_s), epochs
+    )
+    flows = asyncio.run(run_flowrl(w, epochs))
+    rows = []
+    for e, flow in enumerate(flows):
+        push = asyncio.run(run_push(msgspec.structs.replace(w, epoch=e)))
+        stages = flow["stages"].values()
+        measured = sum(st["overhead_ms_per_shard"] * st["calls"] for st in stages) / sum(st["calls"] for st in stages)
+        fitted = simulate_epochs(msgspec.structs.replace(w, overhead_s=measured / 1e3), e + 1)[e]
+        rows.append(
+            {
+                "scenario": name if epochs == 1 else f"{name} e{e + 1}",
+                "samples": w.samples,
+                "lower_bound_s": zero[e].lower_bound_s,
+                "simulated_s": zero[e].makespan_s,
+                "simulated_with_overhead_s": loaded[e].makespan_s,
+                "simulated_with_capacity_s": capped[e].makespan_s,
+                "run_overhead_ms": measured,
+                "simulated_with_run_overhead_s": fitted.makespan_s,
+                "flowrl": flow,
+                "push": push,
+                "ray_data": None,
+                "flowrl_over_sim": flow["makespan_s"] / zero[e].makespan_s,
+                "flowrl_over_sim_with_overhead": flow["makespan_s"] / loaded[e].makespan_s,
+                "flowrl_over_sim_with_capacity": flow["makespan_s"] / capped[e].makespan_s,
+                "flowrl_over_sim_with_run_overhead": flow["makespan_s"] / fitted.makespan_s,
+                "flowrl_over_bound": flow["makespan_s"] / zero[e].lower_bound_s,
+                "push_over_flowrl": push["makespan_s"] / flow["makespan_s"],
+                "ray_data_over_flowrl": None,
+            }
+        )
+    return rows
 
 
 def with_ray_data(row: dict[str, Any], w: Workload) -> dict[str, Any]:
@@ -359,6 +281,9 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
     parser.add_argument("--out", default="benchmarks.md", help="the Markdown report (a .json lands beside it)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--no-ray-data", action="store_true", help="skip the Ray Data baseline")
+    parser.add_argument(
+        "--cpu-hog", type=int, default=0, metavar="N", help="N processes spinning on the CPU during the scenarios"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, w in scenarios().items():
@@ -372,17 +297,23 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
         parser.error(f"unknown scenario(s) {unknown}; expected some of {sorted(scenarios())}")
     ray_data = not args.no_ray_data and _has_ray_data()
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    hog = cpu_hog(0)
     try:
         raw = asyncio.run(substrate())
         print(json.dumps(raw), flush=True)
         rows = []
+        hog = cpu_hog(args.cpu_hog)
         for name, w in scenarios().items():
             if args.scenario and name not in args.scenario:
                 continue
-            row = median_row([run_scenario(name, w, raw) for _ in range(args.repeats)])
-            rows.append(with_ray_data(row, w) if ray_data else row)
-            print(json.dumps(rows[-1]), flush=True)
+            runs = [run_scenario(name, w, raw) for _ in range(args.repeats)]
+            for e, epoch_rows in enumerate(zip(*runs, strict=True)):
+                row = median_row(list(epoch_rows))
+                rows.append(with_ray_data(row, w) if ray_data and e == 0 else row)
+                print(json.dumps(rows[-1]), flush=True)
+        hog.close()
     finally:
+        hog.close()
         ray.shutdown()
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out"]
     text = _report(" ".join([command, *shown]).strip(), raw, rows, ray_data)

@@ -15,7 +15,7 @@ from flowrl.testing import flowrl_actor_names
 @pytest.mark.slow  # ~45 s: a load-test run; the seed scenario's counts are checked by tests/pipeline
 def test_on_the_209_scenario_flowrl_uses_every_replica_and_static_push_half(ray_cluster):
     w = scenarios()["chatlearn-209"]
-    flow = asyncio.run(run_flowrl(w))
+    (flow,) = asyncio.run(run_flowrl(w))
     push = asyncio.run(run_push(w))
     for stage in ("reference", "value", "reward"):
         assert flow["replicas_used"][stage] == 8
