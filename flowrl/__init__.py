@@ -7,7 +7,7 @@ from types import FunctionType as _FunctionType
 
 from ._core.autoscale import ScaleEvent
 from ._core.batch import Batch, Sample
-from ._core.config import Autoscale, ModelConfig, PipelineConfig
+from ._core.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
 from ._core.errors import (
     CheckpointError,
     ClusterError,
@@ -43,6 +43,7 @@ __all__ = [
     "AsyncPipeline",
     "Autoscale",
     "Batch",
+    "CallCostPrior",
     "CheckpointError",
     "ClusterError",
     "ConfigError",

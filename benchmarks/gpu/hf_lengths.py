@@ -35,9 +35,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -47,6 +46,9 @@ from hf_grpo import ARCHS, GpuBusy
 import flowrl
 from flowrl import hf
 from flowrl._core.lengths import LengthMemory  # not re-exported by flowrl (yet)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MODES = ("pull+len", "pull", "push")
 TINY = {  # a Llama a few MB in size, for the CPU check
@@ -60,7 +62,7 @@ TINY = {  # a Llama a few MB in size, for the CPU check
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,
 }
-OUT_FIELDS = ["tokens", "steps", "waste", "call_rows", "score"]
+OUT_FIELDS = ["tokens", "steps", "waste", "call_rows"]
 
 
 # ---- the workload ----
@@ -73,7 +75,9 @@ def make_tokenizer(folder: Path, vocab: int) -> str:
     words = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, vocab)}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
     fast.save_pretrained(folder)
     return str(folder.resolve())
 
@@ -129,7 +133,8 @@ class LengthPolicy(hf.HFPolicy):
 
         self.due = torch.zeros(0, dtype=torch.long)
         self.last_steps = 0
-        inner: Callable[..., torch.Tensor] = self.module.generate
+        module: Any = self.module
+        inner: Callable[..., torch.Tensor] = module.generate
         eos = int(self.tokenizer.eos_token_id)
 
         # HFPolicy takes no logits processor: wrap the network's generate, which it calls once
@@ -141,13 +146,15 @@ class LengthPolicy(hf.HFPolicy):
             self.last_steps = int(out.shape[1]) - width
             return out
 
-        self.module.generate = generate
+        module.generate = generate
 
     @torch.no_grad()
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         self.due = torch.as_tensor(np.asarray(batch["target"]), dtype=torch.long)
         out = dict(super().forward_step(batch, iteration))
-        ended = [len(r) - (reason == "stop") for r, reason in zip(out["response_ids"], out["finish_reason"])]
+        ended = [
+            len(r) - (reason == "stop") for r, reason in zip(out["response_ids"], out["finish_reason"], strict=True)
+        ]
         lengths = torch.tensor([len(r) for r in out["response_ids"]], dtype=torch.long)
         steps = self.last_steps
         out["tokens"] = torch.tensor(ended, dtype=torch.long)
@@ -157,12 +164,7 @@ class LengthPolicy(hf.HFPolicy):
         return out
 
 
-def score(prompt: str, response: str, **_: Any) -> float:
-    """A cheap rule reward, so the flow has a stage after generation as an RL rollout does."""
-    return float(len(response.split()) % 2)
-
-
-def build_models(args: argparse.Namespace, on_gpu: bool, tokenizer: str) -> dict[str, flowrl.Model]:
+def build_policy(args: argparse.Namespace, on_gpu: bool, tokenizer: str) -> LengthPolicy:
     arch = TINY if args.tiny else ARCHS[args.arch]
     share = 0.5 / args.policy_replicas  # pull's and push's replicas are alive at once: half the GPU each
     lm = hf.LM(config=arch, tokenizer=tokenizer, dtype="bfloat16" if on_gpu else "float32")
@@ -179,19 +181,7 @@ def build_models(args: argparse.Namespace, on_gpu: bool, tokenizer: str) -> dict
         lm=lm,
         sampling=sampling,
     )
-    reward = hf.RuleReward(
-        "reward", {"num_replicas": 1, "batch_size": 256, "cpus_per_replica": 1, "call_timeout_s": 60}, fn=score
-    )
-    return {"policy": policy, "reward": reward}
-
-
-def rollout_flow(models: dict[str, flowrl.Model]) -> Callable[[Any], Any]:
-    policy, reward = models["policy"], models["reward"]
-
-    def rollout(batch: Any) -> Any:
-        return reward.forward_step(policy.forward_step(batch))
-
-    return rollout
+    return policy
 
 
 # ---- static push ----
@@ -212,38 +202,46 @@ class PushReplica:
 
 
 class Push:
-    """ChatLearn's static push: policy batch ``i`` whole to policy replica ``i mod n``, then
-    whole to the reward."""
+    """ChatLearn's static push: policy batch ``i`` whole to replica ``i mod n``."""
 
-    def __init__(self, models: dict[str, flowrl.Model], on_gpu: bool, timeout_s: float) -> None:
-        self.actors: dict[str, list[Any]] = {}
-        for name, model in models.items():
-            cfg = model.config
-            opts = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica if on_gpu else 0}
-            self.actors[name] = [PushReplica.options(**opts).remote(model, r) for r in range(cfg.replicas)]
-        self.batch = models["policy"].config.batch_size
+    def __init__(self, policy: flowrl.Model, on_gpu: bool, timeout_s: float) -> None:
+        cfg = policy.config
+        opts = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica if on_gpu else 0}
+        actor: Any = PushReplica
+        self.actors = [actor.options(**opts).remote(policy, r) for r in range(cfg.replicas)]
+        self.batch = cfg.batch_size
         self.timeout_s = timeout_s
-        ray.get([a.ready.remote() for group in self.actors.values() for a in group], timeout=timeout_s)
+        ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
 
     def run(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        policy, reward = self.actors["policy"], self.actors["reward"]
         done = []
         for i, lo in enumerate(range(0, len(items), self.batch)):
             part = items[lo : lo + self.batch]
             batch = flowrl.Batch.from_samples(list(range(lo, lo + len(part))), part)
-            done.append(reward[i % len(reward)].run.remote(policy[i % len(policy)].run.remote(batch)))
-        rounds = math.ceil(len(done) / len(policy)) + 1  # calls queued on one replica, and the reward's
+            done.append(self.actors[i % len(self.actors)].run.remote(batch))
+        rounds = math.ceil(len(done) / len(self.actors))  # the calls queued on one replica
         batches = ray.get(done, timeout=self.timeout_s * rounds)
         return [{f: b[f][j] for f in OUT_FIELDS} for b in batches for j in range(len(b))]
 
     def close(self) -> None:
-        for group in self.actors.values():
-            for actor in group:
-                ray.kill(actor)
+        for actor in self.actors:
+            ray.kill(actor)
 
 
 # ---- one rollout, measured ----
-def measure(rows: list[dict[str, Any]], seconds: float, busy: dict[str, float] | None) -> dict[str, Any]:
+def grouped_waste(lengths: list[int], by: list[float], batch: int) -> float:
+    """For reference: the waste of batches of ``batch`` cut from the samples sorted by ``by``
+    (their true lengths: a perfect predictor; their predicted costs: the best grouping that
+    the predictions allow, the noise of a sample around its prompt being unpredictable)."""
+    order = sorted(range(len(lengths)), key=lambda i: -by[i])
+    calls = [[lengths[i] for i in order[lo : lo + batch]] for lo in range(0, len(order), batch)]
+    generated = sum(len(c) * (max(c) + 1) for c in calls)  # each call decodes to its longest eos
+    return 1 - sum(n + 1 for n in lengths) / generated
+
+
+def measure(
+    rows: list[dict[str, Any]], items: list[dict[str, Any]], seconds: float, busy: dict[str, float] | None
+) -> dict[str, Any]:
     tokens = sum(int(r["tokens"]) for r in rows)
     steps = sum(int(r["steps"]) for r in rows)  # all generated: rows x decode steps of each call
     waste = sum(int(r["waste"]) for r in rows)
@@ -256,24 +254,68 @@ def measure(rows: list[dict[str, Any]], seconds: float, busy: dict[str, float] |
         "waste": waste / steps if steps else 0.0,
         "tokens_per_s": tokens / seconds,
         "calls": round(sum(1 / int(r["call_rows"]) for r in rows)),
+        # samples whose response did not end at its target (none, unless eos forcing broke)
+        "off_target": sum(int(r["tokens"]) != it["target"] for r, it in zip(rows, items, strict=True)),
         "gpu_median": busy["median"] if busy else None,
         "gpu_mean": busy["mean"] if busy else None,
         "gpu_samples": busy["samples"] if busy else 0,
     }
 
 
-def timed(run: Callable[[], list[dict[str, Any]]], on_gpu: bool) -> tuple[list[dict[str, Any]], float, Any]:
-    sampler = GpuBusy() if on_gpu else None
-    start = time.perf_counter()
-    try:
-        rows = run()
-    finally:
-        seconds = time.perf_counter() - start
-        busy = sampler.stop() if sampler is not None else None
-    return rows, seconds, busy
+class Bench:
+    """The run: the three modes in turns each epoch, every rollout measured and written."""
+
+    def __init__(self, args: argparse.Namespace, push: Push, pipe: flowrl.Pipeline, record: dict[str, Any]) -> None:
+        self.args, self.push, self.pipe, self.record = args, push, pipe, record
+        self.on_gpu: bool = record["on_gpu"]
+        self.memory = LengthMemory()
+
+    def epoch(self, epoch: int, items: list[dict[str, Any]]) -> None:
+        keys = [it["key"] for it in items]
+        self.reference(epoch, items, keys)
+        turn = (epoch - 1) % len(MODES)  # who goes first rotates: no mode always follows another
+        for mode in MODES[turn:] + MODES[:turn]:
+            rows, seconds, busy = self.timed(mode, items, keys)
+            if len(rows) != len(items):
+                raise RuntimeError(f"{mode} returned {len(rows)} of {len(items)} samples")
+            if mode == "pull+len":  # the memory learns from its own rollouts
+                self.memory.observe(keys, [float(r["tokens"]) for r in rows])
+            m = {"epoch": epoch, "mode": mode} | measure(rows, items, seconds, busy)
+            self.record["rollouts"].append(m)
+            log(line(m))
+            write(Path(self.args.out), self.record, self.args)
+
+    def reference(self, epoch: int, items: list[dict[str, Any]], keys: list[int]) -> None:
+        lengths = [it["target"] for it in items]
+        batch = self.args.policy_batch
+        refs = {
+            "epoch": epoch,
+            "oracle": grouped_waste(lengths, [float(n) for n in lengths], batch),
+            "predicted": grouped_waste(lengths, self.memory.costs(keys), batch) if len(self.memory) else None,
+        }
+        self.record["reference_waste"].append(refs)
+        log(f"epoch {epoch}: waste of batches of {batch} sorted by " + reference(refs))
+
+    def timed(
+        self, mode: str, items: list[dict[str, Any]], keys: list[int]
+    ) -> tuple[list[dict[str, Any]], float, dict[str, float] | None]:
+        costs = self.memory.costs(keys) if mode == "pull+len" and len(self.memory) else None
+        sampler = GpuBusy() if self.on_gpu else None
+        start = time.perf_counter()
+        try:
+            if mode == "push":
+                rows = self.push.run(items)
+            else:
+                samples = self.pipe.run(items, fields=OUT_FIELDS, costs=costs)
+                rows = [{f: s[f] for f in OUT_FIELDS} for s in samples]
+        finally:
+            seconds = time.perf_counter() - start
+            busy = sampler.stop() if sampler is not None else None
+        return rows, seconds, busy
 
 
 def main() -> None:
+    start = time.perf_counter()
     args = parse()
     on_gpu = torch.cuda.is_available() and not args.tiny
     out = Path(args.out)
@@ -283,40 +325,29 @@ def main() -> None:
     if not ray.is_initialized():
         gpus = torch.cuda.device_count() if on_gpu else 0
         ray.init(num_cpus=max(16, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    vocab = int((TINY if args.tiny else ARCHS[args.arch])["vocab_size"])
+    arch: dict[str, Any] = TINY if args.tiny else ARCHS[args.arch]
+    vocab = int(arch["vocab_size"])
     tokenizer = args.tokenizer or make_tokenizer(Path(tempfile.mkdtemp(prefix="flowrl-tok-")), vocab)
     texts, targets = make_prompts(args, vocab)
-    models = build_models(args, on_gpu, tokenizer)
+    policy = build_policy(args, on_gpu, tokenizer)
     log(f"{len(texts)} prompts x {args.n}; target lengths: median {np.median(targets):.0f}, max {targets.max()}")
-    record: dict[str, Any] = {"command": command, "args": vars(args), "on_gpu": on_gpu, "rollouts": []}
-    memory = LengthMemory()
+    record: dict[str, Any] = {"command": command, "args": vars(args), "on_gpu": on_gpu}
+    record |= {"rollouts": [], "reference_waste": []}
     rng = np.random.default_rng(args.seed + 1)
-    start = time.perf_counter()
-    push = Push(models, on_gpu, args.step_timeout)
+    push = Push(policy, on_gpu, args.step_timeout)
     config = {"backend": "ray", "progress": "off", "setup_timeout_s": args.step_timeout}
     try:
-        with flowrl.Pipeline(rollout_flow(models), config) as pipe:
+        flow: Any = policy.forward_step  # a flow of one stage
+        with flowrl.Pipeline(flow, config) as pipe:
             log(f"replicas ready in {time.perf_counter() - start:.1f} s")
+            bench = Bench(args, push, pipe, record)
             for epoch in range(1, args.epochs + 1):
-                items = epoch_items(args, texts, targets, rng)  # the same samples for every mode
-                keys = [it["key"] for it in items]
-                order = MODES[(epoch - 1) % 3 :] + MODES[: (epoch - 1) % 3]
-                for mode in order:
-                    if mode == "push":
-                        run: Callable[[], list[dict[str, Any]]] = lambda: push.run(items)  # noqa: E731
-                    else:
-                        costs = memory.costs(keys) if mode == "pull+len" and len(memory) else None
-                        run = lambda costs=costs: [  # noqa: E731
-                            {f: s[f] for f in OUT_FIELDS} for s in pipe.run(items, fields=OUT_FIELDS, costs=costs)
-                        ]
-                    rows, seconds, busy = timed(run, on_gpu)
-                    assert len(rows) == len(items), f"{mode} returned {len(rows)} of {len(items)} samples"
-                    if mode == "pull+len":
-                        memory.observe(keys, [float(r["tokens"]) for r in rows])
-                    m = {"epoch": epoch, "mode": mode} | measure(rows, seconds, busy)
-                    record["rollouts"].append(m)
-                    log(line(m))
-                    write(out, record, args)
+                began = time.perf_counter()
+                bench.epoch(epoch, epoch_items(args, texts, targets, rng))  # the same samples for every mode
+                took = time.perf_counter() - began
+                if args.budget_s and time.perf_counter() - start + took > args.budget_s and epoch < args.epochs:
+                    log(f"stopping after epoch {epoch}: another ({took:.0f} s) would pass --budget-s {args.budget_s:g}")
+                    break
             record["shard_sizes"] = {st.model: st.shard_sizes for st in pipe.stats().stages.values()}
     finally:
         push.close()
@@ -337,12 +368,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--median", type=float, default=0.15, help="prompts' median target length, a share of --tokens")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the prompts' targets")
     p.add_argument("--noise", type=float, default=0.3, help="lognormal sigma of a sample around its target")
-    p.add_argument("--policy-replicas", type=int, default=4)
-    p.add_argument("--policy-batch", type=int, default=32)
+    p.add_argument("--policy-replicas", type=int, help="default 4 (2 with --tiny)")
+    p.add_argument("--policy-batch", type=int, help="default 32 (8 with --tiny)")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds a call (or replica start) may take")
+    p.add_argument("--budget-s", type=float, help="start no epoch that would end past this many seconds of run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/flowrl-hf-lengths")
     args = p.parse_args()
+    args.policy_replicas = args.policy_replicas or (2 if args.tiny else 4)
+    args.policy_batch = args.policy_batch or (8 if args.tiny else 32)
     if args.samples % args.n or args.tokens < 2:
         p.error(f"--samples ({args.samples}) must be a multiple of --n ({args.n}), and --tokens at least 2")
     return args
@@ -352,11 +386,17 @@ def log(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
+def reference(refs: dict[str, Any]) -> str:
+    predicted = "-" if refs["predicted"] is None else f"{refs['predicted']:.1%}"
+    return f"true length (an oracle): {refs['oracle']:.1%}; by the predictions: {predicted}"
+
+
 def line(m: dict[str, Any]) -> str:
     gpu = f", GPU {m['gpu_median']:.0f}% / {m['gpu_mean']:.1f}%" if m["gpu_samples"] else ""
+    off = f", {m['off_target']} samples OFF their target length" if m["off_target"] else ""
     return (
         f"epoch {m['epoch']} {m['mode']}: {m['s']:.2f} s, {m['tokens_per_s']:.0f} tokens/s, "
-        f"waste {m['waste']:.1%}, {m['calls']} calls{gpu}"
+        f"waste {m['waste']:.1%}, {m['calls']} calls{gpu}{off}"
     )
 
 
@@ -408,12 +448,17 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(
                 f"| {mode} | {s['s']:.2f} | {s['tokens_per_s']:.0f} | {s['waste']:.1%} | {s['calls']:g} | {gpu} |"
             )
-    if summaries["push"] and summaries["pull+len"]:
-        push, ours = summaries["push"], summaries["pull+len"]
+    push, ours = summaries["push"], summaries["pull+len"]
+    if push and ours:
+        share = f"{ours['waste'] / push['waste']:.2f}" if push["waste"] else "-"
+        last = max(r["epoch"] for r in record["rollouts"])
+        later = [r for r in record["reference_waste"] if 2 <= r["epoch"] <= last and r["predicted"] is not None]
+        refs = {k: statistics.fmean(r[k] for r in later) for k in ("oracle", "predicted")}
         lines += [
             "",
-            f"Epochs 2-{args.epochs}: pull+len against push: rollout {push['s'] / ours['s']:.2f}x faster, "
-            f"waste {ours['waste'] / push['waste']:.2f} of push's" if push["waste"] else "",
+            f"Epochs 2-{last}: push's rollout time / pull+len's: {push['s'] / ours['s']:.2f}x; pull+len's waste / "
+            f"push's: {share}. For reference, the waste of batches of {args.policy_batch} cut from the samples "
+            f"sorted by {reference(refs)} (mean over epochs).",
         ]
     lines += ["", "| epoch | mode | rollout s | tokens/s | waste | calls | GPU median / mean |"]
     lines.append("| --- | --- | --- | --- | --- | --- | --- |")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["loadtest_main", "run_flowrl", "scenarios"]
 
 
-async def run_flowrl(w: Workload, epochs: int = 1) -> list[dict[str, Any]]:
+async def run_flowrl(w: Workload, epochs: int = 1, *, remember: bool = True) -> list[dict[str, Any]]:
     """flowrl on the workload (after a warm-up run), with what the harness reports of it, per
     epoch. From the second epoch on, each sample's cost is predicted by a ``LengthMemory`` of
     the lengths its prompt had (the first stage's ``<stage>_length``), as the engine does."""
@@ -43,7 +43,7 @@ async def run_flowrl(w: Workload, epochs: int = 1) -> list[dict[str, Any]]:
     async with open_pipeline(workload_flow(w, epochs), config) as pipe:
         await pipe.run(items(w, 0, hints)[: min(8, w.samples)])  # warm-up: imports, first calls
         for epoch in range(epochs):
-            costs = memory.costs(prompts) if len(memory) else None
+            costs = memory.costs(prompts) if remember and len(memory) else None
             before = pipe.stats()
             cpu, start = time.process_time(), time.perf_counter()
             done = await pipe.run(items(w, epoch, hints), fields=[f"{last}_done", f"{first}_length"], costs=costs)
@@ -84,11 +84,12 @@ def _stage_report(after: StageStats, before: StageStats, makespan: float) -> dic
     }
 
 
-def run_scenario(name: str, w: Workload, raw: dict[str, float]) -> list[dict[str, Any]]:
+def run_scenario(name: str, w: Workload, raw: dict[str, float], before: str | None = None) -> list[dict[str, Any]]:
     """One scenario run by flowrl and by static push, beside simulations: free, with the
     substrate's serial shard time as every call's overhead, and with the substrate's measured
     capacity too (no-op shards a second: ``dispatch_s``; a lone call still takes the serial time).
-    A row per epoch (``scenarios.EPOCHS``; the simulations fed by the same length memory)."""
+    A row per epoch (``scenarios.EPOCHS``; the simulations fed by the same length memory).
+    ``before``: also run flowrl as it was before issue 22 (that splitter, no length memory)."""
     epochs = EPOCHS.get(name, 1)
     overhead_s, dispatch_s = raw["shard_ms"] / 1e3, 1 / raw["flowrl_shards_per_s"]
     zero = simulate_epochs(w, epochs)
@@ -97,8 +98,13 @@ def run_scenario(name: str, w: Workload, raw: dict[str, float]) -> list[dict[str
         msgspec.structs.replace(w, overhead_s=max(0.0, overhead_s - dispatch_s), dispatch_s=dispatch_s), epochs
     )
     flows = asyncio.run(run_flowrl(w, epochs))
+    olds: list[dict[str, Any] | None] = [None] * epochs
+    if before is not None:
+        was = msgspec.structs.replace(w, stages=[msgspec.structs.replace(s, splitter=before) for s in w.stages])
+        olds = list(asyncio.run(run_flowrl(was, epochs, remember=False)))
     rows = []
     for e, flow in enumerate(flows):
+        old = olds[e]
         push = asyncio.run(run_push(msgspec.structs.replace(w, epoch=e)))
         stages = flow["stages"].values()
         measured = sum(st["overhead_ms_per_shard"] * st["calls"] for st in stages) / sum(st["calls"] for st in stages)
@@ -122,6 +128,8 @@ def run_scenario(name: str, w: Workload, raw: dict[str, float]) -> list[dict[str
                 "flowrl_over_sim_with_run_overhead": flow["makespan_s"] / fitted.makespan_s,
                 "flowrl_over_bound": flow["makespan_s"] / zero[e].lower_bound_s,
                 "push_over_flowrl": push["makespan_s"] / flow["makespan_s"],
+                "before": old,
+                "before_over_flowrl": None if old is None else old["makespan_s"] / flow["makespan_s"],
                 "ray_data_over_flowrl": None,
             }
         )
@@ -161,6 +169,7 @@ def report_tables(rows: list[dict[str, Any]]) -> str:
             "flowrl/bound",
             "push/flowrl",
             "Ray Data/flowrl",
+            "before/flowrl",
         ],
         [
             [
@@ -177,6 +186,7 @@ def report_tables(rows: list[dict[str, Any]]) -> str:
                 _f(r["flowrl_over_bound"]),
                 _f(r["push_over_flowrl"]),
                 _f(r["ray_data_over_flowrl"]),
+                _f(r.get("before_over_flowrl")),
             ]
             for r in rows
         ],
@@ -282,6 +292,9 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--no-ray-data", action="store_true", help="skip the Ray Data baseline")
     parser.add_argument(
+        "--before", metavar="SPLITTER", help="also run flowrl with this splitter and no length memory (e.g. guided)"
+    )
+    parser.add_argument(
         "--cpu-hog", type=int, default=0, metavar="N", help="N processes spinning on the CPU during the scenarios"
     )
     args = parser.parse_args(argv)
@@ -306,7 +319,7 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
         for name, w in scenarios().items():
             if args.scenario and name not in args.scenario:
                 continue
-            runs = [run_scenario(name, w, raw) for _ in range(args.repeats)]
+            runs = [run_scenario(name, w, raw, args.before) for _ in range(args.repeats)]
             for e, epoch_rows in enumerate(zip(*runs, strict=True)):
                 row = median_row(list(epoch_rows))
                 rows.append(with_ray_data(row, w) if ray_data and e == 0 else row)
@@ -344,6 +357,8 @@ def _report(command: str, raw: dict[str, float], rows: list[dict[str, Any]], ray
         "  with the measured cost of a shard above (`Workload.overhead_s`) added to every call; sim+cap:\n"
         "  also with the no-op shard rate above as the runtime's capacity (`Workload.dispatch_s`).\n"
         "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n"
+        "- before: flowrl as before the cost-aware splitter and the length memory (`--before guided`: the\n"
+        "  guided splitter, no memory), in the same run; `eN` rows are the epochs of one scenario.\n"
         + (
             "- Ray Data: `map_batches` with an actor pool per stage (`concurrency=replicas`), stages chained in\n"
             "  flow order; timed from its first model call to its last, because its actor pools start with\n"

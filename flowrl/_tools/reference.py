@@ -13,7 +13,7 @@ from typing import Literal, get_args, get_origin
 
 import msgspec
 
-from .._core.config import Autoscale, ModelConfig, PipelineConfig
+from .._core.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
 from .._core.run_config import LoggerConfig, RunConfig
 
 MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
@@ -26,7 +26,9 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "batch_size": "the largest shard one call gets",
         "gpus_per_replica": "GPUs each replica asks Ray for (may be fractional); overrides the derived value",
         "cpus_per_replica": "CPUs each replica asks Ray for",
-        "splitter": "how shards are cut: `guided`, `factoring` or `greedy` (concepts.md, splitter policies)",
+        "splitter": "how shards are cut: `cost` (learns a call's fixed and per-sample cost and sizes shards to "
+        "finish soonest), `guided`, `factoring` or `greedy` (concepts.md, splitter policies)",
+        "call_cost": "a `CallCostPrior`: what a call costs before any is measured (the `cost` splitter's start)",
         "prefetch": "shards in flight per replica: one running, one waiting (queued only while that pays)",
         "call_timeout_s": "the longest one call may take, seen from the driver (including the wait behind a shard "
         "queued first); a call still running then fails the run with a `StageError` naming it and "
@@ -83,6 +85,8 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "weights at most k versions old (engine.md, asynchronous training)",
         "on_stale": "`wait`: admit an episode's prompts only once the bound can be met; `drop` / `regenerate`: start "
         "rollouts one version earlier and drop, or generate again, samples more than k versions behind",
+        "length_field": "an output field of the rollout with each sample's response length (a number or a "
+        "sequence, e.g. `response_ids`): remembered per prompt, the next rollouts start the longest first",
         "run_dir": "where `metrics.jsonl` (a line per episode) and `trace.json` (the timeline) go",
         "progress": "`auto` (a live table on a terminal, else log lines), `live`, `log` or `off` (false: `off`, "
         "true: `live`)",
@@ -92,6 +96,11 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "models": "a `ModelConfig` per model name, applied when the engine is built",
         "pipeline": "the `PipelineConfig` of every pool and trainer",
     },
+}
+
+MEANING[CallCostPrior] = {
+    "fixed_s": "seconds a call costs whatever its size (a kernel launch, padding, a micro-batch)",
+    "per_sample_s": "seconds each sample adds to a call",
 }
 
 MEANING[Autoscale] = {
@@ -121,6 +130,7 @@ WHERE: dict[type[msgspec.Struct], str] = {
     PipelineConfig: "`open_pipeline(flow, config)`, `Pipeline`, `RunConfig.pipeline`",
     RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`",
     Autoscale: '`ModelConfig.autoscale`, e.g. `{"max_replicas": 8}`',
+    CallCostPrior: '`ModelConfig.call_cost`, e.g. `{"fixed_s": 0.05, "per_sample_s": 0.002}`',
     LoggerConfig: "`RunConfig.loggers`, e.g. `[tensorboard, {kind: wandb, mode: offline}]`",
 }
 
