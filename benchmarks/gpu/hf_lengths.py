@@ -336,6 +336,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + 1)
     push = Push(policy, on_gpu, args.step_timeout)
     config = {"backend": "ray", "progress": "off", "setup_timeout_s": args.step_timeout}
+    config |= {"input_chunk": args.input_chunk}
     try:
         flow: Any = policy.forward_step  # a flow of one stage
         with flowrl.Pipeline(flow, config) as pipe:
@@ -371,6 +372,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--policy-replicas", type=int, help="default 4 (2 with --tiny)")
     p.add_argument("--policy-batch", type=int, help="default 32 (8 with --tiny)")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds a call (or replica start) may take")
+    p.add_argument(
+        "--input-chunk",
+        type=int,
+        default=4096,
+        help="PipelineConfig.input_chunk: the longest-first order holds only among the items admitted so far, "
+        "and the first shards are cut as the first chunk arrives (flowrl's default 64 loses a part of the grouping)",
+    )
     p.add_argument("--budget-s", type=float, help="start no epoch that would end past this many seconds of run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/flowrl-hf-lengths")
@@ -435,7 +443,8 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"{arch} (random weights) on the {where}: {args.samples // args.n} prompts x {args.n} samples, at most "
         f"{args.tokens} new tokens, lengths lognormal (median {args.median:g} x max, sigma {args.sigma:g}; "
-        f"noise {args.noise:g}), policy {args.policy_replicas} replicas x batch {args.policy_batch}.",
+        f"noise {args.noise:g}), policy {args.policy_replicas} replicas x batch {args.policy_batch}, "
+        f"input_chunk {args.input_chunk}.",
         "",
         "| mode | rollout s (median) | tokens/s | padding waste | policy calls | GPU busy median / mean |",
         "| --- | --- | --- | --- | --- | --- |",
