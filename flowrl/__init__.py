@@ -23,6 +23,7 @@ from ._core.errors import (
     StageError,
 )
 from ._core.graph import FlowGraph
+from ._core.lengths import LengthMemory
 from ._core.model import Model, step
 from ._core.run_config import LoggerConfig, RunConfig
 from ._core.sampler import EpisodeBuffer
@@ -56,6 +57,7 @@ __all__ = [
     "FlowError",
     "FlowGraph",
     "InputLostError",
+    "LengthMemory",
     "Logger",
     "LoggerConfig",
     "MLflowLogger",

@@ -79,10 +79,13 @@ class Admission:
             self.expect(total)
         take, close = self._taker(items)
         exhausted = False
+        # With estimates (a list in memory), admit as much as the window holds at once: the
+        # stages can only start the costliest first among the samples admitted so far.
+        chunk_size = self._config.input_chunk if run.costs is None else self._window.limit
         try:
             while not exhausted and not run.abandoned:
                 waiting = time.perf_counter()
-                room = await self._window.acquire(self._config.input_chunk)
+                room = await self._window.acquire(chunk_size)
                 self._recorder.blocked_s += time.perf_counter() - waiting
                 chunk: list[Any] = []
                 try:

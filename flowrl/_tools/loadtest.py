@@ -330,6 +330,7 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
         ray.shutdown()
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out"]
     text = _report(" ".join([command, *shown]).strip(), raw, rows, ray_data)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps({"raw": raw, "rows": rows}, indent=1))
     print(text)
