@@ -92,10 +92,12 @@ def cost(
         unassigned=unassigned,
         free_replicas=free_replicas,
     )
-    want = min(batch_size, max(floor, min(target or 1, _ceil_div(remaining, replicas) - held)))
+    # wait only for the size the cost model asks within the share, not for the overhead floor:
+    # near the drain the floor would hold the last samples back for stragglers upstream
+    want = min(batch_size, max(1, min(target or 1, _ceil_div(remaining, replicas) - held)))
     if pending < want and coming > 0:
         return 0
-    return max(n, min(want, pending))
+    return max(n, min(max(want, floor), pending, batch_size))
 
 
 def greedy(*, pending: int, batch_size: int, **_: int | None) -> int:
