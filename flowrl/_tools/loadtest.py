@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from .._core.stats import StageStats
 
 __all__ = ["loadtest_main", "run_flowrl", "scenarios"]
+
+_turns = itertools.count()
 
 
 async def run_flowrl(w: Workload, epochs: int = 1, *, remember: bool = True) -> list[dict[str, Any]]:
@@ -97,10 +100,16 @@ def run_scenario(name: str, w: Workload, raw: dict[str, float], before: str | No
     capped = simulate_epochs(
         msgspec.structs.replace(w, overhead_s=max(0.0, overhead_s - dispatch_s), dispatch_s=dispatch_s), epochs
     )
-    flows = asyncio.run(run_flowrl(w, epochs))
     olds: list[dict[str, Any] | None] = [None] * epochs
+    was = None
     if before is not None:
         was = msgspec.structs.replace(w, stages=[msgspec.structs.replace(s, splitter=before) for s in w.stages])
+    # which goes first alternates from repeat to repeat: the second pipeline of a process runs warmer
+    now_first = next(_turns) % 2 == 0
+    if was is not None and not now_first:
+        olds = list(asyncio.run(run_flowrl(was, epochs, remember=False)))
+    flows = asyncio.run(run_flowrl(w, epochs))
+    if was is not None and now_first:
         olds = list(asyncio.run(run_flowrl(was, epochs, remember=False)))
     rows = []
     for e, flow in enumerate(flows):
