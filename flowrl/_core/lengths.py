@@ -7,9 +7,10 @@ predictions to the pipeline as cost estimates: every stage then starts the longe
 work first, and a shard holds samples of similar predicted length, so a generation call does
 not wait on one long sample while its short ones sit finished (padding).
 
-The prediction is a moving average over the rollouts a prompt took part in (each rollout's
-mean over its samples), weighted towards the latest so that it follows the policy as its
-responses grow or shrink during training. A prompt never seen is predicted as the mean of
+The prediction is the mean over the rollouts a prompt took part in (each rollout's mean over
+its samples) until it has seen ``1 / weight`` of them, then a moving average that gives the
+latest rollout ``weight``: the sampling noise of single rollouts averages out, and the
+prediction still follows the policy as its responses grow or shrink during training. A prompt never seen is predicted as the mean of
 those seen (neutral: neither first nor last); with nothing seen, every cost is 0 and the
 stages keep the oldest-first order.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-WEIGHT = 0.5  # of the latest rollout, against everything before it
+WEIGHT = 0.25  # of the latest rollout, once 4 have been seen
 
 
 def length_of(value: Any, where: str) -> float:
@@ -71,9 +72,10 @@ class LengthMemory:
             acc[1] += 1
         for key, (total, count) in sums.items():
             mean = total / count
-            old = self._mean.get(key)
-            self._mean[key] = mean if old is None else old + self.weight * (mean - old)
-            self._seen[key] = self._seen.get(key, 0) + 1
+            seen = self._seen.get(key, 0) + 1
+            old = self._mean.get(key, mean)
+            self._mean[key] = old + max(1 / seen, self.weight) * (mean - old)
+            self._seen[key] = seen
 
     def predict(self, key: int) -> float | None:
         return self._mean.get(key)

@@ -14,12 +14,18 @@ from flowrl._core.simulate import simulate, tails
 from flowrl._tools.scenarios import scenarios
 
 
-def test_a_prompts_samples_in_one_rollout_count_once_and_later_rollouts_weigh_more():
-    memory = LengthMemory(weight=0.5)
+def test_a_prompts_samples_in_one_rollout_count_once_then_rollouts_are_averaged():
+    memory = LengthMemory(weight=0.25)
     memory.observe([7, 7, 3], [10.0, 30.0, 5.0])  # prompt 7's group: mean 20
     assert memory.predict(7) == 20.0 and memory.predict(3) == 5.0
     memory.observe([7], [40.0])
-    assert memory.predict(7) == 30.0  # halfway to the latest
+    assert memory.predict(7) == 30.0  # the mean of its two rollouts
+    memory.observe([7], [60.0])
+    assert memory.predict(7) == 40.0  # the mean of three
+    memory.observe([7], [60.0])
+    assert memory.predict(7) == 45.0  # four seen: from now on the latest weighs a quarter
+    memory.observe([7], [60.0])
+    assert memory.predict(7) == 48.75
     assert memory.predict(99) is None
 
 
