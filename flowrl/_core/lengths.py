@@ -10,9 +10,9 @@ not wait on one long sample while its short ones sit finished (padding).
 The prediction is the mean over the rollouts a prompt took part in (each rollout's mean over
 its samples) until it has seen ``1 / weight`` of them, then a moving average that gives the
 latest rollout ``weight``: the sampling noise of single rollouts averages out, and the
-prediction still follows the policy as its responses grow or shrink during training. A prompt never seen is predicted as the mean of
-those seen (neutral: neither first nor last); with nothing seen, every cost is 0 and the
-stages keep the oldest-first order.
+prediction still follows the policy as its responses grow or shrink during training. A prompt
+never seen is predicted as the mean of those seen (neutral: neither first nor last); with
+nothing seen, every cost is 0 and the stages keep the oldest-first order.
 """
 
 from __future__ import annotations

@@ -216,3 +216,32 @@ async def test_a_cost_field_that_is_not_a_number_is_named(value, got):
     with pytest.raises(flowrl.FlowDefinitionError, match=f"input item 1: PipelineConfig.cost_field='cost' .*got {got}"):
         async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "cost_field": "cost"}) as pipe:
             await pipe.run(data)
+
+
+async def test_costs_given_to_a_run_order_it_and_replace_the_cost_field():
+    one = Scale("one", {"num_replicas": 1, "batch_size": 1, "prefetch": 1}, srcs=["x"], dst="y")
+    data = [{"x": np.full(2, float(i)), "cost": 100.0 - i} for i in range(70)]  # the field says: oldest first
+    costs = [float(i % 7) for i in range(70)]
+    # more items than input_chunk: a run with costs is admitted whole, so the order spans all 70
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "cost_field": "cost"}) as pipe:
+        out = await pipe.run(data, costs=costs)
+    assert [s.id for s in out] == list(range(70))
+    ran = [s.id for s in sorted(out, key=lambda s: s["one_consumed"])]
+    assert ran == sorted(range(70), key=lambda i: (-costs[i], i))
+
+
+@pytest.mark.parametrize(
+    "costs, items, message",
+    [
+        ([1.0], [{"x": np.zeros(2)}] * 2, r"expected one cost per item \(2\), got 1"),
+        ([1.0, -1.0], [{"x": np.zeros(2)}] * 2, r"finite numbers >= 0, got \[1\]=-1.0"),
+        ([1.0, "a"], [{"x": np.zeros(2)}] * 2, "expected a number, got 'a'"),
+        (5, [{"x": np.zeros(2)}], "expected a list of numbers, one per item, got int"),
+        ([1.0], iter([{"x": np.zeros(2)}]), "costs need items with a length"),
+    ],
+)
+def test_costs_that_do_not_fit_the_items_are_named(costs, items, message):
+    one = Scale("one", {"num_replicas": 1, "batch_size": 1}, srcs=["x"], dst="y")
+    with flowrl.Pipeline(lambda x: one.forward_step(x), INPROC) as pipe:
+        with pytest.raises(flowrl.ConfigError, match=rf"Pipeline.run\(costs=\.\.\.\): .*{message}"):
+            pipe.run(items, costs=costs)
