@@ -65,9 +65,10 @@ class CallCost:
         if not m:
             return self.prior
         var = m["nn"] - m["n"] ** 2
-        if var > 0.01 * m["nn"]:  # several sizes seen: fit the line (size-free calls: slope 0)
-            slope = max(0.0, (m["ny"] - m["n"] * m["y"]) / var)
-            return max(0.0, m["y"] - slope * m["n"]), slope
+        if var > 0.01 * m["nn"]:  # several sizes seen: fit the line
+            slope = (m["ny"] - m["n"] * m["y"]) / var
+            if slope > 0:  # a flat or falling line is noise (a tail): not "samples are free"
+                return max(0.0, m["y"] - slope * m["n"]), slope
         if self.prior is not None:  # one size: split its time as the prior does
             fixed, per = self.prior
             scale = m["y"] / max(fixed + per * m["n"], 1e-12)
