@@ -1,7 +1,8 @@
 """Splitter policies (sans-IO): how many pending samples an idle replica takes.
 
-Every policy is work-conserving (a replica asking while samples are pending always gets at
-least one) and never exceeds the stage's ``batch_size``. The adaptive policies also bound what
+Every policy but ``cost`` is work-conserving (a replica asking while samples are pending always
+gets at least one; ``cost`` may wait for samples already on their way from upstream), and none
+exceeds the stage's ``batch_size``. The adaptive policies also bound what
 a replica holds by its share of the work that *remains* for the stage — not yet finished:
 pending now, still to come from upstream, or running — so shards shrink as the work runs out
 and replicas finish together (guided self-scheduling; factoring halves the share again).
@@ -83,15 +84,7 @@ def cost(
     than ``floor`` (a shard whose work covers the call's overhead, which loads what replicas
     share); while fewer are pending and ``coming`` more samples are on their way from upstream,
     0: wait for them rather than pay a call's cost for a few. Without either, ``guided``."""
-    n = guided(
-        pending=pending,
-        remaining=remaining,
-        replicas=replicas,
-        batch_size=batch_size,
-        held=held,
-        unassigned=unassigned,
-        free_replicas=free_replicas,
-    )
+    n = _adaptive(1, pending, remaining, replicas, batch_size, held, unassigned, free_replicas)  # guided
     # wait only for the size the cost model asks within the share, not for the overhead floor:
     # near the drain the floor would hold the last samples back for stragglers upstream
     want = min(batch_size, max(1, min(target or 1, _ceil_div(remaining, replicas) - held)))
