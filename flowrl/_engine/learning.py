@@ -4,6 +4,7 @@ and their stats, the trainers' counters and results; ``snapshot``/``restore`` fo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 from .._core.batch import Sample
@@ -92,10 +93,10 @@ class LearningState:
         hook = self.predict_cost
         if hook is None:
             return remembered
-        out = []
+        out: list[float] = []
         for i, (item, key) in enumerate(zip(items, keys, strict=True)):
             value = hook(item, self.lengths.predict(key))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= float(value) < float("inf"):
                 raise ConfigError(
                     f"Engine(predict_cost=...) returned {value!r} for item {i} of episode {episode}; expected a "
                     "finite number >= 0 (a predicted cost, e.g. a response length)"

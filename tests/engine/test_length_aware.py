@@ -62,9 +62,9 @@ def test_a_hook_predicts_from_the_item_and_what_was_remembered():
     SEEN.clear()
     calls: list[tuple[int, float | None]] = []
 
-    def shortest_first(item: Any, remembered: float | None) -> float:
+    def shortest_first(item: Any, remembered: float | None) -> Any:
         calls.append((int(item["p"]), remembered))
-        return 100.0 - (remembered or 0.0)
+        return np.float32(100.0 - (remembered or 0.0))  # a numpy number is a number too
 
     _engine(predict_cost=shortest_first).learn()
     _, second = _episodes(2)
