@@ -37,6 +37,9 @@ class CallCost:
         self.batch_size, self.weight, self.prior = batch_size, weight, prior
         self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
         self.calls = 0
+        # the fit of the calls so far: the splitter asks for it on every cut (the driver's
+        # per-shard path), the calls change it only when one ends
+        self._fitted: tuple[float, float] | None = prior
 
     def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
         """One completed call; ``overhead_s`` None when it is not known (the call waited
@@ -58,9 +61,13 @@ class CallCost:
         for key, value in new.items():
             old = self._avg.get(key)
             self._avg[key] = value if old is None else old + self.weight * (value - old)
+        self._fitted = self._refit()
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed, per sample) seconds of the step, from the calls measured or the prior."""
+        return self._fitted
+
+    def _refit(self) -> tuple[float, float] | None:
         m = self._avg
         if not m:
             return self.prior

@@ -95,6 +95,8 @@ class LengthMemory:
     def restore(self, rows: Sequence[Sequence[float]]) -> None:
         self._mean, self._seen = {}, {}
         for row in rows:
+            if len(row) != 3:
+                raise ConfigError(f"a prompt length row must be [index >= 0, length >= 0, rollouts >= 1], got {row}")
             key, mean, seen = row
             if not (float(key).is_integer() and key >= 0 and 0 <= mean < math.inf and seen >= 1):
                 raise ConfigError(f"a prompt length row must be [index >= 0, length >= 0, rollouts >= 1], got {row}")

@@ -9,16 +9,20 @@ hands them to its rollout. A sample's length is its first stage's tail (the gene
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 
 from .lengths import LengthMemory
 from .simulate import SimResult, Workload, simulate, tails
 
 
+def prompt_keys(workload: Workload) -> list[int]:
+    """Each sample's prompt: a group's ``group`` consecutive samples share one (``tails``)."""
+    return [i // workload.group for i in range(workload.samples)]
+
+
 def simulate_epochs(workload: Workload, epochs: int, *, remember: bool = True) -> list[SimResult]:
     """One result per epoch; ``remember=False`` schedules every epoch without predictions."""
     memory = LengthMemory()
-    prompts = (np.arange(workload.samples) // workload.group).tolist()
+    prompts = prompt_keys(workload)
     first = workload.stages[0].name
     out = []
     for epoch in range(epochs):

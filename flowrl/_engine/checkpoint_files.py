@@ -271,6 +271,16 @@ def check_state(state: EngineState, folder: Path) -> None:
     _check_progress(state, expect)
     _check_models(state, expect)
     _check_counts(state, expect)
+    _check_lengths(state, expect)
+
+
+def _check_lengths(state: EngineState, expect: Expect) -> None:
+    """Each remembered prompt: [its dataset index, a length, the rollouts it took part in]."""
+    want = f"[a dataset index in [0, {state.dataset_size}), a length >= 0, rollouts in [1, 2**62]]"
+    for i, row in enumerate(state.prompt_lengths):
+        ok = len(row) == 3 and float(row[0]).is_integer() and 0 <= row[0] < state.dataset_size
+        ok = ok and 0 <= row[1] < math.inf and 1 <= row[2] <= _MAX_COUNT
+        expect(ok, f"prompt_lengths[{i}]", row, want)
 
 
 def _check_progress(state: EngineState, expect: Expect) -> None:

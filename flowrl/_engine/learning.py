@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._core.batch import Sample
 from .._core.checks import item_source
-from .._core.errors import CheckpointError, ConfigError, FlowDefinitionError
+from .._core.errors import ConfigError, FlowDefinitionError
 from .._core.lengths import LengthMemory, length_of
 from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
 from .checkpoint_files import EngineState, sampling
@@ -89,10 +89,9 @@ class LearningState:
             return None
         prompts = self._prompts[episode]
         keys = prompts if rows is None else [prompts[i] for i in rows]
-        remembered = self.lengths.costs(keys)
         hook = self.predict_cost
         if hook is None:
-            return remembered
+            return self.lengths.costs(keys)
         out: list[float] = []
         for i, (item, key) in enumerate(zip(items, keys, strict=True)):
             value = hook(item, self.lengths.predict(key))
@@ -190,10 +189,7 @@ class LearningState:
         self.counters.restore(state.trainer_counts)
         self.episodes = list(state.episodes)
         self._marks = {}
-        try:
-            self.lengths.restore(state.prompt_lengths)
-        except ConfigError as err:
-            raise CheckpointError(f"the checkpoint's prompt_lengths: {err}") from None
+        self.lengths.restore(state.prompt_lengths)  # its rows were checked with the file (check_state)
 
 
 def relayed(fn: RelayFn, episodes: list[EpisodeBuffer]) -> list[Sample]:

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._core.lengths import LengthMemory
-from .._core.sim_epochs import simulate_epochs
+from .._core.sim_epochs import prompt_keys, simulate_epochs
 from .._core.simulate import Workload, cost_hints, tails
 from .._pipeline.opening import open_pipeline
 from .baselines import cpu_hog, run_push, run_ray_data, substrate
 from .scenarios import EPOCHS, items, scenarios, workload_flow
 
 if TYPE_CHECKING:
-    from .._core.stats import StageStats
+    from .._core.stats import PipelineStats, StageStats
 
 __all__ = ["loadtest_main", "run_flowrl", "scenarios"]
 
@@ -41,7 +41,7 @@ async def run_flowrl(w: Workload, epochs: int = 1, *, remember: bool = True) -> 
     hints = cost_hints(w, tails(w))
     config = {} if hints is None else {"cost_field": "cost"}
     first, last = w.stages[0].name, w.stages[-1].name
-    prompts = [i // w.group for i in range(w.samples)]
+    prompts = prompt_keys(w)
     memory, out = LengthMemory(), []
     async with open_pipeline(workload_flow(w, epochs), config) as pipe:
         await pipe.run(items(w, 0, hints)[: min(8, w.samples)])  # warm-up: imports, first calls
@@ -57,7 +57,9 @@ async def run_flowrl(w: Workload, epochs: int = 1, *, remember: bool = True) -> 
     return out
 
 
-def _flowrl_report(w: Workload, before: Any, after: Any, makespan: float, cpu: float) -> dict[str, Any]:
+def _flowrl_report(
+    w: Workload, before: PipelineStats, after: PipelineStats, makespan: float, cpu: float
+) -> dict[str, Any]:
     stages = {
         st.name: _stage_report(after[f"{st.name}.forward_step"], before[f"{st.name}.forward_step"], makespan)
         for st in w.stages

@@ -84,6 +84,12 @@ def test_the_untampered_copy_resumes(copy):
         ({"synced": ["policy", "policy"]}, r"field synced is \['policy', 'policy'\]"),
         ({"format": 0}, r"field format is 0; this flowrl reads format 1"),
         ({"episodes": []}, r"field episodes is '0 entries'; expected one per episode done \(3\)"),
+        ({"prompt_lengths": [[1, 2.0]]}, r"field prompt_lengths\[0\] is \[1.0, 2.0\]; expected \[a dataset index in"),
+        (
+            {"prompt_lengths": [[999, 2.0, 1]]},
+            r"field prompt_lengths\[0\] is \[999.0, 2.0, 1.0\]; expected \[a dataset index in \[0, 20\)",
+        ),
+        ({"prompt_lengths": [[1, -3.0, 1]]}, r"field prompt_lengths\[0\] is \[1.0, -3.0, 1.0\]"),
         ({"episode": "x"}, r"is not a flowrl engine state \(Expected `int`, got `str` - at `\$.episode`\)"),
     ],
 )
