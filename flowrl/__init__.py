@@ -24,6 +24,7 @@ from ._core.errors import (
 )
 from ._core.graph import FlowGraph
 from ._core.lengths import LengthMemory
+from ._core.loops import loop
 from ._core.model import Model, step
 from ._core.run_config import LoggerConfig, RunConfig
 from ._core.sampler import EpisodeBuffer
@@ -88,6 +89,7 @@ __all__ = [
     "WandbLogger",
     "Workload",
     "build_flow",
+    "loop",
     "open_pipeline",
     "run_flow",
     "simulate",

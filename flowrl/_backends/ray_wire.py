@@ -174,7 +174,7 @@ def call_args(call: ShardCall) -> tuple[list[Any], bytes, list[Piece]]:
     for p in call.pieces:
         if isinstance(p.ref, Inline):
             parts.append(p.ref.pickled(p.rows))
-            pieces.append(Piece(producer=p.producer, ref=-len(parts), rows=list(range(len(p.rows)))))
+            pieces.append(msgspec.structs.replace(p, ref=-len(parts), rows=list(range(len(p.rows)))))
             continue
         ref = p.ref.ref if isinstance(p.ref, Reply) else p.ref
         if ref not in index:

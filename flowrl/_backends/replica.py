@@ -20,6 +20,7 @@ from .._core.batch import Batch, approx_nbytes
 from .._core.columns import column_length, signature
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowError, OutputError, StageError
+from .._core.loops import DONE, flags
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
 from .._core.state_format import decode_state, encode_state
@@ -47,7 +48,8 @@ def gather(call: ShardCall, fetch: Fetch, private: bool = False) -> Batch:
     for piece in call.pieces:
         obj = objects[index[piece.ref]]
         whole = private and len(piece.rows) == len(obj) and piece.rows == list(range(len(obj)))
-        by_producer.setdefault(piece.producer, []).append(obj if whole else obj.select(piece.rows))
+        part = obj if whole else obj.select(piece.rows)
+        by_producer.setdefault(piece.producer, []).append(part if piece.fields is None else part.only(piece.fields))
     merged: Batch | None = None
     for producer, parts in by_producer.items():
         part = parts[0] if len(parts) == 1 else Batch.concat(parts)
@@ -62,7 +64,8 @@ def gather(call: ShardCall, fetch: Fetch, private: bool = False) -> Batch:
 def new_fields(
     out: Any, batch: Batch, input_fields: set[str], call: ShardCall, replica: int, writes: Any
 ) -> dict[str, Any]:
-    """The fields a step added, checked: a mapping, one row per sample, no overwrite."""
+    """The fields a step added, checked: a mapping, one row per sample, no overwrite (but of
+    ``call.updates``: a loop's state, which its body updates)."""
 
     def fail(msg: str) -> OutputError:
         return OutputError(msg, call.stage, replica, call.ids)
@@ -72,11 +75,12 @@ def new_fields(
         raise fail(f"{call.method} must return a mapping of new fields (field -> tensor or list), got {return_type}")
     added: dict[str, Any] = {}
     for name, value in out.items():
-        if name in input_fields:
+        if name in input_fields and name not in call.updates:
             if out is batch or value is batch.get(name):
                 continue  # passed through untouched (ChatLearn style: ``return data``)
             raise fail(
-                f"returned field {name!r}, which its input already has; a stage adds fields, never overwrites one"
+                f"returned field {name!r}, which its input already has; a stage adds fields, never overwrites one "
+                "(inside flowrl.loop, a step may update the fields of the loop's state)"
             )
         rows = column_length(value)
         if rows != len(batch):
@@ -146,6 +150,7 @@ class ReplicaRuntime:
                 )
             if version_field not in inputs:  # a later step of the same model keeps the first's
                 added[version_field] = [self.model.weight_version] * len(batch)
+        stops = loop_columns(call, added, self.replica_id) if call.loop is not None else []
         result = Batch(batch.ids, added, _check=False)
         took = time.perf_counter() - start
         meta = CallMeta(
@@ -157,6 +162,7 @@ class ReplicaRuntime:
             started=started,
             step_s=took,
             types={name: signature(value) for name, value in added.items()},
+            stops=stops,
         )
         return meta, result
 
@@ -178,6 +184,37 @@ class ReplicaRuntime:
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", where, self.replica_id, []) from err
         self.model.weight_version = version
+
+
+def loop_columns(call: ShardCall, added: dict[str, Any], replica: int) -> list[str]:
+    """The last step of a loop's body returned ``until``: add each sample's turn and why it
+    leaves the loop (``done``, ``max_turns``, ``deadline``; "" while it goes on)."""
+    loop = call.loop
+    assert loop is not None
+    if loop.until not in added:
+        raise OutputError(
+            f"the last step of a loop's body must return the field flowrl.loop(until={loop.until!r}) names "
+            f"(one boolean per sample); it returned {sorted(added)}",
+            call.stage,
+            replica,
+            call.ids,
+        )
+    done = flags(added[loop.until], len(call.ids))
+    if done is None:
+        raise OutputError(
+            f"field {loop.until!r} (flowrl.loop(until=...)) must hold one boolean per sample, "
+            f"got {type(added[loop.until]).__name__}",
+            call.stage,
+            replica,
+            call.ids,
+        )
+    for name in (loop.turns_field, loop.stop_field):
+        if name in added:
+            raise OutputError(f"field {name!r} is reserved for the loop's record", call.stage, replica, call.ids)
+    stops = [DONE if d else end for d, end in zip(done, loop.ends, strict=True)]
+    added[loop.turns_field] = list(loop.turns)
+    added[loop.stop_field] = stops
+    return stops
 
 
 def check_weight_hooks(model: Model, replica: int) -> None:

@@ -233,6 +233,10 @@ class Batch:
             ) from err
         return Batch(ids, {n: take_rows(v, idx) for n, v in self._fields.items()}, _check=False)
 
+    def only(self, names: Sequence[str]) -> Batch:
+        """The same rows with fields ``names`` only (a view: the columns are shared)."""
+        return Batch(self.ids, {n: self[n] for n in names}, _check=False)
+
     def merge(self, other: Batch) -> Batch:
         """The union of two batches' fields for the same samples in the same order."""
         if not isinstance(other, Batch):

@@ -352,9 +352,21 @@ def to_config(cls: type[S], value: object, where: str) -> S:
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
     """Rows ``rows`` of the object ``ref`` produced by ``producer`` (a stage or the input)."""
 
-    producer: str
+    producer: str  # the key its rows merge under (``~field``: a loop's updated field)
     ref: Any
     rows: list[int]
+    fields: list[str] | None = None  # the fields to read (None: all)
+
+
+class LoopCall(msgspec.Struct, frozen=True, kw_only=True):
+    """What the last stage of a loop's body is told with its shard: each sample's turn (from 1)
+    and why it ends after this turn if ``until`` is false for it ("" if it may go on)."""
+
+    until: str
+    turns_field: str
+    stop_field: str
+    turns: list[int]
+    ends: list[str]
 
 
 class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -365,6 +377,8 @@ class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
     iteration: int
     ids: list[int]
     pieces: list[Piece]
+    updates: list[str] = []  # fields it may return although its input has them (a loop's state)
+    loop: LoopCall | None = None  # the last stage of a loop's body: turns, ends, ``until``
 
 
 class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -379,6 +393,7 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     step_s: float = 0.0  # the step alone (busy_s also counts gathering the input)
     # field -> (kind, dtype, trailing shape): the driver checks each stage keeps them (batch.FieldTypes)
     types: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    stops: list[str] = []  # the last stage of a loop's body: why each sample leaves it ("" if it goes on)
 
 
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.

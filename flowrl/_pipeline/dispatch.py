@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core.config import ShardCall
 from .._core.errors import InputLostError, ReplicaDiedError
 from .pools import Retired
 
@@ -111,8 +110,7 @@ class Dispatcher:
         """Run shard ``a``; False when it must be sent again (its inputs were lost and computed again)."""
         spec = self._graph.stages[a.stage]
         iteration = self._ledger.samples[a.ids[0]].run.index
-        pieces = self._ledger.pieces(a.stage, a.ids)
-        call = ShardCall(stage=a.stage, method=spec.method, iteration=iteration, ids=a.ids, pieces=pieces)
+        call = self._ledger.shard_call(a.stage, spec.method, iteration, a.ids)
         scheduler = self._pools[spec.model].scheduler
         # A call's time outside the step tells its overhead only if no other shard of its
         # replica was in flight meanwhile (one queued ahead would be counted as overhead).
@@ -132,11 +130,16 @@ class Dispatcher:
         self._timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
-        self._complete(a.stage, a.ids, out_ref, handle.node_id)
+        self._complete(a.stage, a.ids, out_ref, handle.node_id, meta.stops)
         return True
 
-    def _complete(self, stage: str, ids: list[int], out_ref: Any, node: str) -> None:
-        ready, finished = self._ledger.complete(stage, ids, out_ref, node)
-        for name, sids in ready.items():
+    def _complete(self, stage: str, ids: list[int], out_ref: Any, node: str, stops: list[str]) -> None:
+        done = self._ledger.complete(stage, ids, out_ref, node, stops)
+        for loop, sids in done.again.items():  # another turn: its stages will see them once more
+            for name in self._graph.loops[loop].body:
+                scheduler = self._pools[self._graph.stages[name].model].scheduler
+                scheduler.expect(name, len(sids))
+                scheduler.admit(name, len(sids))
+        for name, sids in done.ready.items():
             self._pools[self._graph.stages[name].model].ready(name, sids, self._ledger.costs(sids))
-        self._runs.finished(finished)
+        self._runs.finished(done.finished)

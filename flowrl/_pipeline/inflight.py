@@ -13,15 +13,36 @@ if TYPE_CHECKING:
 Loc = tuple[Any, int]  # (object reference, row)
 
 
+class Turns:
+    """A sample inside a loop: its turn (from 1), when it entered, and which body stage last
+    wrote each field of the loop's state it updates."""
+
+    __slots__ = ("carry", "entered", "turn")
+
+    def __init__(self) -> None:
+        self.turn = 1
+        self.entered = time.monotonic()
+        self.carry: dict[str, str] = {}  # state field -> the body stage that wrote it last
+
+
 class SampleState:
-    __slots__ = ("cost", "done", "loc", "node", "run")
+    __slots__ = ("cost", "done", "loc", "loops", "node", "run")
 
     def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
         self.loc = loc
         self.node: dict[str, str] = {}  # stage -> the node its output was made on
-        self.done: set[str] = set()
+        self.done: set[str] = set()  # stages done (this turn's, inside a loop) and loops left
         self.run = run
         self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
+        self.loops: dict[str, Turns] | None = None  # per loop it entered (None: none)
+
+    def turns(self, loop: str) -> Turns:
+        if self.loops is None:
+            self.loops = {}
+        found = self.loops.get(loop)
+        if found is None:
+            found = self.loops[loop] = Turns()
+        return found
 
 
 class Run:

@@ -9,12 +9,15 @@ completed and routes what it answers (samples ready per stage, samples finished)
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._core.columns import FieldTypes
-from .._core.config import Piece
+from .._core.config import LoopCall, Piece, ShardCall
 from .._core.errors import FlowDefinitionError, FlowError, OutputError
 from .._core.graph import SOURCE
+from .._core.loops import DEADLINE, MAX_TURNS
 from .inflight import SampleState
 
 if TYPE_CHECKING:
@@ -22,9 +25,20 @@ if TYPE_CHECKING:
 
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta, PipelineConfig
-    from .._core.graph import FlowGraph
+    from .._core.graph import FlowGraph, StageSpec
+    from .._core.loops import LoopSpec
     from .._core.scheduler import Assignment
-    from .inflight import Run
+    from .inflight import Loc, Run
+
+
+@dataclass
+class Completed:
+    """What a finished shard unlocks: samples each stage may take now, samples that start
+    another turn of a loop (per loop), and samples every stage has done."""
+
+    ready: dict[str, list[int]] = field(default_factory=dict)
+    again: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[tuple[int, SampleState]] = field(default_factory=list)
 
 
 class Ledger:
@@ -37,6 +51,7 @@ class Ledger:
         self.retries: dict[tuple[str, int], int] = {}  # (stage, sample) -> times sent again
         self.fields: dict[str, frozenset[str]] = {}  # producer -> the fields it adds
         self._types: dict[str, FieldTypes] = {}  # stage -> its fields' types, as first returned
+        self._carried: dict[str, dict[str, str]] = {}  # loop -> state fields its body updates -> their producer
         self.next_id = 0
 
     def renumber(self, next_id: int) -> None:
@@ -48,7 +63,9 @@ class Ledger:
         ids = list(range(self.next_id, self.next_id + count))
         self.next_id += count
         for row, sid in enumerate(ids):
-            self.samples[sid] = SampleState({SOURCE: (ref, row)}, run, costs[row] if costs else 0.0)
+            state = self.samples[sid] = SampleState({SOURCE: (ref, row)}, run, costs[row] if costs else 0.0)
+            for spec in self._graph.loops_from.get(SOURCE, ()):
+                state.turns(spec.name)
         return ids
 
     def costs(self, ids: list[int]) -> list[float] | None:
@@ -60,20 +77,80 @@ class Ledger:
         """Where shard ``ids`` of ``stage`` reads its inputs: runs of rows per stored object."""
         states = self.samples if states is None else states
         pieces: list[Piece] = []
+        carried = self._carried_seen(stage)
         for producer in self._graph.inputs_of(stage):
-            if self.fields.get(producer) == frozenset():
+            fields = self.fields.get(producer)
+            if fields == frozenset():
                 continue  # a producer known to add no fields has nothing to gather
-            ref: Any = None
-            rows: list[int] = []
-            for sid in ids:
-                r, row = states[sid].loc[producer]
-                if r is not ref and rows:
-                    pieces.append(Piece(producer=producer, ref=ref, rows=rows))
-                    rows = []
-                ref = r
-                rows.append(row)
-            pieces.append(Piece(producer=producer, ref=ref, rows=rows))
+            keep = None
+            if carried and fields is not None and fields & carried.keys():
+                keep = sorted(fields - carried.keys())  # updated by a loop: read from the latest writer
+                if not keep:
+                    continue
+            _runs(pieces, producer, [states[sid].loc[producer] for sid in ids], keep)
+        for name, origin in carried.items():
+            _runs(pieces, f"~{name}", [states[sid].loc[_writer(states[sid], name, origin)] for sid in ids], [name])
         return pieces
+
+    def shard_call(self, stage: str, method: str, iteration: int, ids: list[int]) -> ShardCall:
+        """What a replica is sent to run ``ids`` on ``stage``."""
+        return ShardCall(
+            stage=stage,
+            method=method,
+            iteration=iteration,
+            ids=ids,
+            pieces=self.pieces(stage, ids),
+            updates=self.updates(stage),
+            loop=self.loop_call(stage, ids),
+        )
+
+    def _carried_seen(self, stage: str) -> dict[str, str]:
+        """The state fields updated by the loops ``stage`` is in or after -> their origin."""
+        out: dict[str, str] = {}
+        for spec in self._graph.loops_seen(stage):
+            out.update(self.carried(spec))
+        return out
+
+    def carried(self, spec: LoopSpec) -> dict[str, str]:
+        """The fields of ``spec``'s state that its body updates, and the producer of each before
+        the loop; from the fields known so far (a body stage tells its own with its first shard)."""
+        found = self._carried.get(spec.name)
+        if found is None:
+            origin = {f: p for p in self._graph.state_producers(spec) for f in self.fields.get(p, ())}
+            found = {f: origin[f] for b in spec.body for f in sorted(self.fields.get(b, ())) if f in origin}
+            if all(b in self.fields for b in spec.body):  # complete: keep it
+                self._carried[spec.name] = found
+        return found
+
+    def updates(self, stage: str) -> list[str]:
+        """The fields ``stage`` may return although its input has them: the state of its loop."""
+        spec = self._graph.loop_of.get(stage)
+        if spec is None:
+            return []
+        return sorted({f for p in self._graph.state_producers(spec) for f in self.fields.get(p, ())})
+
+    def loop_call(self, stage: str, ids: list[int]) -> LoopCall | None:
+        """For the last stage of a loop's body: each sample's turn, and why it ends after it."""
+        spec = self._graph.loop_ended_by.get(stage)
+        if spec is None:
+            return None
+        now = time.monotonic()
+        turns = [self.samples[sid].turns(spec.name) for sid in ids]
+        ends = [
+            MAX_TURNS
+            if t.turn >= spec.max_turns
+            else DEADLINE
+            if spec.deadline_s is not None and now - t.entered >= spec.deadline_s
+            else ""
+            for t in turns
+        ]
+        return LoopCall(
+            until=spec.until,
+            turns_field=spec.turns_field,
+            stop_field=spec.stop_field,
+            turns=[t.turn for t in turns],
+            ends=ends,
+        )
 
     def check_output(self, a: Assignment, handle: ReplicaHandle, meta: CallMeta) -> None:
         fields = frozenset(meta.fields)
@@ -104,7 +181,7 @@ class Ledger:
             return
         self.fields[producer] = fields
         for other in self._graph.cohabitants(producer):
-            clash = sorted(fields & self.fields.get(other, frozenset()))
+            clash = sorted(fields & self.fields.get(other, frozenset()) - self._updated(producer, other))
             if clash:
                 names = ["the flow input" if p == SOURCE else f"stage {p!r}" for p in (other, producer)]
                 raise FlowDefinitionError(
@@ -114,15 +191,33 @@ class Ledger:
         if producer == SOURCE:
             self._graph.validate(fields)
 
+    def _updated(self, a: str, b: str) -> frozenset[str]:
+        """The fields ``a`` and ``b`` may both write: ``spec``'s state, which its body updates
+        (two body stages only one after the other: each turn's order must be fixed)."""
+        spec = self._graph.updates(a, b)
+        if spec is None:
+            return frozenset()
+        body = [p for p in (a, b) if p in spec.body]
+        if (
+            len(body) == 2
+            and body[0] not in self._graph.visible(body[1])
+            and body[1] not in self._graph.visible(body[0])
+        ):
+            return frozenset()  # side by side in a turn: which update is the last would be a race
+        return frozenset(f for p in self._graph.state_producers(spec) for f in self.fields.get(p, ()))
+
     # ---- the join by sample id ----
     def complete(
-        self, stage: str, ids: list[int], out_ref: Any, node: str
-    ) -> tuple[dict[str, list[int]], list[tuple[int, SampleState]]]:
+        self, stage: str, ids: list[int], out_ref: Any, node: str, stops: list[str] | None = None
+    ) -> Completed:
         """``stage`` made its output for ``ids`` (rows of ``out_ref``): the samples each consumer
-        may now take, and the samples that every stage has done (removed from the ledger)."""
-        consumers = self._graph.consumers(stage)
-        ready: dict[str, list[int]] = {spec.name: [] for spec in consumers}
-        finished: list[int] = []
+        may now take, those that start another turn of a loop, and those that every stage has
+        done (removed from the ledger). ``stops``: for a loop's last stage, why each sample
+        leaves the loop ("" for one that goes on)."""
+        graph = self._graph
+        body_of, ends, entered = graph.loop_of.get(stage), graph.loop_ended_by.get(stage), graph.loops_from.get(stage)
+        carried = self.carried(body_of).keys() & self.fields.get(stage, frozenset()) if body_of else ()
+        out = Completed()
         for row, sid in enumerate(ids):
             state = self.samples[sid]
             if stage in state.done:
@@ -130,12 +225,30 @@ class Ledger:
             state.done.add(stage)
             state.loc[stage] = (out_ref, row)
             state.node[stage] = node
+            for loop in entered or ():
+                state.turns(loop.name)
+            if body_of is not None and carried:
+                state.turns(body_of.name).carry.update(dict.fromkeys(carried, stage))
+            consumers = graph.consumers(stage)
+            if ends is not None:
+                consumers = self._end_turn(ends, sid, state, (stops or [])[row], out)
             for spec in consumers:
                 if all(i == SOURCE or i in state.done for i in spec.inputs):
-                    ready[spec.name].append(sid)
-            if len(state.done) == len(self._graph.stages):
-                finished.append(sid)
-        return {s: sids for s, sids in ready.items() if sids}, [(sid, self._forget(sid)) for sid in finished]
+                    out.ready.setdefault(spec.name, []).append(sid)
+            if len(state.done) == graph.visits:
+                out.finished.append((sid, self._forget(sid)))
+        return out
+
+    def _end_turn(self, spec: LoopSpec, sid: int, state: SampleState, stop: str, out: Completed) -> list[StageSpec]:
+        """A sample's turn of ``spec`` ended: it leaves the loop (its exit is done) or starts the
+        next turn (the body's stages are undone); the stages that may take it now."""
+        if stop:
+            state.done.add(spec.exit)
+            return self._graph.consumers(spec.exit)
+        state.done.difference_update(spec.body)
+        state.turns(spec.name).turn += 1
+        out.again.setdefault(spec.name, []).append(sid)
+        return self._graph.turn_starts(spec)
 
     def _forget(self, sid: int) -> SampleState:
         if self.retries:  # its retry counts go too: ids are reused after a resume
@@ -165,4 +278,26 @@ class Ledger:
         return tuple(p for p in producers if self.fields.get(p, frozenset()) & fields)
 
     def output_fields(self) -> list[str]:
-        return sorted(f for p in self._graph.output_producers for f in self.fields.get(p, ()))
+        return sorted({f for p in self._graph.output_producers for f in self.fields.get(p, ())})
+
+
+def _writer(state: SampleState, name: str, origin: str) -> str:
+    """The producer holding the latest value of state field ``name`` for this sample."""
+    if state.loops:
+        for turns in reversed(state.loops.values()):  # a later loop's update is the newer
+            if name in turns.carry:
+                return turns.carry[name]
+    return origin
+
+
+def _runs(pieces: list[Piece], producer: str, locs: list[Loc], fields: list[str] | None) -> None:
+    """``locs`` (one per sample, in shard order) as pieces: one per run of rows in one object."""
+    ref: Any = None
+    rows: list[int] = []
+    for r, row in locs:
+        if r is not ref and rows:
+            pieces.append(Piece(producer=producer, ref=ref, rows=rows, fields=fields))
+            rows = []
+        ref = r
+        rows.append(row)
+    pieces.append(Piece(producer=producer, ref=ref, rows=rows, fields=fields))

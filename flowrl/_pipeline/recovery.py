@@ -128,6 +128,12 @@ class Recovery:
                     continue
                 lost = state.node.get(stage) in dead and self._backend.stored(state.loc[stage][0])
                 if lost or any(i in redone for i in spec.inputs):
+                    if stage in self._graph.loop_of:
+                        raise InputLostError(
+                            f"sample {sid}: the output of stage {stage!r}, inside loop "
+                            f"{self._graph.loop_of[stage].name!r}, was lost with its node; turns of a loop "
+                            "are not computed again (not supported yet)"
+                        )
                     redone.add(stage)
                     out.setdefault(stage, []).append(sid)
         return {stage: out[stage] for stage in self._graph.stages if stage in out}

@@ -1,0 +1,251 @@
+"""Loops in a running flow (flowrl.loop), in process and on Ray: every turn of every sample runs
+exactly once, whatever the timing; samples take different numbers of turns; a loop ends on its
+field, on max_turns or on its deadline, with the reason recorded; the state a body updates is
+what the next turn and the stages after the loop read."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pytest
+
+import flowrl
+from flowrl.testing import flowrl_actor_names
+
+CPU = {"cpus_per_replica": 0.25}
+
+
+def _jitter(seed: int, batch: flowrl.Batch, iteration: int) -> None:
+    """A few milliseconds that depend on the shard: shards finish in a shuffled order."""
+    rng = random.Random(hash((seed, iteration, tuple(batch.ids.tolist()), len(batch))))
+    time.sleep(rng.random() * 0.004)
+
+
+class Player(flowrl.Model):
+    """Moves: its move is the turn number, read from the transcript (two entries a turn)."""
+
+    def __init__(self, name: str, config: dict[str, Any], seed: int = 0) -> None:
+        super().__init__(name, config)
+        self.seed = seed
+
+    @flowrl.step
+    def act(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        _jitter(self.seed, batch, iteration)
+        return {"move": [len(t) // 2 + 1 for t in batch["text"]]}
+
+
+class Game(flowrl.Model):
+    """Appends the move and its answer to the transcript; done once the move reaches the goal."""
+
+    def __init__(self, name: str, config: dict[str, Any], seed: int = 0) -> None:
+        super().__init__(name, config)
+        self.seed = seed
+
+    @flowrl.step
+    def play(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        _jitter(self.seed, batch, iteration)
+        moves = batch["move"]
+        text = [list(t) + [m, -m] for t, m in zip(batch["text"], moves, strict=True)]
+        return {"text": text, "done": [m >= g for m, g in zip(moves, batch["goal"], strict=True)]}
+
+
+class Judge(flowrl.Model):
+    def score(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"length": [len(t) for t in batch["text"]]}
+
+    forward_step = score
+
+
+def goal(i: int) -> int:
+    return 1 + (i * 7) % 6  # 1 to 6 turns, mixed along the input
+
+
+def game_flow(seed: int, max_turns: int = 10, replicas: tuple[int, int] = (2, 3)):
+    player = Player("player", {"num_replicas": replicas[0], "batch_size": 3, **CPU}, seed)
+    game = Game("game", {"num_replicas": replicas[1], "batch_size": 2, **CPU}, seed + 1)
+    judge = Judge("judge", {"num_replicas": 1, "batch_size": 4, **CPU})
+
+    def flow(games):
+        final = flowrl.loop(lambda s: game.play(player.act(s)), games, until="done", max_turns=max_turns)
+        return judge.forward_step(final)
+
+    return flow
+
+
+def games(n: int) -> list[dict[str, Any]]:
+    return [{"text": [], "goal": goal(i)} for i in range(n)]
+
+
+def transcript(turns: int) -> list[int]:
+    return [v for t in range(1, turns + 1) for v in (t, -t)]
+
+
+@pytest.mark.parametrize("backend, seed", [("inprocess", 1), ("inprocess", 2), ("ray", 3)])
+async def test_each_turn_runs_once_and_samples_take_their_own_number_of_turns(ray_cluster, backend, seed):
+    n = 23
+    config = {"backend": backend, "inprocess_threads": True}
+    async with flowrl.open_pipeline(game_flow(seed), config) as pipe:
+        out = await pipe.run(games(n))
+        stats = pipe.stats()
+    assert [s.id for s in out] == list(range(n))
+    for s in out:
+        g = goal(s.id)
+        assert s["text"] == transcript(g)  # every turn once, in order: none lost, none twice
+        assert (s["loop_turns"], s["loop_stop"], bool(s["done"])) == (g, "done", True)
+        assert s["length"] == 2 * g  # the stage after the loop reads the last turn's state
+        assert s["move"] == g  # a turn's own field: the last turn's
+    total = sum(goal(i) for i in range(n))
+    assert stats["player.act"].samples == total and stats["game.play"].samples == total
+    assert stats["judge.forward_step"].samples == n
+    assert max(stats["player.act"].max_shard, stats["game.play"].max_shard) <= 3
+    if backend == "ray":
+        assert flowrl_actor_names() == []
+
+
+async def test_max_turns_ends_a_sample_with_its_reason():
+    async with flowrl.open_pipeline(game_flow(4, max_turns=3), {"backend": "inprocess"}) as pipe:
+        out = await pipe.run(games(12))
+    for s in out:
+        g = goal(s.id)
+        turns = min(g, 3)
+        assert s["text"] == transcript(turns)
+        assert s["loop_turns"] == turns
+        assert s["loop_stop"] == ("done" if g <= 3 else "max_turns")
+
+
+async def test_a_deadline_ends_a_sample_after_its_turn():
+    player = Player("player", {"batch_size": 2})
+    game = Game("game", {"batch_size": 2})
+
+    def flow(x):
+        return flowrl.loop(lambda s: game.play(player.act(s)), x, until="done", max_turns=5, deadline_s=1e-9)
+
+    async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+        out = await pipe.run([{"text": [], "goal": 4} for _ in range(5)])
+    # the deadline has passed when the first turn ends: one turn each, none cut mid-turn
+    assert [(s["loop_turns"], s["loop_stop"], s["text"]) for s in out] == [(1, "deadline", [1, -1])] * 5
+
+
+class Writer(flowrl.Model):
+    """Writes ``tokens`` tokens a call until ``length`` are written: a partial rollout."""
+
+    @flowrl.step
+    def generate(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        response, segments = [], []
+        for text, length, seg in zip(batch["response"], batch["length"], batch["segments"], strict=True):
+            part = list(range(len(text), min(length, len(text) + 3)))
+            response.append(list(text) + part)
+            segments.append(list(seg) + [len(part)])
+        return {
+            "response": response,
+            "segments": segments,
+            "finished": [len(r) >= n for r, n in zip(response, batch["length"], strict=True)],
+        }
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+async def test_a_one_step_loop_continues_unfinished_samples_on_any_replica(ray_cluster, backend):
+    writer = Writer("writer", {"num_replicas": 3, "batch_size": 4, **CPU})
+
+    def flow(prompts):
+        return flowrl.loop(writer.generate, prompts, until="finished", max_turns=20, name="segment")
+
+    lengths = [1 + (i * 5) % 13 for i in range(17)]
+    async with flowrl.open_pipeline(flow, {"backend": backend}) as pipe:
+        out = await pipe.run([{"response": [], "segments": [], "length": n} for n in lengths])
+    for s, n in zip(out, lengths, strict=True):
+        assert s["response"] == list(range(n))
+        assert s["segments"] == [3] * (n // 3) + ([n % 3] if n % 3 else [])
+        assert s["segment_turns"] == len(s["segments"]) and s["segment_stop"] == "done"
+    if backend == "ray":
+        assert flowrl_actor_names() == []
+
+
+class Tag(flowrl.Model):
+    def __init__(self, name: str, config: dict[str, Any], mark: int) -> None:
+        super().__init__(name, config)
+        self.mark = mark
+
+    @flowrl.step
+    def add(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"text": [list(t) + [self.mark] for t in batch["text"]], "done": [True] * len(batch)}
+
+
+class Peek(flowrl.Model):
+    def __init__(self, name: str, config: dict[str, Any], field: str) -> None:
+        super().__init__(name, config)
+        self.field = field
+
+    @flowrl.step
+    def look(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {self.field: [list(t) for t in batch["text"]]}
+
+
+async def test_updates_are_seen_after_their_loop_only_and_a_later_loop_builds_on_them():
+    first, second = Tag("first", {"batch_size": 2}, 1), Tag("second", {"batch_size": 3}, 2)
+    before, beside, after = (
+        Peek("before", {}, "seen_before"),
+        Peek("beside", {}, "seen_beside"),
+        Peek("after", {}, "seen_after"),
+    )
+
+    def flow(x):
+        a = flowrl.loop(first.add, x, until="done", max_turns=1, name="one")
+        b = flowrl.loop(second.add, a, until="done", max_turns=1, name="two")
+        return after.look(b), beside.look(before.look(x))
+
+    async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+        out = await pipe.run([{"text": [0]} for _ in range(7)])
+    for s in out:
+        assert s["seen_after"] == [0, 1, 2] and s["text"] == [0, 1, 2]  # the later loop's update wins
+        assert s["seen_before"] == [0] and s["seen_beside"] == [0]  # a branch beside the loops: the input's
+
+
+class Overwrite(flowrl.Model):
+    """Returns ``field`` (as given), and ``done`` unless told not to."""
+
+    def __init__(self, name: str, config: dict[str, Any], field: str, done: Any = True) -> None:
+        super().__init__(name, config)
+        self.field, self.done = field, done
+
+    @flowrl.step
+    def act(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        out: dict[str, Any] = {self.field: [1] * len(batch)}
+        if self.done is not None:
+            out["done"] = [self.done] * len(batch)
+        return out
+
+
+@pytest.mark.parametrize(
+    "field, done, message",
+    [
+        ("text", None, r"must return the field flowrl.loop\(until='done'\) names"),
+        ("text", "yes", r"'done' \(flowrl.loop\(until=...\)\) must hold one boolean per sample"),
+        ("loop_turns", True, r"'loop_turns' is reserved for the loop's record"),
+    ],
+    ids=["no-until", "until-not-booleans", "reserved"],
+)
+async def test_a_loop_step_that_breaks_the_rules_fails_naming_its_stage(field, done, message):
+    step = Overwrite("step", {}, field, done)
+
+    def flow(x):
+        return flowrl.loop(step.act, x, until="done", max_turns=3)
+
+    with pytest.raises(flowrl.OutputError, match=message) as caught:
+        async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+            await pipe.run([{"text": [0]}, {"text": [1]}])
+    assert caught.value.stage == "step.act"
+
+
+async def test_a_turn_field_is_not_an_update_and_two_writers_of_it_are_refused():
+    player = Player("player", {})
+    cheat = Overwrite("cheat", {}, "move")
+
+    def flow(x):
+        return flowrl.loop(lambda s: cheat.act(player.act(s)), x, until="done", max_turns=3)
+
+    with pytest.raises(flowrl.OutputError, match=r"returned field 'move', which its input already has"):
+        async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+            await pipe.run([{"text": [0], "goal": 1}])
