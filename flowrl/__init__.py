@@ -30,7 +30,7 @@ from ._core.run_config import LoggerConfig, RunConfig
 from ._core.sampler import EpisodeBuffer
 from ._core.simulate import SimResult, SimStage, StageCost, Workload, simulate
 from ._core.splitter import POLICIES as SPLITTERS
-from ._core.stats import PipelineStats, ReplicaStats, StageStats
+from ._core.stats import LoopStats, PipelineStats, ReplicaStats, StageStats
 from ._engine.engine import Engine
 from ._engine.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
 from ._engine.rlhf import RLHFEngine
@@ -61,6 +61,7 @@ __all__ = [
     "LengthMemory",
     "Logger",
     "LoggerConfig",
+    "LoopStats",
     "MLflowLogger",
     "MissingFieldError",
     "Model",

@@ -45,6 +45,17 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     queue_peak: int = 0  # the most that ever waited so
 
 
+class LoopStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A loop's samples that left it: how many, the turns they ran (in all, and how many
+    samples ran each number of turns) and why they left (``done``, ``max_turns``, ``deadline``)."""
+
+    name: str
+    samples: int = 0
+    turns: int = 0
+    turn_counts: dict[int, int] = {}
+    stops: dict[str, int] = {}
+
+
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counters since the pipeline opened; ``active_s`` is the time spent inside runs;
     ``blocked_s`` the time admission waited for room in the in-flight window (``max_inflight``:
@@ -55,6 +66,7 @@ class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
     stages: dict[str, StageStats]
     blocked_s: float = 0.0
     serving: dict[str, int] = {}
+    loops: dict[str, LoopStats] = {}
 
     def __getitem__(self, stage: str) -> StageStats:
         return self.stages[stage]
@@ -80,6 +92,7 @@ class StatsRecorder:
         self.active_s = 0.0
         self.blocked_s = 0.0
         self._serving: dict[tuple[str, int], tuple[float, float | None]] = {}  # replicas added or removed
+        self._loops: dict[str, tuple[Counter[int], Counter[str]]] = {}  # loop -> (turn counts, stops)
 
     def add_replica(self, model: str, active_s: float) -> int:
         """A replica joins ``model``'s pool after ``active_s`` of runs: counters for it,
@@ -118,6 +131,12 @@ class StatsRecorder:
         cell.sizes[meta.rows] += 1
         self._model_busy[(self._stage_models[stage], replica)] += meta.busy_s
 
+    def left_loop(self, loop: str, turns: int, stop: str) -> None:
+        """A sample left ``loop`` after ``turns`` turns, for reason ``stop``."""
+        counts, stops = self._loops.setdefault(loop, (Counter(), Counter()))
+        counts[turns] += 1
+        stops[stop] += 1
+
     def add_active(self, seconds: float) -> None:
         self.active_s += seconds
 
@@ -152,7 +171,19 @@ class StatsRecorder:
                 queued=queues.get(stage, (0, 0))[0],
                 queue_peak=queues.get(stage, (0, 0))[1],
             )
-        return PipelineStats(active_s=active, stages=stages, blocked_s=self.blocked_s, serving=dict(serving or {}))
+        loops = {
+            name: LoopStats(
+                name=name,
+                samples=sum(counts.values()),
+                turns=sum(k * n for k, n in counts.items()),
+                turn_counts=dict(sorted(counts.items())),
+                stops=dict(sorted(stops.items())),
+            )
+            for name, (counts, stops) in self._loops.items()
+        }
+        return PipelineStats(
+            active_s=active, stages=stages, blocked_s=self.blocked_s, serving=dict(serving or {}), loops=loops
+        )
 
     def _replica(self, stage: str, model: str, r: int, active: float, starving: float) -> ReplicaStats:
         cell = self._cells[(stage, r)]

@@ -48,8 +48,14 @@ class Timeline:
         if self.limit:
             self._spans.append(Span(group=group, lane=lane, name=name, start=start, end=end, args=args))
 
-    def shard(self, model: str, replica: int, stage: str, started: float, step_s: float, ids: list[int]) -> None:
-        self.add(model, replica, stage, started, started + step_s, samples=len(ids), ids=ids)
+    def shard(
+        self, model: str, replica: int, stage: str, started: float, step_s: float, ids: list[int], turns: Any = None
+    ) -> None:
+        """A shard's step; ``turns``: inside a loop, each sample's turn."""
+        if turns is None:
+            self.add(model, replica, stage, started, started + step_s, samples=len(ids), ids=ids)
+        else:
+            self.add(model, replica, stage, started, started + step_s, samples=len(ids), ids=ids, turns=turns)
 
     @property
     def spans(self) -> list[Span]:

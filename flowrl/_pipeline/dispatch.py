@@ -127,7 +127,8 @@ class Dispatcher:
         latency = time.perf_counter() - start
         self._ledger.check_output(a, handle, meta)
         self._recorder.record(a.stage, handle.replica_id, meta, latency)
-        self._timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids)
+        turns = self._ledger.turns_of(a.stage, a.ids)
+        self._timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids, turns)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
         self._complete(a.stage, a.ids, out_ref, handle.node_id, meta.stops)
@@ -142,4 +143,6 @@ class Dispatcher:
                 scheduler.admit(name, len(sids))
         for name, sids in done.ready.items():
             self._pools[self._graph.stages[name].model].ready(name, sids, self._ledger.costs(sids))
+        for loop, turns, why in done.left:
+            self._recorder.left_loop(loop, turns, why)
         self._runs.finished(done.finished)

@@ -39,6 +39,7 @@ class Completed:
     ready: dict[str, list[int]] = field(default_factory=dict)
     again: dict[str, list[int]] = field(default_factory=dict)
     finished: list[tuple[int, SampleState]] = field(default_factory=list)
+    left: list[tuple[str, int, str]] = field(default_factory=list)  # (loop, turns, why): samples that left one
 
 
 class Ledger:
@@ -103,6 +104,11 @@ class Ledger:
             updates=self.updates(stage),
             loop=self.loop_call(stage, ids),
         )
+
+    def turns_of(self, stage: str, ids: list[int]) -> list[int] | None:
+        """Inside a loop: each sample's turn (None for a stage outside loops)."""
+        spec = self._graph.loop_of.get(stage)
+        return None if spec is None else [self.samples[sid].turns(spec.name).turn for sid in ids]
 
     def _carried_seen(self, stage: str) -> dict[str, str]:
         """The state fields updated by the loops ``stage`` is in or after -> their origin."""
@@ -244,6 +250,7 @@ class Ledger:
         next turn (the body's stages are undone); the stages that may take it now."""
         if stop:
             state.done.add(spec.exit)
+            out.left.append((spec.name, state.turns(spec.name).turn, stop))
             return self._graph.consumers(spec.exit)
         state.done.difference_update(spec.body)
         state.turns(spec.name).turn += 1

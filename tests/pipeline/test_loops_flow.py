@@ -98,15 +98,31 @@ async def test_each_turn_runs_once_and_samples_take_their_own_number_of_turns(ra
         assert s["move"] == g  # a turn's own field: the last turn's
     total = sum(goal(i) for i in range(n))
     assert stats["player.act"].samples == total and stats["game.play"].samples == total
+    loop = stats.loops["loop"]
+    assert (loop.samples, loop.turns, loop.stops) == (n, total, {"done": n})
+    assert loop.turn_counts == {g: sum(goal(i) == g for i in range(n)) for g in range(1, 7)}
     assert stats["judge.forward_step"].samples == n
     assert max(stats["player.act"].max_shard, stats["game.play"].max_shard) <= 3
     if backend == "ray":
         assert flowrl_actor_names() == []
 
 
-async def test_max_turns_ends_a_sample_with_its_reason():
+async def test_max_turns_ends_a_sample_with_its_reason_and_the_trace_shows_turns():
     async with flowrl.open_pipeline(game_flow(4, max_turns=3), {"backend": "inprocess"}) as pipe:
         out = await pipe.run(games(12))
+        stats, spans = pipe.stats(), pipe.timeline.spans
+    assert stats.loops["loop"].stops == {
+        "done": sum(goal(i) <= 3 for i in range(12)),
+        "max_turns": sum(goal(i) > 3 for i in range(12)),
+    }
+    seen = sorted(
+        (sid, turn)
+        for s in spans
+        if s.name == "game.play"
+        for sid, turn in zip(s.args["ids"], s.args["turns"], strict=True)
+    )
+    assert seen == sorted((i, t) for i in range(12) for t in range(1, min(goal(i), 3) + 1))  # each turn once
+    assert all("turns" not in s.args for s in spans if s.name == "judge.forward_step")
     for s in out:
         g = goal(s.id)
         turns = min(g, 3)
