@@ -23,6 +23,7 @@ from .._core.errors import CheckpointError, FlowError, OutputError, StageError
 from .._core.loops import DONE, flags
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
+from .._core.staleness import versions_field
 from .._core.state_format import decode_state, encode_state
 from .grad_sync import GradReducer, check_scaler, checksum, unchecked
 from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
@@ -150,7 +151,8 @@ class ReplicaRuntime:
                 )
             if version_field not in inputs:  # a later step of the same model keeps the first's
                 added[version_field] = [self.model.weight_version] * len(batch)
-        stops = loop_columns(call, added, self.replica_id) if call.loop is not None else []
+        synced = self.model.weight_version if self.model.track_version else -1
+        stops = loop_columns(call, added, self.replica_id, (self.model.name, synced)) if call.loop is not None else []
         result = Batch(batch.ids, added, _check=False)
         took = time.perf_counter() - start
         meta = CallMeta(
@@ -163,6 +165,7 @@ class ReplicaRuntime:
             step_s=took,
             types={name: signature(value) for name, value in added.items()},
             stops=stops,
+            version=synced,
         )
         return meta, result
 
@@ -186,11 +189,17 @@ class ReplicaRuntime:
         self.model.weight_version = version
 
 
-def loop_columns(call: ShardCall, added: dict[str, Any], replica: int) -> list[str]:
-    """The last step of a loop's body returned ``until``: add each sample's turn and why it
-    leaves the loop (``done``, ``max_turns``, ``deadline``; "" while it goes on)."""
+def loop_columns(call: ShardCall, added: dict[str, Any], replica: int, own: tuple[str, int]) -> list[str]:
+    """The last step of a loop's body returned ``until``: add each sample's turn, why it leaves
+    the loop (``done``, ``max_turns``, ``deadline``; "" while it goes on) and, per synced model,
+    the weights' version of each of its calls in the loop so far (``<model>_versions``: a
+    partial rollout's segments). ``own``: this step's model and version (-1: not synced)."""
     loop = call.loop
     assert loop is not None
+    versions = {m: [list(v) for v in per_sample] for m, per_sample in loop.versions.items()}
+    if own[1] >= 0:
+        for v in versions.setdefault(own[0], [[] for _ in call.ids]):
+            v.append(own[1])
     if loop.until not in added:
         raise OutputError(
             f"the last step of a loop's body must return the field flowrl.loop(until={loop.until!r}) names "
@@ -208,12 +217,13 @@ def loop_columns(call: ShardCall, added: dict[str, Any], replica: int) -> list[s
             replica,
             call.ids,
         )
-    for name in (loop.turns_field, loop.stop_field):
+    record: dict[str, Any] = {loop.turns_field: list(loop.turns)}
+    record.update({versions_field(m): v for m, v in sorted(versions.items())})
+    stops = record[loop.stop_field] = [DONE if d else end for d, end in zip(done, loop.ends, strict=True)]
+    for name in record:
         if name in added:
             raise OutputError(f"field {name!r} is reserved for the loop's record", call.stage, replica, call.ids)
-    stops = [DONE if d else end for d, end in zip(done, loop.ends, strict=True)]
-    added[loop.turns_field] = list(loop.turns)
-    added[loop.stop_field] = stops
+    added.update(record)
     return stops
 
 

@@ -367,6 +367,8 @@ class LoopCall(msgspec.Struct, frozen=True, kw_only=True):
     stop_field: str
     turns: list[int]
     ends: list[str]
+    # per synced model: the weight version of each earlier call of it in this loop, per sample
+    versions: dict[str, list[list[int]]] = {}
 
 
 class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -394,6 +396,7 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     # field -> (kind, dtype, trailing shape): the driver checks each stage keeps them (batch.FieldTypes)
     types: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     stops: list[str] = []  # the last stage of a loop's body: why each sample leaves it ("" if it goes on)
+    version: int = -1  # the weights' version the step ran with (a synced model's; -1 otherwise)
 
 
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.

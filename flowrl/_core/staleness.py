@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 STALE_POLICIES = ("wait", "drop", "regenerate")
+SEGMENTS = ("oldest", "newest")  # which segment of a partial rollout its staleness is counted by
 
 
 def train_version(episode: int, sync_every: int) -> int:
@@ -38,21 +39,57 @@ def staleness_field(model: str) -> str:
     return f"{model}_staleness"
 
 
-def lags(sample: Mapping[str, Any], versions: Mapping[str, int]) -> dict[str, int]:
+def versions_field(model: str) -> str:
+    """Inside a loop: the version of each call of ``model`` (a partial rollout's segments)."""
+    return f"{model}_versions"
+
+
+def generated_with(sample: Mapping[str, Any], model: str, segment: str = "oldest") -> int | None:
+    """The version of ``model`` that ``sample`` counts as generated with: of its oldest (or
+    newest) segment when a loop recorded them, else its one version; None without either."""
+    segments = sample.get(versions_field(model))
+    if segments is not None and len(segments):
+        return int(min(segments) if segment == "oldest" else max(segments))
+    version = sample.get(version_field(model))
+    return None if version is None else int(version)
+
+
+def lags(sample: Mapping[str, Any], versions: Mapping[str, int], segment: str = "oldest") -> dict[str, int]:
     """Per model in ``versions`` whose version ``sample`` carries: how many versions behind."""
-    return {m: now - int(sample[version_field(m)]) for m, now in versions.items() if version_field(m) in sample}
+    out = {}
+    for m, now in versions.items():
+        v = generated_with(sample, m, segment)
+        if v is not None:
+            out[m] = now - v
+    return out
 
 
-def histogram(samples: Sequence[Mapping[str, Any]], versions: Mapping[str, int]) -> dict[str, dict[int, int]]:
+def histogram(
+    samples: Sequence[Mapping[str, Any]], versions: Mapping[str, int], segment: str = "oldest"
+) -> dict[str, dict[int, int]]:
     """Per model in ``versions``: how many samples were generated how many versions ago."""
     out: dict[str, dict[int, int]] = {}
     for s in samples:
-        for model, lag in lags(s, versions).items():
+        for model, lag in lags(s, versions, segment).items():
             counts = out.setdefault(model, {})
             counts[lag] = counts.get(lag, 0) + 1
     return {m: dict(sorted(c.items())) for m, c in out.items()}
 
 
-def too_stale(samples: Sequence[Mapping[str, Any]], versions: Mapping[str, int], bound: int) -> list[int]:
+def segment_histogram(samples: Sequence[Mapping[str, Any]], versions: Mapping[str, int]) -> dict[str, dict[int, int]]:
+    """Per model in ``versions``: how many segments (a loop's calls of it) were generated how
+    many versions ago; empty for samples generated in one call."""
+    out: dict[str, dict[int, int]] = {}
+    for s in samples:
+        for m, now in versions.items():
+            for v in s.get(versions_field(m), ()):
+                counts = out.setdefault(m, {})
+                counts[now - int(v)] = counts.get(now - int(v), 0) + 1
+    return {m: dict(sorted(c.items())) for m, c in out.items()}
+
+
+def too_stale(
+    samples: Sequence[Mapping[str, Any]], versions: Mapping[str, int], bound: int, segment: str = "oldest"
+) -> list[int]:
     """Positions of the samples more than ``bound`` versions behind for some model."""
-    return [i for i, s in enumerate(samples) if any(lag > bound for lag in lags(s, versions).values())]
+    return [i for i, s in enumerate(samples) if any(lag > bound for lag in lags(s, versions, segment).values())]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._core.errors import CheckpointError
-from .._core.staleness import histogram
+from .._core.staleness import histogram, segment_histogram
 from .._core.trace import ENGINE
 from .._pipeline.progress import Progress
 from .run_folder import metric_values
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .run_folder import RunDir
     from .tracking import Tracking
     from .training import Trainers
+
+
+Lags = tuple[dict[str, dict[int, int]], dict[str, dict[int, int]]]  # per sample, per segment
 
 
 class EpisodeLoop:
@@ -127,17 +130,19 @@ class EpisodeLoop:
             dropped=rollout.dropped,
             regenerated=rollout.regenerated,
             metrics={k: mean_metrics(v) for k, v in results.items()},
-            staleness=lags,
+            staleness=lags[0],
+            segment_staleness=lags[1],
             weight_versions=self.overlap.train_versions(e + 1),
         )
         learning.episode_done(stats, results)
         await self._episode_end()
 
-    def _samples_to_train(self, e: int, rollout: Rollout) -> tuple[list[Sample], dict[str, dict[int, int]]]:
-        """What episode ``e`` trains on (through the relay buffer), and their staleness."""
+    def _samples_to_train(self, e: int, rollout: Rollout) -> tuple[list[Sample], Lags]:
+        """What episode ``e`` trains on (through the relay buffer), and their staleness (per
+        sample, and per segment of a partial rollout)."""
         train = self.learning.relay_samples(e, rollout.samples)
         versions = self.overlap.train_versions(e)
-        lags = histogram(train, versions)
+        lags = histogram(train, versions, self.config.stale_segment), segment_histogram(train, versions)
         if self.overlap.enabled:
             train = self.overlap.bounded(e, rollout.samples, train, versions)
         return train, lags

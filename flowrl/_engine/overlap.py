@@ -146,7 +146,7 @@ class Overlap:
         """Drop, or generate again, the samples that would train more than the bound behind."""
         cfg, e = self.config, rollout.episode
         at_train = {m: train_version(e, cfg.sync_every) for m in self.weights.versions}
-        stale = too_stale(rollout.samples, at_train, cfg.max_staleness)
+        stale = too_stale(rollout.samples, at_train, cfg.max_staleness, cfg.stale_segment)
         if not stale:
             return
         if cfg.on_stale == "drop":
@@ -211,20 +211,20 @@ class Overlap:
     ) -> list[Sample]:
         """``train`` with each sample's staleness per synced model (``<model>_staleness``), after
         checking that the episode's own samples are within the bound."""
-        bound = self.config.max_staleness
-        over = too_stale(samples, versions, bound)
+        bound, segment = self.config.max_staleness, self.config.stale_segment
+        over = too_stale(samples, versions, bound, segment)
         if over:
             s = samples[over[0]]
             raise FlowError(
-                f"internal: sample {s.id} of episode {episode} is {lags(s, versions)} versions behind, "
+                f"internal: sample {s.id} of episode {episode} is {lags(s, versions, segment)} versions behind, "
                 f"over RunConfig.max_staleness={bound}"
             )
-        return [_with_staleness(s, versions) for s in train]
+        return [_with_staleness(s, versions, segment) for s in train]
 
 
-def _with_staleness(sample: Sample, versions: dict[str, int]) -> Sample:
+def _with_staleness(sample: Sample, versions: dict[str, int], segment: str) -> Sample:
     fields = dict(sample)
-    for model, lag in lags(sample, versions).items():
+    for model, lag in lags(sample, versions, segment).items():
         if staleness_field(model) in fields:
             raise FlowDefinitionError(
                 f"sample {sample.id} has a field {staleness_field(model)!r}: that name is reserved for "

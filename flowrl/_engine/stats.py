@@ -37,7 +37,8 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     above 0 for samples a relay function brings back from earlier episodes, and with
     ``max_staleness`` > 0). ``wait_s``: how long training waited for this episode's rollout
     (all of ``rollout_s`` when synchronous). ``dropped`` / ``regenerated``: samples over the
-    staleness bound (``on_stale``).
+    staleness bound (``on_stale``). Samples generated in a loop count by their oldest segment
+    (``RunConfig.stale_segment``); ``segment_staleness`` counts every segment.
     """
 
     episode: int
@@ -49,6 +50,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     metrics: dict[str, dict[str, float]]
     weight_versions: dict[str, int]
     staleness: dict[str, dict[int, int]] = {}
+    segment_staleness: dict[str, dict[int, int]] = {}  # the same per segment of a partial rollout (loops)
     wait_s: float = 0.0
     dropped: int = 0
     regenerated: int = 0

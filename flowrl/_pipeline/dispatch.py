@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from .._backends.specs import ReplicaHandle
+    from .._core.config import CallMeta
     from .._core.graph import FlowGraph
     from .._core.scheduler import Assignment
     from .._core.stats import StatsRecorder
@@ -131,11 +132,11 @@ class Dispatcher:
         self._timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids, turns)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None)
-        self._complete(a.stage, a.ids, out_ref, handle.node_id, meta.stops)
+        self._complete(a.stage, a.ids, out_ref, handle.node_id, meta)
         return True
 
-    def _complete(self, stage: str, ids: list[int], out_ref: Any, node: str, stops: list[str]) -> None:
-        done = self._ledger.complete(stage, ids, out_ref, node, stops)
+    def _complete(self, stage: str, ids: list[int], out_ref: Any, node: str, meta: CallMeta) -> None:
+        done = self._ledger.complete(stage, ids, out_ref, node, meta.stops, meta.version)
         for loop, sids in done.again.items():  # another turn: its stages will see them once more
             for name in self._graph.loops[loop].body:
                 scheduler = self._pools[self._graph.stages[name].model].scheduler

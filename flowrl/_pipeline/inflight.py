@@ -17,12 +17,13 @@ class Turns:
     """A sample inside a loop: its turn (from 1), when it entered, and which body stage last
     wrote each field of the loop's state it updates."""
 
-    __slots__ = ("carry", "entered", "turn")
+    __slots__ = ("carry", "entered", "turn", "versions")
 
     def __init__(self) -> None:
         self.turn = 1
         self.entered = time.monotonic()
         self.carry: dict[str, str] = {}  # state field -> the body stage that wrote it last
+        self.versions: dict[str, list[int]] = {}  # synced model -> its weights' version at each call here
 
 
 class SampleState:

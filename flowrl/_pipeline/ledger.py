@@ -21,14 +21,14 @@ from .._core.loops import DEADLINE, MAX_TURNS
 from .inflight import SampleState
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
 
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta, PipelineConfig
     from .._core.graph import FlowGraph, StageSpec
     from .._core.loops import LoopSpec
     from .._core.scheduler import Assignment
-    from .inflight import Loc, Run
+    from .inflight import Loc, Run, Turns
 
 
 @dataclass
@@ -156,6 +156,7 @@ class Ledger:
             stop_field=spec.stop_field,
             turns=[t.turn for t in turns],
             ends=ends,
+            versions={m: [t.versions.get(m, []) for t in turns] for m in {m for t in turns for m in t.versions}},
         )
 
     def check_output(self, a: Assignment, handle: ReplicaHandle, meta: CallMeta) -> None:
@@ -214,12 +215,13 @@ class Ledger:
 
     # ---- the join by sample id ----
     def complete(
-        self, stage: str, ids: list[int], out_ref: Any, node: str, stops: list[str] | None = None
+        self, stage: str, ids: list[int], out_ref: Any, node: str, stops: list[str] | None = None, version: int = -1
     ) -> Completed:
         """``stage`` made its output for ``ids`` (rows of ``out_ref``): the samples each consumer
         may now take, those that start another turn of a loop, and those that every stage has
         done (removed from the ledger). ``stops``: for a loop's last stage, why each sample
-        leaves the loop ("" for one that goes on)."""
+        leaves the loop ("" for one that goes on); ``version``: the weights' version of a synced
+        model's step (-1: not synced)."""
         graph = self._graph
         body_of, ends, entered = graph.loop_of.get(stage), graph.loop_ended_by.get(stage), graph.loops_from.get(stage)
         carried = self.carried(body_of).keys() & self.fields.get(stage, frozenset()) if body_of else ()
@@ -233,8 +235,8 @@ class Ledger:
             state.node[stage] = node
             for loop in entered or ():
                 state.turns(loop.name)
-            if body_of is not None and carried:
-                state.turns(body_of.name).carry.update(dict.fromkeys(carried, stage))
+            if body_of is not None:
+                _in_body(state.turns(body_of.name), stage, carried, graph.stages[stage].model, version)
             consumers = graph.consumers(stage)
             if ends is not None:
                 consumers = self._end_turn(ends, sid, state, (stops or [])[row], out)
@@ -286,6 +288,13 @@ class Ledger:
 
     def output_fields(self) -> list[str]:
         return sorted({f for p in self._graph.output_producers for f in self.fields.get(p, ())})
+
+
+def _in_body(turns: Turns, stage: str, carried: Iterable[str], model: str, version: int) -> None:
+    """A body stage's step is done for a sample: the state fields it updated, its version."""
+    turns.carry.update(dict.fromkeys(carried, stage))
+    if version >= 0:
+        turns.versions.setdefault(model, []).append(version)
 
 
 def _writer(state: SampleState, name: str, origin: str) -> str:
