@@ -85,6 +85,8 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "weights at most k versions old (engine.md, asynchronous training)",
         "on_stale": "`wait`: admit an episode's prompts only once the bound can be met; `drop` / `regenerate`: start "
         "rollouts one version earlier and drop, or generate again, samples more than k versions behind",
+        "stale_segment": "which segment of a sample generated in a loop (a partial rollout) its staleness counts by: "
+        "`oldest` (every token within the bound) or `newest` (multiturn.md)",
         "length_field": "an output field of the rollout with each sample's response length (a number or a "
         "sequence, e.g. `response_ids`): remembered per prompt, the next rollouts start the longest first",
         "run_dir": "where `metrics.jsonl` (a line per episode) and `trace.json` (the timeline) go",
