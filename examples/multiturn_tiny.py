@@ -28,8 +28,6 @@ from ppo_tiny import CLIP, KL_COEF, LENGTH, SEED, VOCAB, TinyLM, build, logprobs
 
 import flowrl
 
-LR = 1e-2
-
 
 def padded(rows: list[list[Any]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged per-sample lists as an [n, LENGTH] tensor (zeros after each row) and its mask."""
@@ -51,7 +49,9 @@ class Policy(ppo_tiny.Policy):
         prompts = torch.as_tensor(batch["prompt"]).long().tolist()
         previous = torch.tensor([r[-1] if len(r) else p for r, p in zip(responses, prompts, strict=True)])
         position = torch.tensor([len(r) for r in responses])
-        logits = self.module.head(self.module.token(previous.to(self.device)) + self.module.position(position.to(self.device)))
+        logits = self.module.head(
+            self.module.token(previous.to(self.device)) + self.module.position(position.to(self.device))
+        )
         logp = torch.log_softmax(logits, -1)
         token = torch.multinomial(logp.exp(), 1, generator=self.generator)
         chosen = logp.gather(-1, token).squeeze(-1).cpu().tolist()
@@ -93,10 +93,6 @@ class Reference(flowrl.Model):
 class MultiTurnGRPO(grpo_tiny.GRPOPolicy):
     """grpo_tiny's trainer (group-relative advantages, clipped ratio, KL to the reference), on
     responses of 1 to LENGTH tokens: padded to LENGTH, the padding masked out of the loss."""
-
-    def setup(self) -> None:
-        super().setup()
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=LR)
 
     def step(self, batch: flowrl.Batch) -> float:
         self.optimizer.zero_grad()

@@ -104,6 +104,12 @@ async def _kill(actors: list[Any]) -> None:
                 pass
 
 
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Take a future's outcome so that asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _setup(spec: ReplicaSpec, actor: Any, counts: ActorCounts, *args: Any) -> ReplicaHandle:
     try:
         node = await actor.setup.remote(*args)
@@ -167,9 +173,15 @@ class RayBackend:
             actor = self._create(ReplicaActor, s, s.model, s.replica_id)
             future = asyncio.ensure_future(_setup(s, actor, self.counts))
             waits[future], actors[future] = s, actor
-        done, pending = await asyncio.wait(
-            waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
-        )
+        try:
+            done, pending = await asyncio.wait(
+                waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+            )
+        except BaseException:  # cancelled (the pipeline closes while they start): they stop, quietly
+            for fut in waits:
+                fut.cancel()
+                fut.add_done_callback(_retrieved)
+            raise
         for fut in pending:
             fut.cancel()
         self._forget_reserving()

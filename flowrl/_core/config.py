@@ -15,6 +15,7 @@ from .errors import ConfigError
 SplitterName = Literal["cost", "guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
 WeightTransport = Literal["host", "cuda_ipc", "nccl"]
+OnTimeout = Literal["fail", "retry"]
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -185,7 +186,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``gpus_per_replica`` overrides the GPUs each replica asks Ray for (default: the parallel
     size with ``num_gpu``, else 0); a fraction lets several models share (colocate on) GPUs.
     ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
-    behind another on its replica waits for it too); a later reply fails the run.
+    behind another on its replica waits for it too); a later reply fails the run, unless
+    ``on_timeout="retry"``: the replica is stopped and replaced, and the call's samples go to
+    another replica (a stuck environment or tool; ``PipelineConfig.max_retries`` bounds how
+    often a sample is sent again).
     ``autoscale``: grow and shrink the pool from its measured queue and starvation.
     ``splitter``: how shards are cut; ``cost`` (the default) learns a call's fixed and per-sample
     cost and sizes shards to finish soonest, ``call_cost`` seeding it (see concepts.md).
@@ -207,12 +211,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     call_cost: CallCostPrior | None = None
     prefetch: int = 2
     call_timeout_s: float | None = None
+    on_timeout: OnTimeout = "fail"
     autoscale: Autoscale | None = None
     weight_transport: WeightTransport = "host"
 
     def __post_init__(self) -> None:
         _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
         _one_of("ModelConfig", "weight_transport", self.weight_transport, WeightTransport)
+        _one_of("ModelConfig", "on_timeout", self.on_timeout, OnTimeout)
         _check_types(self)
         _positive(
             "ModelConfig",

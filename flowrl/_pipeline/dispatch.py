@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._core.errors import InputLostError, ReplicaDiedError
+from .calls import Hung
 from .pools import Retired
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta
@@ -62,6 +63,7 @@ class Dispatcher:
         self._recorder = recorder
         self._timeline = timeline
         self._supervisor = supervisor
+        self.replace: Callable[[str], None] | None = None  # start a replica of a model (Membership)
         self._slots: dict[Key, int] = {}  # slots running per replica
         self._left: dict[Key, anyio.Event] = {}  # replicas being removed: set once their slots end
 
@@ -89,7 +91,11 @@ class Dispatcher:
                     if await self._execute(handle, assignment):
                         pool.finish(assignment)
                 except ReplicaDiedError as err:
-                    self._recovery.lost(handle, assignment, err)
+                    replaced = isinstance(err, Hung) and self.replace is not None
+                    if replaced and handle.replica_id not in pool.scheduler.retired:
+                        assert self.replace is not None
+                        self.replace(handle.model)  # the first of its shards to time out asks once
+                    self._recovery.lost(handle, assignment, err, replaced)
                     return
                 if not pool.scheduler.in_flight[r]:  # nothing left to run: starved from now on
                     self._roster.hungry(handle.model, r)

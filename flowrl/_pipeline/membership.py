@@ -110,6 +110,19 @@ class Membership:
         )
         log.info("%s %s: %d -> %d replicas (%s)", event.action, event.model, event.before, event.after, event.reason)
 
+    def replace(self, model: str) -> None:
+        """Start a replica of ``model`` in the background, for one that was stopped (a call that
+        hung past ``call_timeout_s`` with ``on_timeout="retry"``)."""
+        self._supervisor.start_soon(self._replace, model)
+
+    async def _replace(self, model: str) -> None:
+        try:
+            async with self._resizing:
+                await self._add(model, 1, "replaced a replica whose call hung", None)
+        except Exception as err:
+            self._supervisor.fail(err)
+            raise
+
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:
         """Start ``count`` replicas of ``model``; they pull shards as soon as they are set up."""
         checks.count(count, f"add_replicas({model!r}, count)")

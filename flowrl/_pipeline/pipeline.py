@@ -89,7 +89,7 @@ class AsyncPipeline:
         self._ledger = Ledger(graph, config)
         self._roster = Roster(handles, self._recorder)
         window = Window(config.max_inflight)
-        call = ShardCaller(graph, backend)
+        call = ShardCaller(graph, backend, backend)
         self._recovery = recovery = Recovery(
             graph, backend, self._ledger, self._pools, self._roster, self._recorder, call
         )
@@ -105,6 +105,7 @@ class AsyncPipeline:
             graph, backend, self._pools, self._roster, self._dispatcher, self._runs, self._recorder,
             self.timeline, self._supervisor,
         )  # fmt: skip
+        self._dispatcher.replace = self._membership.replace
         self._autoscaler = Autoscaler(
             graph, backend, self._pools, self._roster, self._membership, self._runs, self._recorder
         )

@@ -33,6 +33,9 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "call_timeout_s": "the longest one call may take, seen from the driver (including the wait behind a shard "
         "queued first); a call still running then fails the run with a `StageError` naming it and "
         "every replica is stopped (Ray; an in-process call cannot be cut short)",
+        "on_timeout": "`fail`: a call past `call_timeout_s` fails the run; `retry`: its replica is stopped and "
+        "replaced, and its samples go to another replica, at most `PipelineConfig.max_retries` times each "
+        "(a stuck environment or tool; multiturn.md)",
         "autoscale": "an `Autoscale`: grow and shrink this model's pool while runs go on (below)",
         "weight_transport": "trainers: `host` (numpy through the object store), `cuda_ipc` (handles to a GPU "
         "snapshot, copied on the GPU by replicas on the same GPU: colocated models) or `nccl` "

@@ -5,8 +5,11 @@ what the next turn and the stages after the loop read."""
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -265,3 +268,65 @@ async def test_a_turn_field_is_not_an_update_and_two_writers_of_it_are_refused()
     with pytest.raises(flowrl.OutputError, match=r"returned field 'move', which its input already has"):
         async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
             await pipe.run([{"text": [0], "goal": 1}])
+
+
+class StuckGame(Game):
+    """A game whose call holding sample ``stuck`` in turn 2 never returns, the first ``times``
+    times (a marker file per hang counts them); the replica is stopped from outside."""
+
+    def __init__(self, name: str, config: dict[str, Any], marks: str, stuck: int, times: int) -> None:
+        super().__init__(name, config)
+        self.marks, self.stuck, self.times = marks, stuck, times
+
+    @flowrl.step
+    def play(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        ids, moves = batch.ids.tolist(), list(batch["move"])
+        if self.stuck in ids and moves[ids.index(self.stuck)] == 2:
+            hangs = len(os.listdir(self.marks))
+            if hangs < self.times:
+                Path(self.marks, f"hang-{hangs}").touch()
+                threading.Event().wait()
+        return super().play(batch, iteration)
+
+
+def stuck_flow(marks: str, times: int, replicas: int = 3):
+    player = Player("player", {"num_replicas": 2, "batch_size": 3, **CPU})
+    game = StuckGame(
+        "game",
+        {"num_replicas": replicas, "batch_size": 2, "call_timeout_s": 2.0, "on_timeout": "retry", **CPU},
+        marks,
+        stuck=5,
+        times=times,
+    )
+    return lambda x: flowrl.loop(lambda s: game.play(player.act(s)), x, until="done", max_turns=10)
+
+
+@pytest.mark.parametrize("replicas", [3, 1])
+async def test_a_stuck_environment_call_is_retried_on_a_new_replica_without_stalling_the_others(
+    ray_cluster, tmp_path, replicas
+):
+    n = 14
+    async with flowrl.open_pipeline(stuck_flow(str(tmp_path), times=1, replicas=replicas), {}) as pipe:
+        out = await pipe.run(games(n))
+        stats = pipe.stats()
+        events = pipe.scale_events
+    assert len(os.listdir(tmp_path)) == 1
+    assert [s["text"] for s in out] == [transcript(goal(i)) for i in range(n)]  # nothing lost, nothing twice
+    assert stats["game.play"].samples == sum(goal(i) for i in range(n))
+    assert 1 <= stats["game.play"].retried <= 4  # the stuck call's samples (and any queued behind it)
+    # the stuck replica was stopped, and a new one started in its place (it may still be starting
+    # when the run ends: the others, or itself once started, did the stuck call's samples)
+    grown = [(e.action, e.after) for e in events if e.model == "game"]
+    assert stats.serving["game"] in (replicas - 1, replicas) and grown in ([], [("grow", replicas)])
+    if replicas == 1:  # no other replica could have run the stuck call's samples: its replacement did
+        assert stats.serving["game"] == 1 and grown == [("grow", 1)]
+    assert flowrl_actor_names() == []
+
+
+async def test_a_sample_that_keeps_getting_stuck_fails_the_run_once_its_retries_are_spent(ray_cluster, tmp_path):
+    with pytest.raises(flowrl.ReplicaDiedError, match=r"call_timeout_s=2s.*max_retries=1") as caught:
+        async with flowrl.open_pipeline(stuck_flow(str(tmp_path), times=10), {"max_retries": 1}) as pipe:
+            await pipe.run(games(8))
+    assert 5 in caught.value.sample_ids and caught.value.stage == "game.play"
+    assert len(os.listdir(tmp_path)) == 2  # sent once, retried once
+    assert flowrl_actor_names() == []
