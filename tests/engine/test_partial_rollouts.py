@@ -5,74 +5,25 @@ sample by its oldest segment (asynchronous training, weights synced while rollou
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import numpy as np
+import _loop_models
 import pytest
+from _loop_models import TOKENS, engine, trained
 
 import flowrl
 from flowrl._core.staleness import train_version
 from flowrl.testing import flowrl_actor_names
 
-CPU = {"cpus_per_replica": 0.25}
-TOKENS = 2  # a segment's token budget
 EPISODES, PER_EPISODE = 5, 8
-
-
-class Segmenter(flowrl.Model):
-    """Writes up to TOKENS tokens a call, each token the version of the weights that wrote it."""
-
-    def set_weights(self, weights: Any) -> None:
-        pass
-
-    @flowrl.step
-    def generate(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        response = []
-        for text, length in zip(batch["response"], batch["length"], strict=True):
-            n = min(TOKENS, int(length) - len(text))
-            response.append([*text, *[self.weight_version] * n])
-        finished = [len(r) >= int(n) for r, n in zip(response, batch["length"], strict=True)]
-        return {"response": response, "finished": finished}
-
-
-class Learner(flowrl.Model):
-    """Learns nothing; reports what each trained sample carried."""
-
-    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
-        return {
-            "ids": batch.ids.tolist(),
-            "response": [list(r) for r in batch["response"]],
-            "versions": [list(v) for v in batch["policy_versions"]],
-            "staleness": [int(s) for s in batch.get("policy_staleness", [0] * len(batch))],
-        }
-
-    def get_weights(self) -> dict[str, Any]:
-        return {"w": np.zeros(1)}
-
-
-def engine(backend: str, max_staleness: int, segment: str = "oldest") -> flowrl.Engine:
-    policy = Segmenter("policy", {"num_replicas": 2, "batch_size": 3, **CPU})
-    learner = Learner("learner", {**CPU})
-
-    def rollout(prompts: Any) -> Any:
-        return flowrl.loop(policy.generate, prompts, until="finished", max_turns=10, name="segment")
-
-    config = {
-        "sample_per_episode": PER_EPISODE,
-        "num_episode": EPISODES,
-        "train_global_batch_size": 4,
-        "max_staleness": max_staleness,
-        "stale_segment": segment,
-        "pipeline": {"backend": backend},
-    }
-    built = flowrl.Engine(rollout=rollout, train=[learner], sync=[(learner, policy)], config=config)
-    built.set_dataset([{"response": [], "length": 1 + (i * 3) % 7} for i in range(16)])
-    return built
 
 
 @pytest.mark.parametrize("backend, k", [("inprocess", 1), ("ray", 1), ("inprocess", 0)])
 def test_every_segment_records_its_version_and_the_bound_holds_on_the_oldest(ray_cluster, backend, k):
-    run = engine(backend, k)
+    run = engine(backend, k, shuffle=False)
     stats = run.learn()
     if backend == "ray":
         assert flowrl_actor_names() == []
@@ -101,3 +52,23 @@ def test_the_newest_segment_may_count_instead():
 def test_a_bad_stale_segment_is_refused():
     with pytest.raises(flowrl.ConfigError, match=r"RunConfig.stale_segment must be one of \['oldest', 'newest'\]"):
         flowrl.RunConfig(sample_per_episode=1, stale_segment="middle")
+
+
+def test_a_run_killed_mid_turn_resumes_onto_another_replica_count_exactly(tmp_path):
+    reference = engine("inprocess", replicas=2)
+    reference.learn()
+    script = Path(__file__).with_name("_loop_killed_script.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(_loop_models.__file__).parent), *sys.path])},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (tmp_path / "died-mid-turn").read_text()  # in episode 3, while samples were between segments
+    resumed = engine("inprocess", replicas=3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    stats = resumed.learn()
+    assert [e.episode for e in stats.episodes][-2:] == [3, 4]
+    assert trained(resumed) == trained(reference)[3:]  # same samples, segments, versions, staleness
+    assert stats.trainers["learner"].steps == reference.stats().trainers["learner"].steps

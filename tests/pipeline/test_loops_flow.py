@@ -274,9 +274,11 @@ class StuckGame(Game):
     """A game whose call holding sample ``stuck`` in turn 2 never returns, the first ``times``
     times (a marker file per hang counts them); the replica is stopped from outside."""
 
-    def __init__(self, name: str, config: dict[str, Any], marks: str, stuck: int, times: int) -> None:
+    def __init__(
+        self, name: str, config: dict[str, Any], marks: str, stuck: int, times: int, how: str = "hang"
+    ) -> None:
         super().__init__(name, config)
-        self.marks, self.stuck, self.times = marks, stuck, times
+        self.marks, self.stuck, self.times, self.how = marks, stuck, times, how
 
     @flowrl.step
     def play(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
@@ -285,6 +287,8 @@ class StuckGame(Game):
             hangs = len(os.listdir(self.marks))
             if hangs < self.times:
                 Path(self.marks, f"hang-{hangs}").touch()
+                if self.how == "exit":
+                    os._exit(1)
                 threading.Event().wait()
         return super().play(batch, iteration)
 
@@ -329,4 +333,21 @@ async def test_a_sample_that_keeps_getting_stuck_fails_the_run_once_its_retries_
             await pipe.run(games(8))
     assert 5 in caught.value.sample_ids and caught.value.stage == "game.play"
     assert len(os.listdir(tmp_path)) == 2  # sent once, retried once
+    assert flowrl_actor_names() == []
+
+
+async def test_a_replica_that_dies_mid_turn_loses_no_turn_and_runs_none_twice(ray_cluster, tmp_path):
+    player = Player("player", {"num_replicas": 2, "batch_size": 3, **CPU})
+    game = StuckGame("game", {"num_replicas": 3, "batch_size": 2, **CPU}, str(tmp_path), stuck=5, times=1, how="exit")
+    n = 14
+    async with flowrl.open_pipeline(
+        lambda x: flowrl.loop(lambda s: game.play(player.act(s)), x, until="done", max_turns=10), {}
+    ) as pipe:
+        out = await pipe.run(games(n))
+        stats = pipe.stats()
+    assert len(os.listdir(tmp_path)) == 1
+    assert [s["text"] for s in out] == [transcript(goal(i)) for i in range(n)]
+    assert [s["loop_turns"] for s in out] == [goal(i) for i in range(n)]
+    assert stats["game.play"].samples == sum(goal(i) for i in range(n)) and stats["game.play"].retried >= 1
+    assert stats.serving["game"] == 2
     assert flowrl_actor_names() == []

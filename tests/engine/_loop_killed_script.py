@@ -1,0 +1,18 @@
+"""Run by test_partial_rollouts.py: an in-process engine with a partial-rollout loop, writing a
+checkpoint after every episode into argv[1]; its process exits in the middle of a turn of
+episode argv[2] (in a call that continues samples)."""
+
+from __future__ import annotations
+
+import sys
+
+from _loop_models import engine
+
+
+def main() -> None:
+    folder, die_at = sys.argv[1], int(sys.argv[2])
+    engine("inprocess", die_in=(die_at, folder), checkpoint_every=1, checkpoint_dir=folder).learn()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
