@@ -19,7 +19,7 @@ import numpy as np
 from .._core.batch import Batch, approx_nbytes
 from .._core.columns import column_length, signature
 from .._core.config import CallMeta, ShardCall
-from .._core.errors import CheckpointError, FlowError, OutputError, StageError
+from .._core.errors import CheckpointError, FlowError, MissingFieldError, OutputError, StageError
 from .._core.loops import DONE, flags
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
@@ -31,6 +31,12 @@ from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_t
 log = logging.getLogger("flowrl")
 
 Fetch = Callable[[list[Any]], list[Batch]]
+
+LOOP_FIELDS = (
+    "; inside flowrl.loop a step reads the loop's state (the fields of the loop's input, as the body "
+    "updated them) and the fields earlier steps of the same turn added: a field a step of the body adds "
+    "lasts one turn. To carry a value to the next turn, give the input items a starting value for it"
+)
 
 
 def gather(call: ShardCall, fetch: Fetch, private: bool = False) -> Batch:
@@ -141,7 +147,8 @@ class ReplicaRuntime:
         try:
             out = target(batch, call.iteration)
         except Exception as err:
-            raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
+            hint = LOOP_FIELDS if call.in_loop and isinstance(err, MissingFieldError) else ""
+            raise StageError(f"{type(err).__name__}: {err}{hint}", call.stage, self.replica_id, call.ids) from err
         added = new_fields(out, batch, inputs, call, self.replica_id, writes)
         if self.model.track_version:  # a trainer feeds this model: record the weights' version
             version_field = f"{self.model.name}_version"

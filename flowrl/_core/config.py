@@ -386,6 +386,7 @@ class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
     ids: list[int]
     pieces: list[Piece]
     updates: list[str] = []  # fields it may return although its input has them (a loop's state)
+    in_loop: bool = False  # a stage inside a loop's body
     loop: LoopCall | None = None  # the last stage of a loop's body: turns, ends, ``until``
 
 

@@ -23,7 +23,7 @@ from .names import NAME_RULE, check_name
 from .node import Node
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable, Mapping
 
 # Why a sample left its loop, in the ``<loop>_stop`` column.
 DONE = "done"  # its ``until`` field was true
@@ -121,4 +121,18 @@ def flags(value: Any, rows: int) -> list[bool] | None:
         if not isinstance(v, (bool, int, float)):
             return None
         out.append(bool(v))
+    return out
+
+
+def turn_counts(samples: Iterable[Mapping[str, Any]], loops: Iterable[LoopSpec]) -> dict[str, dict[int, int]]:
+    """Per loop: how many of ``samples`` ran how many turns (from their ``<loop>_turns``)."""
+    out: dict[str, dict[int, int]] = {}
+    for spec in loops:
+        counts: dict[int, int] = {}
+        for s in samples:
+            turns = s.get(spec.turns_field)
+            if turns is not None:
+                counts[int(turns)] = counts.get(int(turns), 0) + 1
+        if counts:
+            out[spec.name] = dict(sorted(counts.items()))
     return out

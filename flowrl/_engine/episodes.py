@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._core.errors import CheckpointError
+from .._core.loops import turn_counts
 from .._core.staleness import histogram, segment_histogram
 from .._core.trace import ENGINE
 from .._pipeline.progress import Progress
@@ -132,6 +133,7 @@ class EpisodeLoop:
             metrics={k: mean_metrics(v) for k, v in results.items()},
             staleness=lags[0],
             segment_staleness=lags[1],
+            turns=turn_counts(rollout.samples, self.deployment.rollout.graph.loops.values()),
             weight_versions=self.overlap.train_versions(e + 1),
         )
         learning.episode_done(stats, results)

@@ -51,6 +51,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     weight_versions: dict[str, int]
     staleness: dict[str, dict[int, int]] = {}
     segment_staleness: dict[str, dict[int, int]] = {}  # the same per segment of a partial rollout (loops)
+    turns: dict[str, dict[int, int]] = {}  # per loop of the rollout: how many samples ran how many turns
     wait_s: float = 0.0
     dropped: int = 0
     regenerated: int = 0

@@ -76,6 +76,9 @@ def episode_scalars(
         if n:
             out[f"staleness/{model}/mean"] = sum(lag * count for lag, count in lags.items()) / n
             out[f"staleness/{model}/max"] = float(max(lag for lag, count in lags.items() if count))
+    for loop, counts in last.turns.items():
+        out[f"turns/{loop}/mean"] = sum(t * n for t, n in counts.items()) / sum(counts.values())
+        out[f"turns/{loop}/max"] = float(max(counts))
     out |= {f"weights/{model}/version": float(v) for model, v in last.weight_versions.items()}
     if stats.rollout is not None:
         out |= _rollout_scalars(stats.rollout, before.rollout if before is not None else None)

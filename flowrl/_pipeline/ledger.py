@@ -102,6 +102,7 @@ class Ledger:
             ids=ids,
             pieces=self.pieces(stage, ids),
             updates=self.updates(stage),
+            in_loop=stage in self._graph.loop_of,
             loop=self.loop_call(stage, ids),
         )
 

@@ -39,6 +39,8 @@ def test_every_segment_records_its_version_and_the_bound_holds_on_the_oldest(ray
             assert seen == train_version(e, 1) - min(versions) <= k  # the oldest segment, within the bound
             segments += len(versions)
         assert sum(stats.episodes[e].segment_staleness["policy"].values()) == sum(len(v) for _, _, v, _ in rows)
+        per_sample = [len(v) for _, _, v, _ in rows]
+        assert stats.episodes[e].turns == {"segment": {t: per_sample.count(t) for t in sorted(set(per_sample))}}
     assert stats.rollout.loops["segment"].turns == segments
 
 
@@ -72,3 +74,13 @@ def test_a_run_killed_mid_turn_resumes_onto_another_replica_count_exactly(tmp_pa
     assert [e.episode for e in stats.episodes][-2:] == [3, 4]
     assert trained(resumed) == trained(reference)[3:]  # same samples, segments, versions, staleness
     assert stats.trainers["learner"].steps == reference.stats().trainers["learner"].steps
+
+
+def test_each_episode_logs_its_turns():
+    from flowrl._engine.tracking import episode_scalars
+
+    stats = engine("inprocess", num_episode=2).learn()
+    counts = stats.episodes[-1].turns["segment"]
+    scalars = episode_scalars(stats)
+    assert scalars["turns/segment/mean"] == sum(t * n for t, n in counts.items()) / 8
+    assert scalars["turns/segment/max"] == max(counts) == 4  # lengths up to 7, two tokens a segment

@@ -351,3 +351,27 @@ async def test_a_replica_that_dies_mid_turn_loses_no_turn_and_runs_none_twice(ra
     assert stats["game.play"].samples == sum(goal(i) for i in range(n)) and stats["game.play"].retried >= 1
     assert stats.serving["game"] == 2
     assert flowrl_actor_names() == []
+
+
+class Counter(flowrl.Model):
+    @flowrl.step
+    def act(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"move": [h + 1 for h in batch["hits"]]}
+
+    @flowrl.step
+    def score(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"hits": list(batch["move"]), "done": [m >= 3 for m in batch["move"]]}
+
+
+async def test_a_field_of_the_last_turn_is_not_there_and_the_error_says_how_to_carry_it():
+    count = Counter("count", {})
+
+    def flow(x):
+        return flowrl.loop(lambda s: count.score(count.act(s)), x, until="done", max_turns=5)
+
+    with pytest.raises(flowrl.StageError, match=r"field 'hits' is not in this batch.*lasts one turn.*starting value"):
+        async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+            await pipe.run([{"x": 0}])
+    async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:  # with a starting value: a state field
+        out = await pipe.run([{"x": 0, "hits": 0}])
+    assert (out[0]["hits"], out[0]["loop_turns"]) == (3, 3)
