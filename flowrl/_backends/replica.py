@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from .._core.batch import Batch, approx_nbytes
-from .._core.columns import column_length, signature
+from .._core.columns import column_length, like, signature
 from .._core.config import CallMeta, ShardCall
-from .._core.errors import CheckpointError, FlowError, MissingFieldError, OutputError, StageError
+from .._core.errors import CheckpointError, FlowDefinitionError, FlowError, MissingFieldError, OutputError, StageError
 from .._core.loops import DONE, flags
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
@@ -82,7 +82,12 @@ def new_fields(
         raise fail(f"{call.method} must return a mapping of new fields (field -> tensor or list), got {return_type}")
     added: dict[str, Any] = {}
     for name, value in out.items():
-        if name in input_fields and name not in call.updates:
+        if name in call.updates and column_length(value) == len(batch):
+            try:  # a loop's state keeps the type its input gave it
+                value = like(name, value, batch[name])
+            except FlowDefinitionError as err:
+                raise fail(str(err)) from None
+        elif name in input_fields:
             if out is batch or value is batch.get(name):
                 continue  # passed through untouched (ChatLearn style: ``return data``)
             raise fail(

@@ -120,6 +120,40 @@ def concat_column(name: str, parts: list[Column], source: str) -> Column:
     return np.concatenate(parts) if want[0] == "array" else [row for part in parts for row in part]
 
 
+def like(name: str, value: Column, reference: Column) -> Column:
+    """``value``, a new value of field ``name``, as a column of ``reference``'s kind, dtype and
+    trailing shape: a loop's state keeps its type whatever a step returns (a list of ints for an
+    int64 array). A value that would not convert without loss (floats for ints) is an error."""
+    want = signature(reference)
+    got = signature(value)
+    if got == want:
+        return value
+    if want[0] == "list":
+        return list(value)
+    torch = sys.modules.get("torch")
+    rows = value.detach().cpu().numpy() if is_tensor(value) else np.asarray(value)
+    if rows.dtype == object or not np.can_cast(rows.dtype, want[1] if want[0] == "array" else rows.dtype, "same_kind"):
+        raise FlowDefinitionError(
+            f"field {name!r} is part of the loop's state, which holds it as {describe(want)}; the step returned "
+            f"{describe(got)}, which does not convert to it without loss: return it as the loop's input holds it"
+        )
+    if tuple(rows.shape[1:]) != want[2]:
+        raise FlowDefinitionError(
+            f"field {name!r} is part of the loop's state, which holds it as {describe(want)}; the step returned "
+            f"rows of shape {list(rows.shape[1:])}: a field keeps its trailing shape"
+        )
+    if want[0] == "array":
+        return rows.astype(want[1], copy=False)
+    assert torch is not None  # the reference is a tensor
+    out = torch.as_tensor(rows).to(reference.device)
+    if not torch.can_cast(out.dtype, reference.dtype):
+        raise FlowDefinitionError(
+            f"field {name!r} is part of the loop's state, which holds it as {describe(want)}; the step returned "
+            f"{describe(got)}, which does not convert to it without loss: return it as the loop's input holds it"
+        )
+    return out.to(reference.dtype)
+
+
 def _value_class(value: Any) -> Signature:
     """An input value's class: ("number", dtype, ()), the signature of a tensor or an array
     of one dimension or more, or ("other", "", ())."""

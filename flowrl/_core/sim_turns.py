@@ -6,9 +6,10 @@ environment step of ``env_s`` seconds. A policy call decodes its shard in lock s
 ``fixed_s + token_s * (the most tokens any of its samples writes)``; an environment call runs its
 samples' steps side by side, ``env_fixed_s + the longest env_s``. Three ways to run it:
 
-- ``whole``: a policy replica takes up to ``batch`` samples and plays all their turns before it
-  takes more (the loop inside one call, as a rollout worker with an agent loop does); the
-  environment steps run on the environment's replicas while the policy replica waits;
+- ``whole``: a policy replica takes the next ``batch`` samples and plays all their turns before it
+  takes more (the loop inside one call, as a rollout worker with an agent loop does); it waits
+  while the environment steps its samples, in calls of ``env_batch`` side by side (an agent
+  loop calls its tools itself: no environment pool is shared between batches);
 - ``turn``: every turn of every sample is pulled on its own (``flowrl.loop``): a free policy
   replica takes up to ``batch`` samples whose next turn is ready, whatever their turn, and an
   environment replica up to ``env_batch`` samples whose generation is done;
@@ -113,10 +114,8 @@ def simulate_turns(w: TurnWorkload, mode: str) -> TurnResult:
 
 
 def _whole(w: TurnWorkload) -> TurnResult:
-    """Static batches in arrival order; each policy replica plays its batch to the end. The
-    environment's replicas serve the batches' steps first come, first served."""
+    """Static batches in arrival order; each policy replica plays its batch to the end."""
     batches = [list(range(i, min(i + w.batch, len(w.samples)))) for i in range(0, len(w.samples), w.batch)]
-    env_free = [0.0] * w.env_replicas
     replicas = [(0.0, r) for r in range(w.policy_replicas)]
     out = TurnResult(0.0, 0, 0, 0.0, 0, [len(s) for s in w.samples])
     for batch in batches:
@@ -132,15 +131,9 @@ def _whole(w: TurnWorkload) -> TurnResult:
                 out.policy_busy_s + took,
                 out.segments + len(live),
             )
-            ends = []
-            for part in range(0, len(live), w.env_batch):  # the batch's steps, in env-sized calls
-                ids = live[part : part + w.env_batch]
-                e = min(range(w.env_replicas), key=lambda k: env_free[k])
-                start = max(now, env_free[e])
-                env_free[e] = start + w.env_call_s([w.samples[i][turn].env_s for i in ids])
-                ends.append(env_free[e])
-                out.env_calls += 1
-            now = max(ends)
+            chunks = [live[k : k + w.env_batch] for k in range(0, len(live), w.env_batch)]
+            now += max(w.env_call_s([w.samples[i][turn].env_s for i in c]) for c in chunks)
+            out.env_calls += len(chunks)
             turn += 1
             live = [i for i in live if len(w.samples[i]) > turn]
         out.makespan_s = max(out.makespan_s, now)

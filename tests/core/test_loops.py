@@ -163,3 +163,38 @@ def test_a_step_inside_a_loop_cannot_be_read_after_it():
 )
 def test_until_values_are_read_as_one_boolean_per_row(value, expected):
     assert flags(value, 2) == expected
+
+
+@pytest.mark.parametrize(
+    "value, reference, expected",
+    [
+        ([1, 2], np.array([0, 0]), np.array([1, 2])),
+        ([1.5, 2.0], np.array([0.0, 0.0], dtype=np.float32), np.array([1.5, 2.0], dtype=np.float32)),
+        ([1, 2], np.array([0.0, 0.0]), np.array([1.0, 2.0])),
+        (np.array([[1, 2], [3, 4]]), [[0], [0]], [np.array([1, 2]), np.array([3, 4])]),
+        ([[1, 2], [3, 4]], torch.zeros(2, 2), torch.tensor([[1.0, 2.0], [3.0, 4.0]])),
+    ],
+    ids=["ints-to-int64", "floats-to-float32", "ints-to-float64", "array-to-list", "lists-to-tensor"],
+)
+def test_an_update_of_the_state_keeps_the_type_the_input_gave_it(value, reference, expected):
+    from flowrl._core.columns import like, signature
+
+    out = like("x", value, reference)
+    assert signature(out) == signature(reference)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    "value, reference, message",
+    [
+        ([1.5, 2.0], np.array([0, 0]), r"field 'x' is part of the loop's state.*int64 numpy array.*without loss"),
+        ([[1, 2], [3, 4]], np.array([0, 0]), r"rows of shape \[2\]: a field keeps its trailing shape"),
+        ([0.5, 1.0], torch.zeros(2, dtype=torch.long), r"int64 tensor.*without loss"),
+    ],
+    ids=["floats-for-ints", "shape", "floats-for-a-long-tensor"],
+)
+def test_an_update_that_would_lose_something_is_refused(value, reference, message):
+    from flowrl._core.columns import like
+
+    with pytest.raises(flowrl.FlowDefinitionError, match=message):
+        like("x", value, reference)
