@@ -76,7 +76,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     tokenizer's chat template (None: when it has one); ``system_prompt`` goes first then.
     ``max_prompt_tokens``: a longer prompt is an error naming the sample (None: the model's
     context less ``max_new_tokens``). ``seed``: replica ``i`` samples from a torch generator
-    seeded with ``(seed, i)``, so replicas never draw the same numbers."""
+    seeded with ``(seed, i)``, so replicas never draw the same numbers. ``max_response_tokens``:
+    a partial rollout's whole response (``HFPolicy.continue_step``, which writes at most
+    ``max_new_tokens`` a call; None: ``max_new_tokens``, one call)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -87,10 +89,16 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None
     seed: int = 0
+    max_response_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _positive("Sampling", max_new_tokens=self.max_new_tokens, max_prompt_tokens=self.max_prompt_tokens)
+        _positive(
+            "Sampling",
+            max_new_tokens=self.max_new_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_response_tokens=self.max_response_tokens,
+        )
         _non_negative("Sampling", temperature=self.temperature, top_k=self.top_k)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")

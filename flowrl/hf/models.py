@@ -20,7 +20,7 @@ import torch
 
 from .._core.config import ModelConfig, to_config
 from .._core.errors import ConfigError
-from .._core.model import Model
+from .._core.model import Model, step
 from .config import LM, Sampling
 from .loading import Head, checked_paths, context_length, load_module, load_tokenizer, shape_of
 from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs, token_micro_batches
@@ -198,6 +198,41 @@ class HFPolicy(HFModel):
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
             "finish_reason": reasons,
             "weight_version": torch.full((len(prompts),), self.weight_version, dtype=torch.long),
+        }
+
+    @step
+    @torch.no_grad()
+    def continue_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        """One segment of a partial rollout, for ``flowrl.loop(policy.continue_step, prompts,
+        until="finished", ...)``: writes at most ``Sampling.max_new_tokens`` more tokens of each
+        response, after the prompt and the response so far (encoded again: no KV cache moves
+        between calls, so any replica continues any sample). ``response_ids`` and ``logprobs``
+        are the loop's state (give each item ``[]`` for both); a sample is ``finished`` at a
+        stop token or at ``Sampling.max_response_tokens``. Each segment's log-probs are those of
+        the weights that wrote it (``policy_versions`` on the loop's output says which)."""
+        s = self.sampling
+        total = s.max_response_tokens or s.max_new_tokens
+        prompts = [self.encode(p) for p in batch["prompt"]]
+        done = [torch.as_tensor(r, dtype=torch.long) for r in batch["response_ids"]]
+        budget = min(s.max_new_tokens, max(1, total - min(len(r) for r in done)))
+        step = msgspec.structs.replace(s, max_new_tokens=budget)
+        prefixes = [torch.cat([p, r]) for p, r in zip(prompts, done, strict=True)]
+        new, reasons = cut_at_stop(self.generate(prefixes, step), self.stop_ids)
+        new = [n[: max(0, total - len(r))] for n, r in zip(new, done, strict=True)]  # never past the total
+        temperature = s.temperature or 1.0
+        more = self.response_logprobs(prefixes, new, temperature)
+        responses = [torch.cat([r, n]) for r, n in zip(done, new, strict=True)]
+        finished = [why == "stop" or len(r) >= total for why, r in zip(reasons, responses, strict=True)]
+        return {
+            "prompt_ids": prompts,
+            "response_ids": responses,
+            "logprobs": [
+                torch.cat([torch.as_tensor(a, dtype=torch.float32), b])
+                for a, b in zip(batch["logprobs"], more, strict=True)
+            ],
+            "finished": finished,
+            "finish_reason": ["stop" if why == "stop" else "length" for why in reasons],
+            "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
         }
 
     def generate(self, prompts: list[torch.Tensor], s: Sampling) -> torch.Tensor:
