@@ -75,3 +75,15 @@ def test_scaled_run_reports_every_phase_and_model(gpt, tmp_path):
     assert {"train: ppo_policy", "train: ppo_value"} <= rows
     assert figures["tokens"] == sum(p["length"] for p in gpt.prompts(16, 8, "eos"))
     assert [e["episode"] for e in figures["episodes"]] == [0, 1]
+
+
+def test_partial_rollouts_write_every_response_to_its_target_with_less_padding(tmp_path):
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, str(GPU / "hf_partial.py"), "--tiny", "--repeats", "1", "--samples", "32"]
+    cmd += ["--tokens", "32", "--segment", "8", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300, cwd=GPU)
+    rollouts = {r["mode"]: r for r in json.loads((tmp_path / "hf-partial.json").read_text())["rollouts"]}
+    assert all(r["off_target"] == 0 for r in rollouts.values())  # segments joined at each target length
+    assert rollouts["whole"]["tokens"] == rollouts["partial"]["tokens"]
+    assert rollouts["partial"]["segments"] > rollouts["whole"]["segments"] == 32
+    assert rollouts["partial"]["waste"] < rollouts["whole"]["waste"]  # no call decodes past 8 tokens
