@@ -162,7 +162,8 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> str:
             continue
         gpu = "-"
         if rs[0]["gpu_median"] is not None:
-            gpu = f"{statistics.median(r['gpu_median'] for r in rs):.0f}% / {statistics.fmean(r['gpu_mean'] for r in rs):.1f}%"
+            median, mean = statistics.median(r["gpu_median"] for r in rs), statistics.fmean(r["gpu_mean"] for r in rs)
+            gpu = f"{median:.0f}% / {mean:.1f}%"
         lines.append(
             f"| {mode} | {statistics.median(r['s'] for r in rs):.2f} | "
             f"{sum(r['tokens'] for r in rs) / sum(r['s'] for r in rs):.0f} | "
