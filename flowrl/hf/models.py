@@ -209,7 +209,9 @@ class HFPolicy(HFModel):
         between calls, so any replica continues any sample). ``response_ids`` and ``logprobs``
         are the loop's state (give each item ``[]`` for both); a sample is ``finished`` at a
         stop token or at ``Sampling.max_response_tokens``. Each segment's log-probs are those of
-        the weights that wrote it (``policy_versions`` on the loop's output says which)."""
+        the weights that wrote it (``policy_versions`` on the loop's output says which). With a
+        ``loss_mask`` in the state (``[]`` to start), it appends 1 per token it writes: a tool
+        that appends its own tokens to the response appends 0s, and the trainers leave them out."""
         s = self.sampling
         total = s.max_response_tokens or s.max_new_tokens
         prompts = [self.encode(p) for p in batch["prompt"]]
@@ -223,7 +225,13 @@ class HFPolicy(HFModel):
         more = self.response_logprobs(prefixes, new, temperature)
         responses = [torch.cat([r, n]) for r, n in zip(done, new, strict=True)]
         finished = [why == "stop" or len(r) >= total for why, r in zip(reasons, responses, strict=True)]
-        return {
+        out: dict[str, Any] = {}
+        if "loss_mask" in batch:  # a multi-turn rollout: the policy's tokens count in the losses
+            out["loss_mask"] = [
+                torch.cat([torch.as_tensor(m, dtype=torch.float32), torch.ones(len(n))])
+                for m, n in zip(batch["loss_mask"], new, strict=True)
+            ]
+        return out | {
             "prompt_ids": prompts,
             "response_ids": responses,
             "logprobs": [

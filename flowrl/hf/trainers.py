@@ -112,7 +112,9 @@ class HFTrainer(HFModel):
         return {**metrics, "grad_norm": norm, "lr": float(self.lr_scheduler.get_last_lr()[0])}
 
     def global_counts(self, batch: Batch) -> Counts:
-        local = torch.tensor([sum(len(r) for r in batch["response_ids"]) if len(batch) else 0, len(batch)])
+        kept = batch["loss_mask"] if "loss_mask" in batch else batch["response_ids"]  # the tokens a loss counts
+        tokens = sum(int(torch.as_tensor(m).sum()) if "loss_mask" in batch else len(m) for m in kept)
+        local = torch.tensor([tokens if len(batch) else 0, len(batch)])
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -195,7 +197,7 @@ class HFTrainer(HFModel):
             input_ids=padded.input_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device)
         ).logits
         lp, mask = sequence_logprobs(logits, padded.to(self.device), self.train_config.temperature)
-        return lp, mask
+        return lp, with_loss_mask(mb, mask)
 
 
 class GRPOTrainer(HFTrainer):
@@ -248,7 +250,7 @@ class GRPOTrainer(HFTrainer):
 def ppo_targets(batch: Batch, ppo: PPO) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token advantages and returns (ragged): GAE over the KL-penalised rewards."""
     lengths = torch.tensor([len(r) for r in batch["response_ids"]])
-    mask = response_mask(lengths, int(lengths.max()))
+    mask = with_loss_mask(batch, response_mask(lengths, int(lengths.max())))
     logp = right_pad(batch["logprobs"])
     ref = right_pad(need(batch, "ref_logprobs", "PPO.kl_coef > 0")) if ppo.kl_coef > 0 else logp
     values = right_pad(need(batch, "values", "PPO's advantages (GAE)"))
@@ -317,13 +319,29 @@ class ValueTrainer(HFTrainer):
         padded = join(mb["prompt_ids"], mb["response_ids"], int(self.tokenizer.pad_token_id))
         per_position = self.module(padded.input_ids.to(self.device), padded.attention_mask.to(self.device))
         values = response_values(per_position.float(), padded.to(self.device))  # fp32 under bf16 autocast
-        mask = response_mask(padded.response_lengths, values.shape[1]).to(values)
+        mask = with_loss_mask(mb, response_mask(padded.response_lengths, values.shape[1]).to(values))
         old, returns = right_pad(mb["values"]).to(values), right_pad(extra["returns"]).to(values)
         p = self.ppo
         loss = rl.value_loss(
             values, old, returns, mask, clip=p.value_clip, aggregation=p.aggregation, **counts.kwargs()
         )
         return loss, {}
+
+
+def with_loss_mask(batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` less the response tokens the policy did not write: a multi-turn rollout's
+    ``loss_mask`` (per sample, 1 for the policy's tokens, 0 for a tool's or an environment's
+    inside the response) takes them out of every loss, KL term and token count."""
+    if "loss_mask" not in batch:
+        return mask
+    kept = right_pad([torch.as_tensor(m) for m in batch["loss_mask"]])
+    if kept.shape != mask.shape:
+        lengths = [len(r) for r in batch["response_ids"]]
+        raise ConfigError(
+            f"field 'loss_mask' must hold one value per response token; responses have {lengths} tokens, "
+            f"loss masks {[len(m) for m in batch['loss_mask']]}"
+        )
+    return mask * kept.to(mask)
 
 
 def need(batch: Batch, field: str, why: str) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import hf_tiny
+import msgspec
 import pytest
 import torch
 
@@ -58,3 +59,60 @@ def test_segments_of_a_greedy_response_join_into_the_one_call_response(ray_clust
 def test_a_bad_max_response_tokens_is_refused():
     with pytest.raises(flowrl.ConfigError, match=r"Sampling.max_response_tokens must be > 0, got 0"):
         hf.Sampling(max_response_tokens=0)
+
+
+def masked_samples(garbage: float) -> tuple[list[int], list[dict[str, Any]]]:
+    """Two groups of 2 responses; tokens 2-3 of each response are a tool's (loss_mask 0), their
+    old and reference log-probs ``garbage``."""
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for prompt_index in range(2):
+        prompt = torch.randint(5, 300, (4,), generator=g)
+        for k in range(2):
+            n = 6 + k
+            old = -torch.rand(n, generator=g)
+            mask = torch.ones(n)
+            mask[2:4] = 0
+            old[2:4] = garbage
+            samples.append(
+                {
+                    "prompt_ids": prompt,
+                    "response_ids": torch.randint(5, 300, (n,), generator=g),
+                    "logprobs": old,
+                    "ref_logprobs": old.clone(),
+                    "loss_mask": mask,
+                    "score": float(k),
+                    "prompt_index": prompt_index,
+                }
+            )
+    return list(range(len(samples))), samples
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_tokens_a_tool_wrote_count_in_no_loss(tokenizer, aggregation):
+    import hf_ranks
+
+    case = {"aggregation": aggregation, "lr": 1e-3, "eps": 1e-6, "micro_batch_tokens": 0, "fsdp": "never"}
+    case |= {"global_batch": 4, "micro_batch": 2}
+    weights = []
+    for garbage in (-50.0, 3.0):
+        trainer = hf_ranks.make_trainer(tokenizer, case)
+        trainer.grpo = msgspec.structs.replace(trainer.grpo, kl_coef=0.1)
+        batch = flowrl.Batch.from_samples(*masked_samples(garbage))
+        assert trainer.global_counts(batch).tokens == sum(int(m.sum()) for m in batch["loss_mask"]) == 18
+        trainer.train_step(batch, 0)
+        weights.append({k: v.detach().clone() for k, v in trainer.get_weights().items()})
+    for name, value in weights[0].items():
+        assert torch.equal(value, weights[1][name]), name  # the tool's tokens changed nothing
+
+
+def test_continue_step_marks_its_own_tokens_in_the_loss_mask(tokenizer):
+    parts = policy(tokenizer, {"batch_size": 3}, max_new_tokens=3, max_response_tokens=7)
+
+    def flow(x):
+        return flowrl.loop(parts.continue_step, x, until="finished", max_turns=10)
+
+    items = [{"prompt": p, "response_ids": [], "logprobs": [], "loss_mask": []} for p in PROMPTS[:3]]
+    out, _ = flowrl.run_flow(flow, items, {"backend": "inprocess"})
+    for s in out:
+        assert s["loss_mask"].tolist() == [1.0] * len(s["response_ids"])
