@@ -233,6 +233,7 @@ HF_OUT_OF_RANGE = [
     (hf_config.Sampling, "top_k", -1),
     (hf_config.Sampling, "stop_token_ids", (-1,)),
     (hf_config.Sampling, "max_prompt_tokens", 0),
+    (hf_config.Sampling, "max_response_tokens", 0),
     (hf_config.Sampling, "seed", 2**70),
     (hf_config.Optim, "lr", 0.0),
     (hf_config.Optim, "weight_decay", -0.1),
