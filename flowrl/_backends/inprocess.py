@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from .._core.errors import ConfigError, FlowError
+from .._core.errors import ConfigError, FlowError, ReplicaDiedError
 from .replica import ReplicaRuntime, TrainerRuntime
 from .specs import DEBUG_ENV, ActorCounts, ReplicaHandle, ReplicaSpec, debugging
 from .weight_share import Broadcast, Group
@@ -45,6 +45,7 @@ class _LocalReplica:
     def __init__(self, runtime: ReplicaRuntime) -> None:
         self.runtime = runtime
         self.lock = anyio.Lock()
+        self.stopped = False  # a stopped replica's thread may still run a call that hung: it takes no more
 
 
 def _trainer(rank: ReplicaHandle) -> TrainerRuntime:
@@ -78,6 +79,8 @@ class InProcessBackend:
     async def call(self, replica: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
         local: _LocalReplica = replica.ref
         async with local.lock:
+            if local.stopped:
+                raise ReplicaDiedError("the replica was stopped", call.stage, replica.replica_id, call.ids)
             if self.threads:
                 meta, out = await anyio.to_thread.run_sync(local.runtime.run, call, _fetch, abandon_on_cancel=True)
             else:
@@ -150,6 +153,9 @@ class InProcessBackend:
 
     async def stop(self, handles: list[ReplicaHandle]) -> None:
         gone = {id(h.ref) for h in handles}
+        for handle in handles:
+            if isinstance(handle.ref, _LocalReplica):
+                handle.ref.stopped = True
         self._replicas = [r for r in self._replicas if id(r) not in gone]
 
     async def free(self) -> dict[str, float]:

@@ -82,11 +82,12 @@ def new_fields(
         raise fail(f"{call.method} must return a mapping of new fields (field -> tensor or list), got {return_type}")
     added: dict[str, Any] = {}
     for name, value in out.items():
-        if name in call.updates and column_length(value) == len(batch):
-            try:  # a loop's state keeps the type its input gave it
-                value = like(name, value, batch[name])
-            except FlowDefinitionError as err:
-                raise fail(str(err)) from None
+        if name in call.updates:
+            if column_length(value) == len(batch):  # (a wrong row count is named below)
+                try:  # a loop's state keeps the type its input gave it
+                    value = like(name, value, batch[name])
+                except FlowDefinitionError as err:
+                    raise fail(str(err)) from None
         elif name in input_fields:
             if out is batch or value is batch.get(name):
                 continue  # passed through untouched (ChatLearn style: ``return data``)
@@ -164,7 +165,7 @@ class ReplicaRuntime:
             if version_field not in inputs:  # a later step of the same model keeps the first's
                 added[version_field] = [self.model.weight_version] * len(batch)
         synced = self.model.weight_version if self.model.track_version else -1
-        stops = loop_columns(call, added, self.replica_id, (self.model.name, synced)) if call.loop is not None else []
+        stops = loop_columns(call, batch, added, self.replica_id, (self.model.name, synced)) if call.loop else []
         result = Batch(batch.ids, added, _check=False)
         took = time.perf_counter() - start
         meta = CallMeta(
@@ -201,14 +202,20 @@ class ReplicaRuntime:
         self.model.weight_version = version
 
 
-def loop_columns(call: ShardCall, added: dict[str, Any], replica: int, own: tuple[str, int]) -> list[str]:
+def loop_columns(call: ShardCall, batch: Batch, added: dict[str, Any], replica: int, own: tuple[str, int]) -> list[str]:
     """The last step of a loop's body returned ``until``: add each sample's turn, why it leaves
     the loop (``done``, ``max_turns``, ``deadline``; "" while it goes on) and, per synced model,
     the weights' version of each of its calls in the loop so far (``<model>_versions``: a
-    partial rollout's segments). ``own``: this step's model and version (-1: not synced)."""
+    partial rollout's segments, after those of a loop before this one). ``own``: this step's
+    model and version (-1: not synced)."""
     loop = call.loop
     assert loop is not None
     versions = {m: [list(v) for v in per_sample] for m, per_sample in loop.versions.items()}
+    for m in dict.fromkeys([*versions, *([own[0]] if own[1] >= 0 else [])]):
+        earlier = batch.get(versions_field(m))  # an earlier loop's segments: the state, updated here
+        if earlier is not None:
+            now = versions.get(m, [[] for _ in call.ids])
+            versions[m] = [[int(x) for x in e] + v for e, v in zip(earlier, now, strict=True)]
     if own[1] >= 0:
         for v in versions.setdefault(own[0], [[] for _ in call.ids]):
             v.append(own[1])

@@ -185,8 +185,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
     ``gpus_per_replica`` overrides the GPUs each replica asks Ray for (default: the parallel
     size with ``num_gpu``, else 0); a fraction lets several models share (colocate on) GPUs.
-    ``call_timeout_s``: the longest a call may take, seen from the driver (a shard queued
-    behind another on its replica waits for it too); a later reply fails the run, unless
+    ``call_timeout_s``: the longest a call may take, seen from the driver (a shard sent while
+    others are in flight on its replica gets as long again for each); a later reply fails the run, unless
     ``on_timeout="retry"``: the replica is stopped and replaced, and the call's samples go to
     another replica (a stuck environment or tool; ``PipelineConfig.max_retries`` bounds how
     often a sample is sent again).

@@ -62,7 +62,12 @@ class _Builder:
                     "a loop reads only the loop's state and other steps of the body (what the body needs "
                     "from before the loop reaches it through the state)"
                 )
-        elif name in self.in_body:
+        if body is None and name.endswith(":state"):
+            raise FlowDefinitionError(
+                f"{where}: argument {pos} is the state of loop {name.removesuffix(':state')!r}, which exists only "
+                "inside that loop's body; after the loop, read the loop's output"
+            )
+        if body is None and name in self.in_body:
             raise FlowDefinitionError(
                 f"{where}: argument {pos} is a step inside loop {self.in_body[name]!r}; after the loop, "
                 "read the loop's output (what flowrl.loop returned)"
@@ -229,11 +234,10 @@ class FlowGraph:
     def updates(self, a: str, b: str) -> LoopSpec | None:
         """The loop in which producers ``a`` and ``b`` may write one field: one updates the
         other's (a body stage and a state producer, or two body stages in turn)."""
-        spec = self.loop_of.get(a) or self.loop_of.get(b)
-        if spec is None:
-            return None
-        inside = [p in spec.body or p in self.state_producers(spec) for p in (a, b)]
-        return spec if all(inside) else None
+        for spec in (self.loop_of.get(b), self.loop_of.get(a)):  # a later loop may update an earlier one's
+            if spec is not None and all(p in spec.body or p in self.state_producers(spec) for p in (a, b)):
+                return spec
+        return None
 
     def stages_of(self, model: str) -> list[str]:
         return [s.name for s in self.stages.values() if s.model == model]
@@ -247,6 +251,10 @@ class FlowGraph:
         """Check declared reads and writes; undeclared ones are checked when data flows."""
         declared: dict[str, frozenset[str] | None] = {SOURCE: None if input_fields is None else frozenset(input_fields)}
         declared.update({s.name: s.writes for s in self.stages.values()})
+        for loop in self.loops.values():  # a loop's last step also carries its record
+            writes = declared[loop.result]
+            if writes is not None:
+                declared[loop.result] = writes | {loop.turns_field, loop.stop_field}
         views = [(f"stage {s!r}", self._visible[s]) for s in self.stages]
         views.append(("the flow's output", self.output_producers))
 

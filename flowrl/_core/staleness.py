@@ -47,11 +47,13 @@ def versions_field(model: str) -> str:
 def generated_with(sample: Mapping[str, Any], model: str, segment: str = "oldest") -> int | None:
     """The version of ``model`` that ``sample`` counts as generated with: of its oldest (or
     newest) segment when a loop recorded them, else its one version; None without either."""
-    segments = sample.get(versions_field(model))
-    if segments is not None and len(segments):
-        return int(min(segments) if segment == "oldest" else max(segments))
-    version = sample.get(version_field(model))
-    return None if version is None else int(version)
+    seen = [int(v) for v in sample.get(versions_field(model), ())]
+    version = sample.get(version_field(model))  # a call outside any loop (or a loop's last turn)
+    if version is not None:
+        seen.append(int(version))
+    if not seen:
+        return None
+    return min(seen) if segment == "oldest" else max(seen)
 
 
 def lags(sample: Mapping[str, Any], versions: Mapping[str, int], segment: str = "oldest") -> dict[str, int]:

@@ -26,12 +26,14 @@ class ShardCaller:
         self._backend = backend
         self._cluster = cluster
 
-    async def __call__(self, handle: ReplicaHandle, call: ShardCall) -> tuple[CallMeta, Any]:
+    async def __call__(self, handle: ReplicaHandle, call: ShardCall, ahead: int = 0) -> tuple[CallMeta, Any]:
+        """``ahead``: the shards in flight on the replica before this one, which it waits behind
+        (each gets its own ``call_timeout_s``)."""
         config = self._graph.models[handle.model].config
         deadline = config.call_timeout_s
         if deadline is None:
             return await self._backend.call(handle, call)
-        with anyio.move_on_after(deadline):
+        with anyio.move_on_after(deadline * (1 + ahead)):
             return await self._backend.call(handle, call)
         if config.on_timeout == "retry":
             with anyio.CancelScope(shield=True):

@@ -91,11 +91,10 @@ class Dispatcher:
                     if await self._execute(handle, assignment):
                         pool.finish(assignment)
                 except ReplicaDiedError as err:
-                    replaced = isinstance(err, Hung) and self.replace is not None
-                    if replaced and handle.replica_id not in pool.scheduler.retired:
-                        assert self.replace is not None
+                    hung = isinstance(err, Hung) and handle.replica_id not in pool.scheduler.retired
+                    if hung and self.replace is not None:
                         self.replace(handle.model)  # the first of its shards to time out asks once
-                    self._recovery.lost(handle, assignment, err, replaced)
+                    self._recovery.lost(handle, assignment, err)
                     return
                 if not pool.scheduler.in_flight[r]:  # nothing left to run: starved from now on
                     self._roster.hungry(handle.model, r)
@@ -121,10 +120,11 @@ class Dispatcher:
         scheduler = self._pools[spec.model].scheduler
         # A call's time outside the step tells its overhead only if no other shard of its
         # replica was in flight meanwhile (one queued ahead would be counted as overhead).
-        alone = scheduler.in_flight[handle.replica_id] == 1
+        ahead = scheduler.in_flight[handle.replica_id] - 1
+        alone = ahead == 0
         start = time.perf_counter()
         try:
-            meta, out_ref = await self._call(handle, call)
+            meta, out_ref = await self._call(handle, call, ahead)
         except InputLostError as err:
             redone = await self._recovery.recompute_lost({sid: self._ledger.samples[sid] for sid in a.ids})
             if not redone and self._ledger.pieces(a.stage, a.ids) == call.pieces:

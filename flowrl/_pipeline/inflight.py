@@ -14,16 +14,17 @@ Loc = tuple[Any, int]  # (object reference, row)
 
 
 class Turns:
-    """A sample inside a loop: its turn (from 1), when it entered, and which body stage last
-    wrote each field of the loop's state it updates."""
+    """A sample inside a loop: its turn (from 1), when it entered, and where each state field
+    its body updates was when the turn began (from turn 2 on)."""
 
-    __slots__ = ("carry", "entered", "turn", "versions")
+    __slots__ = ("entered", "start", "turn", "turn_versions", "versions")
 
     def __init__(self) -> None:
         self.turn = 1
         self.entered = time.monotonic()
-        self.carry: dict[str, str] = {}  # state field -> the body stage that wrote it last
+        self.start: dict[str, Loc] = {}  # state field -> its value as this turn began
         self.versions: dict[str, list[int]] = {}  # synced model -> its weights' version at each call here
+        self.turn_versions: dict[str, list[int]] = {}  # the same, this turn's calls only
 
 
 class SampleState:

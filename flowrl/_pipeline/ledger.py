@@ -18,10 +18,12 @@ from .._core.config import LoopCall, Piece, ShardCall
 from .._core.errors import FlowDefinitionError, FlowError, OutputError
 from .._core.graph import SOURCE
 from .._core.loops import DEADLINE, MAX_TURNS
+from .._core.staleness import versions_field
+from .carry import Carry
 from .inflight import SampleState
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Mapping
 
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta, PipelineConfig
@@ -52,7 +54,7 @@ class Ledger:
         self.retries: dict[tuple[str, int], int] = {}  # (stage, sample) -> times sent again
         self.fields: dict[str, frozenset[str]] = {}  # producer -> the fields it adds
         self._types: dict[str, FieldTypes] = {}  # stage -> its fields' types, as first returned
-        self._carried: dict[str, dict[str, str]] = {}  # loop -> state fields its body updates -> their producer
+        self._carry = Carry(graph, self.fields)  # where a loop's updated fields are read
         self.next_id = 0
 
     def renumber(self, next_id: int) -> None:
@@ -78,20 +80,31 @@ class Ledger:
         """Where shard ``ids`` of ``stage`` reads its inputs: runs of rows per stored object."""
         states = self.samples if states is None else states
         pieces: list[Piece] = []
-        carried = self._carried_seen(stage)
+        needs = self._carry.needs(stage) if self._graph.loops else set()
         for producer in self._graph.inputs_of(stage):
             fields = self.fields.get(producer)
             if fields == frozenset():
                 continue  # a producer known to add no fields has nothing to gather
             keep = None
-            if carried and fields is not None and fields & carried.keys():
-                keep = sorted(fields - carried.keys())  # updated by a loop: read from the latest writer
+            if needs and fields is not None and fields & needs:
+                keep = sorted(fields - needs)  # updated by a loop: read from the writer chosen below
                 if not keep:
                     continue
             _runs(pieces, producer, [states[sid].loc[producer] for sid in ids], keep)
-        for name, origin in carried.items():
-            _runs(pieces, f"~{name}", [states[sid].loc[_writer(states[sid], name, origin)] for sid in ids], [name])
+        for name in sorted(needs):
+            source = self._carry.source(stage, name)
+            if source is not None:
+                locs = [states[sid].loc[source] for sid in ids]
+            else:
+                locs = [self._turn_start(states[sid], stage, name) for sid in ids]
+            _runs(pieces, f"~{name}", locs, [name])
         return pieces
+
+    def _turn_start(self, state: SampleState, stage: str, name: str) -> Loc:
+        """Where state field ``name`` was as the sample's current turn of ``stage``'s loop began."""
+        spec = self._graph.loop_of[stage]
+        found = state.turns(spec.name).start.get(name)
+        return found if found is not None else state.loc[self._carry.before(spec, name)]
 
     def shard_call(self, stage: str, method: str, iteration: int, ids: list[int]) -> ShardCall:
         """What a replica is sent to run ``ids`` on ``stage``."""
@@ -106,28 +119,21 @@ class Ledger:
             loop=self.loop_call(stage, ids),
         )
 
+    def _segments(self, spec: LoopSpec, turns: list[Turns]) -> dict[str, list[list[int]]]:
+        """Per synced model, the versions of its calls in this loop so far, per sample. When the
+        loop's state already holds ``<model>_versions`` (a loop before it wrote them), the last
+        step reads the list as this turn began and adds this turn's calls: only those are sent."""
+        state = {f for p in self._graph.state_producers(spec) for f in self.fields.get(p, ())}
+        models = {m for t in turns for m in t.versions}
+        return {
+            m: [(t.turn_versions if versions_field(m) in state else t.versions).get(m, []) for t in turns]
+            for m in models
+        }
+
     def turns_of(self, stage: str, ids: list[int]) -> list[int] | None:
         """Inside a loop: each sample's turn (None for a stage outside loops)."""
         spec = self._graph.loop_of.get(stage)
         return None if spec is None else [self.samples[sid].turns(spec.name).turn for sid in ids]
-
-    def _carried_seen(self, stage: str) -> dict[str, str]:
-        """The state fields updated by the loops ``stage`` is in or after -> their origin."""
-        out: dict[str, str] = {}
-        for spec in self._graph.loops_seen(stage):
-            out.update(self.carried(spec))
-        return out
-
-    def carried(self, spec: LoopSpec) -> dict[str, str]:
-        """The fields of ``spec``'s state that its body updates, and the producer of each before
-        the loop; from the fields known so far (a body stage tells its own with its first shard)."""
-        found = self._carried.get(spec.name)
-        if found is None:
-            origin = {f: p for p in self._graph.state_producers(spec) for f in self.fields.get(p, ())}
-            found = {f: origin[f] for b in spec.body for f in sorted(self.fields.get(b, ())) if f in origin}
-            if all(b in self.fields for b in spec.body):  # complete: keep it
-                self._carried[spec.name] = found
-        return found
 
     def updates(self, stage: str) -> list[str]:
         """The fields ``stage`` may return although its input has them: the state of its loop."""
@@ -157,7 +163,7 @@ class Ledger:
             stop_field=spec.stop_field,
             turns=[t.turn for t in turns],
             ends=ends,
-            versions={m: [t.versions.get(m, []) for t in turns] for m in {m for t in turns for m in t.versions}},
+            versions=self._segments(spec, turns),
         )
 
     def check_output(self, a: Assignment, handle: ReplicaHandle, meta: CallMeta) -> None:
@@ -225,7 +231,7 @@ class Ledger:
         model's step (-1: not synced)."""
         graph = self._graph
         body_of, ends, entered = graph.loop_of.get(stage), graph.loop_ended_by.get(stage), graph.loops_from.get(stage)
-        carried = self.carried(body_of).keys() & self.fields.get(stage, frozenset()) if body_of else ()
+        model = graph.stages[stage].model
         out = Completed()
         for row, sid in enumerate(ids):
             state = self.samples[sid]
@@ -236,8 +242,10 @@ class Ledger:
             state.node[stage] = node
             for loop in entered or ():
                 state.turns(loop.name)
-            if body_of is not None:
-                _in_body(state.turns(body_of.name), stage, carried, graph.stages[stage].model, version)
+            if body_of is not None and version >= 0:  # a synced model's call: a segment's version
+                turns = state.turns(body_of.name)
+                turns.versions.setdefault(model, []).append(version)
+                turns.turn_versions.setdefault(model, []).append(version)
             consumers = graph.consumers(stage)
             if ends is not None:
                 consumers = self._end_turn(ends, sid, state, (stops or [])[row], out)
@@ -251,12 +259,23 @@ class Ledger:
     def _end_turn(self, spec: LoopSpec, sid: int, state: SampleState, stop: str, out: Completed) -> list[StageSpec]:
         """A sample's turn of ``spec`` ended: it leaves the loop (its exit is done) or starts the
         next turn (the body's stages are undone); the stages that may take it now."""
+        turns = state.turns(spec.name)
+        turns.turn_versions = {}
         if stop:
             state.done.add(spec.exit)
-            out.left.append((spec.name, state.turns(spec.name).turn, stop))
+            out.left.append((spec.name, turns.turn, stop))
+            for after in self._graph.loops_from.get(spec.exit, ()):  # a loop right after this one
+                state.turns(after.name)
             return self._graph.consumers(spec.exit)
+        for name in self._carry.updated(spec):  # what the next turn starts from
+            writer = self._carry.last(spec, name)
+            if writer is not None:
+                turns.start[name] = state.loc[writer]
+        if self.retries:  # a turn's retries are its own
+            for stage in spec.body:
+                self.retries.pop((stage, sid), None)
         state.done.difference_update(spec.body)
-        state.turns(spec.name).turn += 1
+        turns.turn += 1
         out.again.setdefault(spec.name, []).append(sid)
         return self._graph.turn_starts(spec)
 
@@ -289,22 +308,6 @@ class Ledger:
 
     def output_fields(self) -> list[str]:
         return sorted({f for p in self._graph.output_producers for f in self.fields.get(p, ())})
-
-
-def _in_body(turns: Turns, stage: str, carried: Iterable[str], model: str, version: int) -> None:
-    """A body stage's step is done for a sample: the state fields it updated, its version."""
-    turns.carry.update(dict.fromkeys(carried, stage))
-    if version >= 0:
-        turns.versions.setdefault(model, []).append(version)
-
-
-def _writer(state: SampleState, name: str, origin: str) -> str:
-    """The producer holding the latest value of state field ``name`` for this sample."""
-    if state.loops:
-        for turns in reversed(state.loops.values()):  # a later loop's update is the newer
-            if name in turns.carry:
-                return turns.carry[name]
-    return origin
 
 
 def _runs(pieces: list[Piece], producer: str, locs: list[Loc], fields: list[str] | None) -> None:

@@ -112,7 +112,9 @@ class Membership:
 
     def replace(self, model: str) -> None:
         """Start a replica of ``model`` in the background, for one that was stopped (a call that
-        hung past ``call_timeout_s`` with ``on_timeout="retry"``)."""
+        hung past ``call_timeout_s`` with ``on_timeout="retry"``). Until it serves, the pool
+        does not count as dead when its last other replica dies."""
+        self._pools[model].replacing += 1
         self._supervisor.start_soon(self._replace, model)
 
     async def _replace(self, model: str) -> None:
@@ -122,6 +124,8 @@ class Membership:
         except Exception as err:
             self._supervisor.fail(err)
             raise
+        finally:
+            self._pools[model].replacing -= 1
 
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:
         """Start ``count`` replicas of ``model``; they pull shards as soon as they are set up."""

@@ -30,6 +30,7 @@ class AsyncPool:
 
     def __init__(self, scheduler: PoolScheduler) -> None:
         self.scheduler = scheduler
+        self.replacing = 0  # replicas starting in place of stopped ones (``Membership.replace``)
         self._waiters: dict[int, deque[_Waiter]] = {r: deque() for r in range(scheduler.replicas)}
 
     async def next(self, replica: int) -> Assignment:

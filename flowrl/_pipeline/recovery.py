@@ -59,32 +59,26 @@ class Recovery:
         self._call = call
         self._recovering = anyio.Lock()  # a second shard that lost the same outputs finds them redone
 
-    def lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError, replaced: bool = False) -> None:
-        """The replica running shard ``a`` died: the pool carries on without it (``replaced``:
-        a new replica is on its way, so it may have been the last)."""
+    def lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> None:
+        """The replica running shard ``a`` died: the pool carries on without it."""
         if handle.replica_id not in self._pools[handle.model].scheduler.retired:
             self._check_budget(handle, a, err)
-        self.retire(handle, err, a.stage, a.ids, replaced)
+        self.retire(handle, err, a.stage, a.ids)
         self.send_again(handle, a, err)
 
     def retire(
-        self,
-        handle: ReplicaHandle,
-        err: ReplicaDiedError,
-        stage: str = "",
-        ids: list[int] | None = None,
-        replaced: bool = False,
+        self, handle: ReplicaHandle, err: ReplicaDiedError, stage: str = "", ids: list[int] | None = None
     ) -> None:
         """``handle``'s process died (in a shard of ``stage``, or loading weights): its pool
         carries on without it. The shards it still holds fail on their own and come back
-        through ``lost``; ReplicaDiedError if it was the last replica of its model (and no
-        other replaces it)."""
+        through ``lost``; ReplicaDiedError if it was the last replica of its model (and none is
+        starting in place of a stopped one)."""
         pool = self._pools[handle.model]
         self._roster.died(handle)  # a weight sync skips it from now on
         if handle.replica_id in pool.scheduler.retired:
             return  # seen dead already (or being removed)
         pool.retire(handle.replica_id)
-        if not pool.scheduler.serving and not replaced:
+        if not pool.scheduler.serving and not pool.replacing:
             raise ReplicaDiedError(
                 f"{err.message}; every replica of model {handle.model!r} has died",
                 stage or err.stage,

@@ -30,9 +30,9 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "finish soonest), `guided`, `factoring` or `greedy` (concepts.md, splitter policies)",
         "call_cost": "a `CallCostPrior`: what a call costs before any is measured (the `cost` splitter's start)",
         "prefetch": "shards in flight per replica: one running, one waiting (queued only while that pays)",
-        "call_timeout_s": "the longest one call may take, seen from the driver (including the wait behind a shard "
-        "queued first); a call still running then fails the run with a `StageError` naming it and "
-        "every replica is stopped (Ray; an in-process call cannot be cut short)",
+        "call_timeout_s": "the longest one call may take, seen from the driver (a shard sent while others are in "
+        "flight on its replica gets as long again for each); a call still running then fails the run with a "
+        "`StageError` naming it and every replica is stopped (Ray; an in-process call cannot be cut short)",
         "on_timeout": "`fail`: a call past `call_timeout_s` fails the run; `retry`: its replica is stopped and "
         "replaced, and its samples go to another replica, at most `PipelineConfig.max_retries` times each "
         "(a stuck environment or tool; multiturn.md)",

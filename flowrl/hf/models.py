@@ -125,6 +125,8 @@ class HFPolicy(HFModel):
         self.stop_ids = sorted({*s.stop_token_ids, *_eos_ids(tok, self.module)})
         context = context_length(self.module)
         self.max_prompt = s.max_prompt_tokens or (context - s.max_new_tokens if context else None)
+        total = s.max_response_tokens or s.max_new_tokens
+        self.max_prompt_total = s.max_prompt_tokens or (context - total if context else None)  # continue_step's
         if self.max_prompt is not None and self.max_prompt <= 0:
             raise ConfigError(
                 f"model {self.name!r}: Sampling.max_new_tokens={s.max_new_tokens} leaves no room for a "
@@ -181,14 +183,19 @@ class HFPolicy(HFModel):
         """Greedy responses (temperature 0), for an engine's ``eval_flow``."""
         return self.respond(batch, msgspec.structs.replace(self.sampling, temperature=0.0))
 
-    def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:
+    def prompts(self, batch: Batch, limit: int | None, budget: str) -> list[torch.Tensor]:
+        """Each sample's prompt ids; one longer than ``limit`` is an error naming the sample."""
         prompts = [self.encode(p) for p in batch["prompt"]]
         for sample, ids in zip(batch.ids.tolist(), prompts, strict=True):
-            if self.max_prompt is not None and len(ids) > self.max_prompt:
+            if limit is not None and len(ids) > limit:
                 raise ConfigError(
                     f"model {self.name!r}: the prompt of sample {sample} has {len(ids)} tokens, more than "
-                    f"{self.max_prompt} (Sampling.max_prompt_tokens, or the context less max_new_tokens)"
+                    f"{limit} (Sampling.max_prompt_tokens, or the context less {budget})"
                 )
+        return prompts
+
+    def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:
+        prompts = self.prompts(batch, self.max_prompt, "max_new_tokens")
         responses, reasons = cut_at_stop(self.generate(prompts, sampling), self.stop_ids)
         temperature = sampling.temperature or 1.0  # greedy: the log-probs of the model itself
         return {
@@ -214,13 +221,15 @@ class HFPolicy(HFModel):
         that appends its own tokens to the response appends 0s, and the trainers leave them out."""
         s = self.sampling
         total = s.max_response_tokens or s.max_new_tokens
-        prompts = [self.encode(p) for p in batch["prompt"]]
+        prompts = self.prompts(batch, self.max_prompt_total, "max_response_tokens")
         done = [torch.as_tensor(r, dtype=torch.long) for r in batch["response_ids"]]
         budget = min(s.max_new_tokens, max(1, total - min(len(r) for r in done)))
         step = msgspec.structs.replace(s, max_new_tokens=budget)
         prefixes = [torch.cat([p, r]) for p, r in zip(prompts, done, strict=True)]
         new, reasons = cut_at_stop(self.generate(prefixes, step), self.stop_ids)
-        new = [n[: max(0, total - len(r))] for n, r in zip(new, done, strict=True)]  # never past the total
+        room = [max(0, total - len(r)) for r in done]  # never past the total: a cut row ends by length
+        reasons = [why if len(n) <= k else "length" for why, n, k in zip(reasons, new, room, strict=True)]
+        new = [n[:k] for n, k in zip(new, room, strict=True)]
         temperature = s.temperature or 1.0
         more = self.response_logprobs(prefixes, new, temperature)
         responses = [torch.cat([r, n]) for r, n in zip(done, new, strict=True)]

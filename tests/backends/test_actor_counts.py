@@ -4,7 +4,9 @@ groups reserved, train calls running."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+import flowrl
 from flowrl._backends.specs import ActorCounts, Bundle, ReplicaSpec
 from flowrl._core.config import PipelineConfig
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
@@ -58,3 +60,25 @@ def test_counts_start_empty_and_expect_adds_up_by_model():
     counts.expect([ReplicaSpec(policy, 1, 1, 0)])  # an evaluation pool of the same model
     counts.started("policy")
     assert counts.expected == {"policy": 2} and counts.ready == {"policy": 1} and not counts.groups
+
+
+async def test_an_in_process_replica_stopped_takes_no_more_shards():
+    from flowrl._backends.inprocess import InProcessBackend
+    from flowrl._core.batch import Batch
+    from flowrl._core.config import Piece, ShardCall
+
+    backend = InProcessBackend(threads=True)
+    (handle,) = await backend.start([ReplicaSpec(Scale("s", {}, srcs=["x"], dst="y"), 0, 1, 0)])
+    ref = backend.put(Batch(ids=[0], fields={"x": np.zeros((1, 1))}))
+    call = ShardCall(
+        stage="s.forward_step",
+        method="forward_step",
+        iteration=0,
+        ids=[0],
+        pieces=[Piece(producer="input", ref=ref, rows=[0])],
+    )
+    meta, _ = await backend.call(handle, call)
+    assert meta.rows == 1
+    await backend.stop([handle])  # e.g. its call hung: a shard queued behind it must not run there
+    with pytest.raises(flowrl.ReplicaDiedError, match="the replica was stopped"):
+        await backend.call(handle, call)

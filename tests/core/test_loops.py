@@ -198,3 +198,39 @@ def test_an_update_that_would_lose_something_is_refused(value, reference, messag
 
     with pytest.raises(flowrl.FlowDefinitionError, match=message):
         like("x", value, reference)
+
+
+class Declared(flowrl.Model):
+    @flowrl.step(writes=["text", "done"])
+    def update(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {}
+
+    @flowrl.step(reads=["loop_turns", "loop_stop"], writes=["reward"])
+    def score(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {}
+
+
+def test_two_loops_in_a_row_may_declare_the_same_state_fields_and_a_step_after_may_read_the_record():
+    a, b, r = Declared("a"), Declared("b"), Declared("r")
+
+    def flow(x):
+        first = flowrl.loop(a.update, x, until="done", max_turns=2, name="one")
+        second = flowrl.loop(b.update, first, until="done", max_turns=2)
+        return r.score(second)
+
+    trace(flow).validate(["text", "done"])  # b updates what a updated; r reads the loop's record
+
+
+def test_a_loops_state_used_after_the_loop_is_refused():
+    states: list[Any] = []
+
+    def body(s):
+        states.append(s)
+        return policy.act(s)
+
+    def flow(x):
+        flowrl.loop(body, x, until="done", max_turns=2)
+        return env.act(states[0])
+
+    with pytest.raises(flowrl.FlowDefinitionError, match=r"argument 0 is the state of loop 'loop', which exists only"):
+        trace(flow)

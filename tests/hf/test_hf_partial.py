@@ -116,3 +116,16 @@ def test_continue_step_marks_its_own_tokens_in_the_loss_mask(tokenizer):
     out, _ = flowrl.run_flow(flow, items, {"backend": "inprocess"})
     for s in out:
         assert s["loss_mask"].tolist() == [1.0] * len(s["response_ids"])
+
+
+def test_continue_step_refuses_a_prompt_that_leaves_no_room_for_the_whole_response(tokenizer):
+    long = policy(tokenizer, {}, max_new_tokens=4, max_response_tokens=100)  # the tiny model's context: 128
+
+    def flow(x):
+        return flowrl.loop(long.continue_step, x, until="finished", max_turns=30)
+
+    items = [{"prompt": " ".join(["seven eight nine ten"] * 10), "response_ids": [], "logprobs": []}]
+    with pytest.raises(
+        flowrl.StageError, match=r"more than 28 \(Sampling.max_prompt_tokens, or the context less max_resp"
+    ):
+        flowrl.run_flow(flow, items, {"backend": "inprocess"})

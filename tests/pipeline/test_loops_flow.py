@@ -375,3 +375,105 @@ async def test_a_field_of_the_last_turn_is_not_there_and_the_error_says_how_to_c
     async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:  # with a starting value: a state field
         out = await pipe.run([{"x": 0, "hits": 0}])
     assert (out[0]["hits"], out[0]["loop_turns"]) == (3, 3)
+
+
+class Step(flowrl.Model):
+    """A step by its ``kind``: ``a`` adds a turn-local field; ``b`` updates the state's ``n``;
+    ``c`` reads ``n`` beside ``b`` (and records it) after a short pause; ``d`` ends the turn."""
+
+    def __init__(self, name: str, config: dict[str, Any], kind: str) -> None:
+        super().__init__(name, config)
+        self.kind = kind
+
+    @flowrl.step
+    def run(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        if self.kind == "a":
+            return {"a_len": [len(t) for t in batch["text"]]}
+        if self.kind == "b":
+            return {"n": [x + 1 for x in batch["n"]]}
+        if self.kind == "c":
+            time.sleep(0.01)  # b usually finishes first: its update must still not be seen here
+            return {"c_n": [[len(t), int(n)] for t, n in zip(batch["text"], batch["n"], strict=True)]}
+        out = [[*t, 0] for t in batch["text"]]
+        return {"text": out, "c_seen": [list(c) for c in batch["c_n"]], "done": [len(t) >= 3 for t in out]}
+
+
+@pytest.mark.parametrize("threads", [False, True])
+async def test_a_step_beside_an_update_reads_the_state_its_turn_began_with(threads):
+    a, b, c, d = (Step(k, {"batch_size": 1 if k in "ab" else 4}, k) for k in "abcd")
+
+    def body(s):
+        x = a.run(s)
+        return d.run(b.run(x), c.run(s, x))
+
+    async with flowrl.open_pipeline(
+        lambda x: flowrl.loop(body, x, until="done", max_turns=5),
+        {"backend": "inprocess", "inprocess_threads": threads},
+    ) as pipe:
+        out = await pipe.run([{"text": [], "n": 0} for _ in range(6)])
+    for s in out:
+        assert s["n"] == 3 and s["loop_turns"] == 3  # b's three updates
+        turn, n = s["c_seen"]  # c of the last turn: n as that turn began, not b's update beside it
+        assert n == turn == 2
+
+
+async def test_a_stage_reading_an_earlier_loop_sees_its_value_not_a_later_loops():
+    first, second = Tag("first", {"batch_size": 2}, 1), Tag("second", {"batch_size": 3}, 2)
+    side = Peek("side", {}, "seen_side")
+
+    def flow(x):
+        a = flowrl.loop(first.add, x, until="done", max_turns=1, name="one")
+        b = flowrl.loop(second.add, a, until="done", max_turns=1, name="two")
+        return b, side.look(a)
+
+    async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+        out = await pipe.run([{"text": [0]} for _ in range(5)])
+    assert [(s["seen_side"], s["text"]) for s in out] == [([0, 1], [0, 1, 2])] * 5
+
+
+class Synced(flowrl.Model):
+    """Writes one token a call, its weights' version (as a synced model's replica records it)."""
+
+    def __init__(self, name: str, config: dict[str, Any], until: str, length: int) -> None:
+        super().__init__(name, config)
+        self.until, self.length = until, length
+        self.track_version = True
+
+    @flowrl.step
+    def gen(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        out = [[*r, self.weight_version] for r in batch["response"]]
+        return {"response": out, self.until: [len(r) >= self.length for r in out]}
+
+    @flowrl.step
+    def more(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        """A second step of the same model: two more tokens."""
+        out = [[*r, self.weight_version] for r in batch["response"]]
+        return {"response": out, "more_done": [len(r) >= self.length + 2 for r in out]}
+
+
+async def test_segment_versions_add_up_over_two_loops():
+    one = Synced("policy", {"batch_size": 2}, "finished", 4)
+
+    def flow(x):
+        a = flowrl.loop(one.gen, x, until="finished", max_turns=9, name="one")
+        return flowrl.loop(one.more, a, until="more_done", max_turns=9, name="two")
+
+    async with flowrl.open_pipeline(flow, {"backend": "inprocess"}) as pipe:
+        out = await pipe.run([{"response": []} for _ in range(3)])
+    for s in out:
+        assert (s["one_turns"], s["two_turns"]) == (4, 2)
+        assert s["policy_versions"] == [0] * 6  # every segment of both loops, each once
+
+
+async def test_an_update_with_the_wrong_row_count_is_named_as_such():
+    class Wrong(flowrl.Model):
+        @flowrl.step
+        def run(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+            return {"text": [[1]] * (len(batch) + 1), "done": [True] * len(batch)}
+
+    wrong = Wrong("wrong", {"batch_size": 3})
+    with pytest.raises(flowrl.OutputError, match=r"field 'text' must have 3 rows .* got 4 rows"):
+        async with flowrl.open_pipeline(
+            lambda x: flowrl.loop(wrong.run, x, until="done", max_turns=2), {"backend": "inprocess"}
+        ) as pipe:
+            await pipe.run([{"text": []} for _ in range(3)])
