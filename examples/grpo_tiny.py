@@ -61,7 +61,15 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4, loggers: li
         out = policy.forward_step(prompts)
         return reward.forward_step(out, reference.forward_step(out))
 
-    config = flowrl.RunConfig(
+    config = run_config(episodes, backend, group, loggers=loggers or [])
+    engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)
+    engine.set_dataset([{"prompt": p} for p in range(VOCAB)] * 16)
+    return engine
+
+
+def run_config(episodes: int, backend: str, group: int, **extra: Any) -> flowrl.RunConfig:
+    """64 samples an episode in groups of ``group``, four epochs over global batches of 32."""
+    return flowrl.RunConfig(
         sample_per_episode=64,
         num_episode=episodes,
         num_samples_per_prompt=group,
@@ -69,12 +77,9 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4, loggers: li
         train_micro_batch_size=16,
         num_training_epoch=4,
         shuffle=True,
-        loggers=loggers or [],
         pipeline=flowrl.PipelineConfig(backend=backend),
+        **extra,
     )
-    engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)
-    engine.set_dataset([{"prompt": p} for p in range(VOCAB)] * 16)
-    return engine
 
 
 def reward_curve(stats: flowrl.EngineStats) -> list[float]:

@@ -132,17 +132,7 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4) -> flowrl.E
         game = flowrl.loop(lambda s: env.step(policy.act(s)), prompts, until="done", max_turns=LENGTH, name="game")
         return reference.forward_step(game)
 
-    config = flowrl.RunConfig(
-        sample_per_episode=64,
-        num_episode=episodes,
-        num_samples_per_prompt=group,
-        train_global_batch_size=32,
-        train_micro_batch_size=16,
-        num_training_epoch=4,
-        shuffle=True,
-        seed=SEED,
-        pipeline=flowrl.PipelineConfig(backend=backend),
-    )
+    config = grpo_tiny.run_config(episodes, backend, group, seed=SEED)
     engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)
     engine.set_dataset(dataset())
     return engine

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import flowrl
+from flowrl.testing import CountingTrainer
 
 CPU = {"cpus_per_replica": 0.25}
 TOKENS = 2  # a segment's token budget
@@ -41,11 +40,8 @@ class Segmenter(flowrl.Model):
         return {"response": response, "finished": finished}
 
 
-class Learner(flowrl.Model):
-    """Counts its steps (its weights); reports what each trained sample carried."""
-
-    def setup(self) -> None:
-        self.steps = 0
+class Learner(CountingTrainer):
+    """Counts its steps (its weights, as CountingTrainer); reports what each trained sample carried."""
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         self.steps += 1
@@ -55,15 +51,6 @@ class Learner(flowrl.Model):
             "versions": [list(v) for v in batch["policy_versions"]],
             "staleness": [int(s) for s in batch.get("policy_staleness", [0] * len(batch))],
         }
-
-    def get_weights(self) -> dict[str, Any]:
-        return {"steps": np.array([self.steps])}
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"steps": self.steps}
-
-    def restore_state(self, state: Any) -> None:
-        self.steps = state["steps"]
 
 
 def engine(
