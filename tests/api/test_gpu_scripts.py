@@ -77,6 +77,7 @@ def test_scaled_run_reports_every_phase_and_model(gpt, tmp_path):
     assert [e["episode"] for e in figures["episodes"]] == [0, 1]
 
 
+@pytest.mark.slow  # a minute: a Ray cluster and two pipelines of an HF model (python -m pytest -q -m slow)
 def test_partial_rollouts_write_every_response_to_its_target_with_less_padding(tmp_path):
     pytest.importorskip("transformers")
     cmd = [sys.executable, str(GPU / "hf_partial.py"), "--tiny", "--repeats", "1", "--samples", "32"]
