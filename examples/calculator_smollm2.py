@@ -35,6 +35,7 @@ Measured (see the report at the bottom of this docstring, filled in from a run).
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import re
 import sys
@@ -199,7 +200,7 @@ def play(policy: hf.HFPolicy, tool: Calculator, items: list[dict[str, Any]]) -> 
             break
         batch = flowrl.Batch.from_samples(live, [state[i] for i in live])
         out = policy.continue_step(batch, 0)
-        batch = batch.merge(flowrl.Batch.from_samples(live, [_row(out, k) for k in range(len(live))]))
+        batch = flowrl.Batch.from_samples(live, [{**state[i], **_row(out, k)} for k, i in enumerate(live)])
         after = tool.run(batch, 0)
         still = []
         for k, i in enumerate(live):
@@ -245,6 +246,7 @@ STOP = (25,)  # ")": the end of a calculator call (checked in setup_checks)
 
 if __name__ == "__main__":
     t = time.perf_counter()
+    logging.basicConfig(level=logging.WARNING)
     tool = local_tool()
     for temperature in (0.0, 1.0):
         states = play(local_policy(temperature), tool, problems(32, "test"))

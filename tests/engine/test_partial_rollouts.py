@@ -6,6 +6,7 @@ sample by its oldest segment (asynchronous training, weights synced while rollou
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,24 +57,28 @@ def test_a_bad_stale_segment_is_refused():
         flowrl.RunConfig(sample_per_episode=1, stale_segment="middle")
 
 
-def test_a_run_killed_mid_turn_resumes_onto_another_replica_count_exactly(tmp_path):
-    reference = engine("inprocess", replicas=2)
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+def test_a_run_killed_mid_turn_resumes_onto_another_replica_count_exactly(ray_cluster, tmp_path, backend):
+    reference = engine(backend, replicas=2)
     reference.learn()
     script = Path(__file__).with_name("_loop_killed_script.py")
+    address = [ray_cluster.get_runtime_context().gcs_address] if backend == "ray" else []
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "3"],
+        [sys.executable, str(script), str(tmp_path), "3", *address],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(_loop_models.__file__).parent), *sys.path])},
     )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (tmp_path / "died-mid-turn").read_text()  # in episode 3, while samples were between segments
-    resumed = engine("inprocess", replicas=3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    resumed = engine(backend, replicas=3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
     stats = resumed.learn()
     assert [e.episode for e in stats.episodes][-2:] == [3, 4]
     assert trained(resumed) == trained(reference)[3:]  # same samples, segments, versions, staleness
     assert stats.trainers["learner"].steps == reference.stats().trainers["learner"].steps
+    if backend == "ray":
+        assert flowrl_actor_names() == []  # the killed driver's actors too
 
 
 def test_each_episode_logs_its_turns():

@@ -4,6 +4,8 @@ data (shared by engine/test_partial_rollouts.py and the script it kills mid-turn
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,14 @@ TOKENS = 2  # a segment's token budget
 
 class Segmenter(flowrl.Model):
     """Writes up to TOKENS tokens a call, each token the version of the weights that wrote it.
-    With ``die_in`` = (run, folder): the process exits in that run's first call that continues
-    a sample (a turn after the first), after writing a marker into the folder."""
+    With ``die_in`` = (run, folder): the driver's process is killed in that run's first call that
+    continues a sample (a turn after the first), after a marker is written into the folder (in
+    process the replica is the driver; on Ray it kills the driver from its actor)."""
 
     def __init__(self, name: str, config: dict[str, Any], die_in: tuple[int, str] | None = None) -> None:
         super().__init__(name, config)
         self.die_in = die_in
+        self.driver = os.getpid()  # pickled with the model: the driver's, in every replica
 
     def set_weights(self, weights: Any) -> None:
         pass
@@ -31,7 +35,8 @@ class Segmenter(flowrl.Model):
         continuing = [len(t) for t in batch["response"] if len(t)]
         if self.die_in is not None and iteration == self.die_in[0] and continuing:
             Path(self.die_in[1], "died-mid-turn").write_text(str(continuing))
-            os._exit(1)
+            os.kill(self.driver, signal.SIGKILL)
+            time.sleep(60)  # on Ray: the driver is gone, and this actor with it
         response = []
         for text, length in zip(batch["response"], batch["length"], strict=True):
             n = min(TOKENS, int(length) - len(text))
