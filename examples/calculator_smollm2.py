@@ -42,6 +42,7 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 import flowrl
@@ -83,7 +84,10 @@ def messages(question: str) -> list[dict[str, str]]:
         }
     ]
     for a, b in EXAMPLES:
-        chat += [{"role": "user", "content": f"What is {a} * {b}?"}, {"role": "assistant", "content": answer_text(a, b)}]
+        chat += [
+            {"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": answer_text(a, b)},
+        ]
     return [*chat, {"role": "user", "content": question}]
 
 
@@ -163,7 +167,9 @@ class Calculator(flowrl.Model):
             newest = len(mask) - int(torch.flip(mask, [0]).cumprod(0).sum())  # where the policy's segment begins
             expression = tool_call(self.tokenizer.decode(ids[newest:].tolist(), skip_special_tokens=True))
             value = calculate(expression) if expression is not None else None
-            result = self.tokenizer(result_text(value), add_special_tokens=False)["input_ids"] if value is not None else []
+            result = (
+                self.tokenizer(result_text(value), add_special_tokens=False)["input_ids"] if value is not None else []
+            )
             if result and len(ids) + len(result) < self.budget:
                 ids = torch.cat([ids, torch.tensor(result, dtype=torch.long)])
                 lps = torch.cat([lps, torch.zeros(len(result))])
@@ -223,12 +229,12 @@ def summary(states: list[dict[str, Any]]) -> dict[str, float]:
     return {
         "accuracy": sum(reward(None, s["text"], s["answer"]) for s in states) / n,
         "calculator": sum(bool((torch.as_tensor(s["loss_mask"]) == 0).any()) for s in states) / n,
-        "turns": sum(s["turns"] for s in states) / n,
+        "turns": sum(s["turns"] if "turns" in s else s["calc_turns"] for s in states) / n,
     }
 
 
 def local_policy(temperature: float, seed: int = 0) -> hf.HFPolicy:
-    policy = hf.HFPolicy(
+    policy = Policy(
         "policy", lm=smollm2(), sampling={**SAMPLING, "temperature": temperature, "stop_token_ids": STOP, "seed": seed}
     )
     policy.setup()
@@ -244,12 +250,137 @@ def local_tool() -> Calculator:
 STOP = (25,)  # ")": the end of a calculator call (checked in setup_checks)
 
 
-if __name__ == "__main__":
-    t = time.perf_counter()
+class Trainer(hf.GRPOTrainer):
+    """GRPO on the policy's tokens (``loss_mask``); also reports calculator use and turns."""
+
+    def __init__(self, name: str, config: Any = None, lr: float = LR) -> None:
+        super().__init__(
+            name,
+            config,
+            lm=smollm2(),
+            grpo={"clip": 0.2, "aggregation": "token-mean"},
+            optim={"lr": lr, "max_grad_norm": 1.0},
+            train={"micro_batch_tokens": 4096},
+        )
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
+        metrics = super().train_step(batch, iteration)
+        if len(batch):
+            used = [bool((torch.as_tensor(m) == 0).any()) for m in batch["loss_mask"]]
+            metrics["calculator"] = sum(used) / len(batch)
+            metrics["turns"] = float(torch.as_tensor(batch["calc_turns"]).float().mean())
+        return metrics
+
+
+class Reward(hf.RuleReward):
+    def __init__(self, name: str, config: Any = None) -> None:
+        super().__init__(name, config, fn=reward)
+
+
+class Policy(hf.HFPolicy):
+    """SmolLM2, with a greedy segment step for the held-out evaluation."""
+
+    @flowrl.step
+    def greedy_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        sampling = self.sampling
+        self.sampling = msgspec.structs.replace(sampling, temperature=0.0)
+        try:
+            return self.continue_step(batch, iteration)
+        finally:
+            self.sampling = sampling
+
+
+def game(prompts: Any, policy: Policy, tool: Calculator, greedy: bool = False) -> Any:
+    step = policy.greedy_step if greedy else policy.continue_step
+    return flowrl.loop(lambda s: tool.run(step(s)), prompts, until="done", max_turns=MAX_TURNS, name="calc")
+
+
+def make_engine(
+    episodes: int,
+    backend: str = "inprocess",
+    prompts: int = PROMPTS_PER_EPISODE,
+    group: int = GROUP,
+    held_out: int = 16,
+    seed: int = 0,
+    lr: float = LR,
+) -> flowrl.Engine:
+    """The training run: ``prompts`` questions x ``group`` samples an episode; with
+    ``held_out`` > 0, a greedy evaluation on that many test questions after the last episode."""
+    policy = Policy(
+        "policy",
+        {"num_replicas": 1, "batch_size": prompts * group},
+        lm=smollm2(),
+        sampling={**SAMPLING, "stop_token_ids": STOP, "seed": seed},
+    )
+    tool = Calculator("calculator", {"num_replicas": 1, "batch_size": prompts * group, "cpus_per_replica": 0.1})
+    reward_model = Reward("reward", {"batch_size": 64, "cpus_per_replica": 0.1})
+    trainer = Trainer("grpo", {"num_replicas": 1}, lr=lr)
+    eval_flow = None
+    if held_out:
+
+        def eval_flow(p: Any) -> Any:
+            return reward_model.forward_step(game(p, policy, tool, greedy=True))
+
+    config = flowrl.RunConfig(
+        sample_per_episode=prompts * group,
+        num_samples_per_prompt=group,
+        num_episode=episodes,
+        train_global_batch_size=prompts * group,
+        num_training_epoch=1,
+        eval_every=episodes if held_out else 0,
+        seed=seed,
+        pipeline=flowrl.PipelineConfig(backend=backend),
+    )
+    engine = flowrl.Engine(
+        rollout=lambda p: reward_model.forward_step(game(p, policy, tool)),
+        eval_flow=eval_flow,
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config=config,
+    )
+    engine.set_dataset(problems(prompts * max(1, episodes), "train", seed))
+    if held_out:
+        engine.set_eval_dataset(problems(held_out, "test"))
+    return engine
+
+
+def held_out_before(n: int) -> dict[str, float]:
+    """The untrained model's greedy held-out figures, in this process."""
+    return summary(play(local_policy(0.0), local_tool(), problems(n, "test")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="multi-turn GRPO on SmolLM2-135M-Instruct with a calculator tool")
+    parser.add_argument("--episodes", type=int, default=4)
+    parser.add_argument("--backend", choices=["inprocess", "ray"], default="inprocess")
+    parser.add_argument("--prompts", type=int, default=PROMPTS_PER_EPISODE, help="questions per episode")
+    parser.add_argument("--group", type=int, default=GROUP, help="samples per question (GRPO's group)")
+    parser.add_argument("--held-out", type=int, default=16, help="test questions, greedy, before and after (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=LR)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    tool = local_tool()
-    for temperature in (0.0, 1.0):
-        states = play(local_policy(temperature), tool, problems(32, "test"))
-        print(temperature, summary(states), f"{time.perf_counter() - t:.0f}s")
-        for s in states[:6]:
-            print("   ", repr(s["text"]), s["answer"], s["turns"])
+    start = time.perf_counter()
+    if args.held_out:
+        before = held_out_before(args.held_out)
+        print(
+            f"held-out before: accuracy {before['accuracy']:.3f}, calculator {before['calculator']:.2f}, "
+            f"turns {before['turns']:.2f} (greedy, {args.held_out} questions)"
+        )
+    engine = make_engine(args.episodes, args.backend, args.prompts, args.group, args.held_out, args.seed, args.lr)
+    stats = engine.learn()
+    for e, episode in enumerate(stats.episodes):
+        m = episode.metrics["grpo"]
+        print(f"episode {e:3d}  mean reward {m['score']:.3f}  calculator {m['calculator']:.2f}  turns {m['turns']:.2f}")
+    for samples in engine.eval_results:
+        after = summary([{**{k: s[k] for k in s}, "text": s["response_text"]} for s in samples])
+        print(
+            f"held-out after: accuracy {after['accuracy']:.3f}, calculator {after['calculator']:.2f}, "
+            f"turns {after['turns']:.2f}"
+        )
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
