@@ -29,7 +29,16 @@ temperature 0 on questions never trained on).
     python examples/calculator_smollm2.py                     # in process, on the CPU
     python examples/calculator_smollm2.py --episodes 2 --probe 0
 
-Measured (see the report at the bottom of this docstring, filled in from a run).
+Measured on 2 CPU cores (fp32, the package's 4-bit GGUF dequantized):
+
+- the format: on 32 held-out questions the untrained model called the calculator in 100% of
+  greedy answers (accuracy 1.00, 2 turns each) and 91% of samples at temperature 1.0
+  (accuracy 0.875, mean turns 1.97). The task is nearly solved by the format: GRPO's room is
+  the sampled misses (a wrong call copied, no call, a wrong final number);
+- a run of 4 episodes (8 questions x 4 samples): mean reward 0.938, 0.969, 1.000, 1.000;
+  calculator use 0.94, 1.00, 1.00, 1.00; 2.00 turns each; held-out greedy accuracy 1.000
+  before and after (16 questions); 691 s in all, most of it loading the model (GGUF
+  dequantization, several times) and generating. The default of 3 episodes keeps under 10 min.
 """
 
 from __future__ import annotations
@@ -351,7 +360,7 @@ def held_out_before(n: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="multi-turn GRPO on SmolLM2-135M-Instruct with a calculator tool")
-    parser.add_argument("--episodes", type=int, default=4)
+    parser.add_argument("--episodes", type=int, default=3)
     parser.add_argument("--backend", choices=["inprocess", "ray"], default="inprocess")
     parser.add_argument("--prompts", type=int, default=PROMPTS_PER_EPISODE, help="questions per episode")
     parser.add_argument("--group", type=int, default=GROUP, help="samples per question (GRPO's group)")
