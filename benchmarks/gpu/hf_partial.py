@@ -5,6 +5,11 @@ over ``HFPolicy.continue_step``; the prefix is encoded again at every segment), 
 token budget (``--tokens``, the longest response). The modes run in turns, ``--repeats`` times,
 in one process.
 
+``--modes`` adds, in the same run: ``push`` (ChatLearn's static push, hf_lengths.py's),
+``whole+len`` and ``partial+len`` (each sample's predicted cost: its prompt's mean response
+length in the rollouts before, from a ``LengthMemory`` fed by ``whole+len``'s rollouts; none in
+the first repeat, which is left out of the summary when any ``+len`` mode runs).
+
 The workload is hf_lengths.py's (random-weight SmolLM2-135M architecture, a word-level
 tokenizer built here, eos forced at each sample's target length, prompt-correlated long tails).
 Reported per mode: rollout seconds, tokens/s, padding waste (decode steps a row spends after
@@ -31,12 +36,13 @@ import numpy as np
 import ray
 import torch
 from hf_grpo import ARCHS, GpuBusy
-from hf_lengths import TINY, LengthPolicy, epoch_items, make_prompts, make_tokenizer
+from hf_lengths import TINY, LengthPolicy, Push, epoch_items, make_prompts, make_tokenizer
 
 import flowrl
 from flowrl import hf
+from flowrl._core.lengths import LengthMemory
 
-MODES = ("whole", "partial")
+MODES = ("whole", "partial", "push", "whole+len", "partial+len")
 FIELDS = ["tokens", "steps", "waste"]  # per sample, summed over its segments
 
 
@@ -62,7 +68,8 @@ class SegmentPolicy(LengthPolicy):
 def build(args: argparse.Namespace, on_gpu: bool, tokenizer: str) -> tuple[SegmentPolicy, SegmentPolicy]:
     arch = TINY if args.tiny else ARCHS[args.arch]
     lm = hf.LM(config=arch, tokenizer=tokenizer, dtype="bfloat16" if on_gpu else "float32")
-    share = {"gpus_per_replica": 0.5 / args.policy_replicas} if on_gpu else {}  # both modes' replicas alive at once
+    sets = 3 if "push" in args.modes else 2  # the pipelines' replicas and push's are alive at once
+    share = {"gpus_per_replica": 1 / sets / args.policy_replicas} if on_gpu else {}
     config = {
         "num_replicas": args.policy_replicas,
         "batch_size": args.policy_batch,
@@ -82,17 +89,22 @@ def whole_row(sample: flowrl.Sample) -> dict[str, int]:
     return {f: int(sample[f]) for f in FIELDS}
 
 
-def run_mode(pipe: flowrl.Pipeline, mode: str, items: list[dict[str, Any]], on_gpu: bool) -> dict[str, Any]:
-    stage = "whole.forward_step" if mode == "whole" else "partial.continue_step"
-    calls = pipe.stats()[stage].calls
+def run_mode(
+    runner: Any, mode: str, items: list[dict[str, Any]], on_gpu: bool, costs: list[float] | None
+) -> dict[str, Any]:
+    """One rollout of ``items`` (``runner``: the mode's pipeline, or push's actors), measured."""
+    stage = {"whole": "whole.forward_step", "partial": "partial.continue_step"}.get(mode.removesuffix("+len"))
+    calls = runner.stats()[stage].calls if stage else 0
     sampler = GpuBusy() if on_gpu else None
     start = time.perf_counter()
     try:
-        if mode == "whole":
-            rows = [whole_row(s) for s in pipe.run(items, fields=FIELDS)]
+        if mode == "push":
+            rows = [{f: int(r[f]) for f in FIELDS} | {"calls": 1 / int(r["call_rows"])} for r in runner.run(items)]
+        elif mode.startswith("whole"):
+            rows = [whole_row(s) for s in runner.run(items, fields=FIELDS, costs=costs)]
         else:
             state = [{**it, "response_ids": [], "logprobs": [], "tokens": 0, "steps": 0, "waste": 0} for it in items]
-            out = pipe.run(state, fields=[*FIELDS, "segment_turns"])
+            out = runner.run(state, fields=[*FIELDS, "segment_turns"], costs=costs)
             rows = [{**{f: int(s[f]) for f in FIELDS}, "segments": int(s["segment_turns"])} for s in out]
     finally:
         seconds = time.perf_counter() - start
@@ -105,8 +117,9 @@ def run_mode(pipe: flowrl.Pipeline, mode: str, items: list[dict[str, Any]], on_g
         "tokens": sum(r["tokens"] for r in rows),
         "tokens_per_s": sum(r["tokens"] for r in rows) / seconds,
         "waste": sum(r["waste"] for r in rows) / steps if steps else 0.0,
-        "calls": pipe.stats()[stage].calls - calls,
+        "calls": runner.stats()[stage].calls - calls if stage else round(sum(r["calls"] for r in rows)),
         "segments": sum(r.get("segments", 1) for r in rows),
+        "lengths": [r["tokens"] for r in rows],  # what the length memory learns from
         "off_target": off,
         "gpu_median": busy["median"] if busy else None,
         "gpu_mean": busy["mean"] if busy else None,
@@ -136,15 +149,27 @@ def main() -> None:
     def looped(x: Any) -> Any:
         return flowrl.loop(partial.continue_step, x, until="finished", max_turns=args.tokens, name="segment")
 
-    with flowrl.Pipeline(whole.forward_step, config) as one, flowrl.Pipeline(looped, config) as many:
-        pipes = {"whole": one, "partial": many}
-        for r in range(args.repeats):
-            items = epoch_items(args, texts, targets, rng)  # the same samples for both modes
-            for mode in MODES if r % 2 == 0 else tuple(reversed(MODES)):
-                m = {"repeat": r} | run_mode(pipes[mode], mode, items, on_gpu)
-                record["rollouts"].append(m)
-                print(json.dumps(m), flush=True)
-                (out / "hf-partial.json").write_text(json.dumps(record, indent=1))
+    push = Push(whole, on_gpu, args.step_timeout) if "push" in args.modes else None
+    memory = LengthMemory()
+    try:
+        with flowrl.Pipeline(whole.forward_step, config) as one, flowrl.Pipeline(looped, config) as many:
+            runners = {"whole": one, "partial": many, "push": push}
+            for r in range(args.repeats):
+                items = epoch_items(args, texts, targets, rng)  # the same samples for every mode
+                keys = [it["key"] for it in items]
+                order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]  # who goes first rotates
+                for mode in order:
+                    costs = memory.costs(keys) if mode.endswith("+len") and len(memory) else None
+                    m = {"repeat": r} | run_mode(runners[mode.removesuffix("+len")], mode, items, on_gpu, costs)
+                    if mode == "whole+len":  # the memory learns from its own rollouts
+                        memory.observe(keys, [float(t) for t in m.pop("lengths")])
+                    m.pop("lengths", None)
+                    record["rollouts"].append(m)
+                    print(json.dumps(m), flush=True)
+                    (out / "hf-partial.json").write_text(json.dumps(record, indent=1))
+    finally:
+        if push is not None:
+            push.close()
     print("\n" + report(record, args), flush=True)
     (out / "hf-partial.md").write_text(report(record, args))
 
@@ -156,8 +181,9 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> str:
         "| mode | rollout s (median) | tokens/s | padding waste | policy calls | segments | GPU busy median / mean |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for mode in MODES:
-        rs = [r for r in record["rollouts"] if r["mode"] == mode]
+    learning = any(m.endswith("+len") for m in args.modes)  # the first repeat has no history: left out
+    for mode in args.modes:
+        rs = [r for r in record["rollouts"] if r["mode"] == mode and (r["repeat"] > 0 or not learning)]
         if not rs:
             continue
         gpu = "-"
@@ -186,11 +212,16 @@ def parse() -> argparse.Namespace:
     p.add_argument("--policy-replicas", type=int, help="default 4 (2 with --tiny)")
     p.add_argument("--policy-batch", type=int, help="default 32 (8 with --tiny)")
     p.add_argument("--step-timeout", type=float, default=300.0)
+    p.add_argument("--modes", default="whole,partial", help=f"a comma list of {', '.join(MODES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/flowrl-hf-partial")
     args = p.parse_args()
     args.policy_replicas = args.policy_replicas or (2 if args.tiny else 4)
     args.policy_batch = args.policy_batch or (8 if args.tiny else 32)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown or not args.modes:
+        p.error(f"--modes: unknown {unknown}; choose among {', '.join(MODES)}")
     return args
 
 
