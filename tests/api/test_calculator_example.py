@@ -38,6 +38,7 @@ def test_the_calculator_parses_digits_and_plus_minus_times_only(calc):
     assert calc.final_answer("CALC(23*41) = 943\nThe answer is") is None
 
 
+@pytest.mark.slow  # minutes: SmolLM2 loaded several times (python -m pytest -q -m slow)
 def test_the_loop_runs_the_tool_and_masks_its_tokens(calc):
     needs_smollm2()
     import flowrl
@@ -74,6 +75,7 @@ def test_the_loop_runs_the_tool_and_masks_its_tokens(calc):
     assert stats.loops["calc"].samples == len(items)
 
 
+@pytest.mark.slow  # minutes: SmolLM2 loaded several times (python -m pytest -q -m slow)
 def test_grpo_trains_two_episodes(calc):
     needs_smollm2()
     engine = calc.make_engine(episodes=2, prompts=1, group=2, held_out=0)
