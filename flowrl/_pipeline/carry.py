@@ -32,9 +32,13 @@ class Carry:
     def _writes(self, producer: str, name: str) -> bool:
         return name in self._fields.get(producer, ())
 
+    def state(self, spec: LoopSpec) -> set[str]:
+        """The fields of ``spec``'s state (its input's, known so far): those its body may update."""
+        return {f for p in self._graph.state_producers(spec) for f in self._fields.get(p, ())}
+
     def updated(self, spec: LoopSpec) -> list[str]:
         """The fields of ``spec``'s state that its body writes again (known so far)."""
-        state = {f for p in self._graph.state_producers(spec) for f in self._fields.get(p, ())}
+        state = self.state(spec)
         return sorted({f for b in spec.body for f in self._fields.get(b, ()) if f in state})
 
     def needs(self, stage: str) -> set[str]:

@@ -123,7 +123,7 @@ class Ledger:
         """Per synced model, the versions of its calls in this loop so far, per sample. When the
         loop's state already holds ``<model>_versions`` (a loop before it wrote them), the last
         step reads the list as this turn began and adds this turn's calls: only those are sent."""
-        state = {f for p in self._graph.state_producers(spec) for f in self.fields.get(p, ())}
+        state = self._carry.state(spec)
         models = {m for t in turns for m in t.versions}
         return {
             m: [(t.turn_versions if versions_field(m) in state else t.versions).get(m, []) for t in turns]
@@ -140,7 +140,7 @@ class Ledger:
         spec = self._graph.loop_of.get(stage)
         if spec is None:
             return []
-        return sorted({f for p in self._graph.state_producers(spec) for f in self.fields.get(p, ())})
+        return sorted(self._carry.state(spec))
 
     def loop_call(self, stage: str, ids: list[int]) -> LoopCall | None:
         """For the last stage of a loop's body: each sample's turn, and why it ends after it."""
@@ -218,7 +218,7 @@ class Ledger:
             and body[1] not in self._graph.visible(body[0])
         ):
             return frozenset()  # side by side in a turn: which update is the last would be a race
-        return frozenset(f for p in self._graph.state_producers(spec) for f in self.fields.get(p, ()))
+        return frozenset(self._carry.state(spec))
 
     # ---- the join by sample id ----
     def complete(
