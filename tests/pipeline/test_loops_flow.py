@@ -297,7 +297,7 @@ def stuck_flow(marks: str, times: int, replicas: int = 3):
     player = Player("player", {"num_replicas": 2, "batch_size": 3, **CPU})
     game = StuckGame(
         "game",
-        {"num_replicas": replicas, "batch_size": 2, "call_timeout_s": 2.0, "on_timeout": "retry", **CPU},
+        {"num_replicas": replicas, "batch_size": 2, "call_timeout_s": 5.0, "on_timeout": "retry", **CPU},
         marks,
         stuck=5,
         times=times,
@@ -328,7 +328,7 @@ async def test_a_stuck_environment_call_is_retried_on_a_new_replica_without_stal
 
 
 async def test_a_sample_that_keeps_getting_stuck_fails_the_run_once_its_retries_are_spent(ray_cluster, tmp_path):
-    with pytest.raises(flowrl.ReplicaDiedError, match=r"call_timeout_s=2s.*max_retries=1") as caught:
+    with pytest.raises(flowrl.ReplicaDiedError, match=r"call_timeout_s=5s.*max_retries=1") as caught:
         async with flowrl.open_pipeline(stuck_flow(str(tmp_path), times=10), {"max_retries": 1}) as pipe:
             await pipe.run(games(8))
     assert 5 in caught.value.sample_ids and caught.value.stage == "game.play"
