@@ -5,7 +5,7 @@
 
 The load test is ``flowrl loadtest --out docs/benchmarks.md``; the simulator at scale
 (``sim_scaling.py``), big payloads (``payload.py``), the sections of the benchmarks run on
-their own (``sections/*.md``: asynchronous training, autoscaling; each written from its
+their own (``sections/*.md``: asynchronous training, autoscaling, loops; each written from its
 script's latest run) and what the numbers say (``notes.md``, written by hand) are appended to
 the same page.
 """

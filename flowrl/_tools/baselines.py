@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
 def model_sleep(cost: StageCost, tail: np.ndarray, ids: list[int] | np.ndarray) -> None:
     """The model time of a call of samples ``ids``: its nominal time, slept (see sleep_slack)."""
-    seconds = cost.call_s + len(ids) * cost.per_sample_s + float(tail[ids].max())
+    nominal_sleep(cost.call_s + len(ids) * cost.per_sample_s + float(tail[ids].max()))
+
+
+def nominal_sleep(seconds: float) -> None:
+    """Sleep ``seconds`` of model time, less the OS's lateness in waking a sleeper (sleep_slack)."""
     slack, rate = sleep_slack()
     time.sleep(max(0.0, seconds - slack - rate * seconds))
 

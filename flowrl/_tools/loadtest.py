@@ -24,6 +24,7 @@ from .._core.sim_epochs import prompt_keys, simulate_epochs
 from .._core.simulate import Workload, cost_hints, tails
 from .._pipeline.opening import open_pipeline
 from .baselines import cpu_hog, run_push, run_ray_data, substrate
+from .loop_scenarios import loop_report, loop_scenarios, run_loops
 from .scenarios import EPOCHS, items, scenarios, workload_flow
 
 if TYPE_CHECKING:
@@ -315,10 +316,11 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
                 f"{name}: {w.samples} samples, stages "
                 + ", ".join(f"{s.name}({s.replicas}x{s.batch_size})" for s in w.stages)
             )
+        print("\n".join(spec.describe(name) for name, spec in loop_scenarios().items()))
         return 0
-    unknown = sorted(set(args.scenario or []) - set(scenarios()))
-    if unknown:
-        parser.error(f"unknown scenario(s) {unknown}; expected some of {sorted(scenarios())}")
+    known = sorted([*scenarios(), *loop_scenarios()])
+    if unknown := sorted(set(args.scenario or []) - set(known)):
+        parser.error(f"unknown scenario(s) {unknown}; expected some of {known}")
     ray_data = not args.no_ray_data and _has_ray_data()
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     hog = cpu_hog(0)
@@ -335,15 +337,16 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
                 row = median_row(list(epoch_rows))
                 rows.append(with_ray_data(row, w) if ray_data and e == 0 else row)
                 print(json.dumps(rows[-1]), flush=True)
+        loops = run_loops(args.scenario, args.repeats)
         hog.close()
     finally:
         hog.close()
         ray.shutdown()
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out"]
-    text = _report(" ".join([command, *shown]).strip(), raw, rows, ray_data)
+    text = _report(" ".join([command, *shown]).strip(), raw, rows, ray_data) + loop_report(loops)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"raw": raw, "rows": rows}, indent=1))
+    Path(args.out).with_suffix(".json").write_text(json.dumps({"raw": raw, "rows": rows, "loops": loops}, indent=1))
     print(text)
     return 0
 
