@@ -16,6 +16,7 @@ SplitterName = Literal["cost", "guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
 WeightTransport = Literal["host", "cuda_ipc", "nccl"]
 OnTimeout = Literal["fail", "retry"]
+OnSpent = Literal["fail", "drop"]
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -189,7 +190,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     others are in flight on its replica gets as long again for each); a later reply fails the run, unless
     ``on_timeout="retry"``: the replica is stopped and replaced, and the call's samples go to
     another replica (a stuck environment or tool; ``PipelineConfig.max_retries`` bounds how
-    often a sample is sent again).
+    often a sample is sent again). ``on_spent``: what a sample whose call on this model's stages
+    hung (or lost its replica) once more after ``max_retries`` retries does: ``"fail"`` the run,
+    or ``"drop"`` the sample alone (the run goes on with the others; ``PipelineStats.dropped``
+    records it, with the stage, the turn and the reason).
     ``autoscale``: grow and shrink the pool from its measured queue and starvation.
     ``splitter``: how shards are cut; ``cost`` (the default) learns a call's fixed and per-sample
     cost and sizes shards to finish soonest, ``call_cost`` seeding it (see concepts.md).
@@ -212,6 +216,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     prefetch: int = 2
     call_timeout_s: float | None = None
     on_timeout: OnTimeout = "fail"
+    on_spent: OnSpent = "fail"
     autoscale: Autoscale | None = None
     weight_transport: WeightTransport = "host"
 
@@ -219,6 +224,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
         _one_of("ModelConfig", "weight_transport", self.weight_transport, WeightTransport)
         _one_of("ModelConfig", "on_timeout", self.on_timeout, OnTimeout)
+        _one_of("ModelConfig", "on_spent", self.on_spent, OnSpent)
         _check_types(self)
         _positive(
             "ModelConfig",

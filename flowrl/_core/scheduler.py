@@ -41,6 +41,7 @@ class _StageQueue:
     floor: int = 1  # the smallest shard worth a call, from ``measure``
     prior: tuple[float, float] | None = None  # (fixed, per-sample) seconds of a call, from config
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
+    suspects: set[int] = field(default_factory=set)  # given back by a failed call: each cut alone
     fit: CallCost = field(init=False)  # the call's cost, refitted from measured calls
 
     def __post_init__(self) -> None:
@@ -154,14 +155,23 @@ class PoolScheduler:
         self.withdraw(replica)
         self.retired.add(replica)
 
-    def give_back(self, assignment: Assignment, costs: Sequence[float] | None = None) -> None:
-        """The shard ``assignment`` did not complete (its replica died): its samples are pending
-        again, with their cost estimates ``costs``."""
+    def give_back(
+        self, assignment: Assignment, costs: Sequence[float] | None = None, dropped: Sequence[int] = ()
+    ) -> None:
+        """The shard ``assignment`` did not complete (its replica died or hung): its samples are
+        pending again, except ``dropped``, which the stage no longer expects; ``costs``: the
+        estimates of those given back, in shard order. Each is cut alone from now on until a
+        call of it completes, so that a sample that makes calls hang does not spend the
+        retries of the others."""
         r, q = assignment.replica, self._stages[assignment.stage]
         self.in_flight[r] -= 1
         self._held_add(r, q, -len(assignment.ids))
         q.dispatched -= len(assignment.ids)
-        q.push(assignment.ids, costs)
+        q.expected -= len(dropped)
+        q.admitted -= len(dropped)
+        back = [i for i in assignment.ids if i not in dropped] if dropped else assignment.ids
+        q.push(back, costs)
+        q.suspects.update(back)
         self._changed(r)
 
     @property
@@ -170,10 +180,12 @@ class PoolScheduler:
 
     def finish(self, assignment: Assignment) -> None:
         """The shard ``assignment`` completed."""
-        r, n = assignment.replica, len(assignment.ids)
+        r, n, q = assignment.replica, len(assignment.ids), self._stages[assignment.stage]
         self.in_flight[r] -= 1
-        self._held_add(r, self._stages[assignment.stage], -n)
-        self._stages[assignment.stage].finished += n
+        self._held_add(r, q, -n)
+        q.finished += n
+        if q.suspects:
+            q.suspects.difference_update(assignment.ids)
         self._changed(r)
 
     @property
@@ -260,6 +272,14 @@ class PoolScheduler:
         )
 
     def _take(self, q: _StageQueue, replica: int, n: int) -> list[int]:
-        self._held_add(replica, q, n)
-        q.dispatched += n
-        return [heapq.heappop(q.heap)[1] for _ in range(n)]
+        entries = [heapq.heappop(q.heap) for _ in range(n)]
+        if n > 1 and q.suspects:
+            alone = next((e for e in entries if e[1] in q.suspects), None)
+            if alone is not None:  # the suspect goes alone; the others wait for the next cut
+                for e in entries:
+                    if e is not alone:
+                        heapq.heappush(q.heap, e)
+                entries = [alone]
+        self._held_add(replica, q, len(entries))
+        q.dispatched += len(entries)
+        return [e[1] for e in entries]

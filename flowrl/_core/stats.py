@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -41,6 +41,7 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     # wait behind a shard queued first on the replica (prefetch > 1), the runtime's own work.
     overhead_s: float = 0.0
     retried: int = 0  # samples sent to the stage again after their replica died (not in samples)
+    dropped: int = 0  # samples dropped here once their retries were spent (ModelConfig.on_spent="drop")
     queued: int = 0  # samples ready for the stage that no replica has taken yet
     queue_peak: int = 0  # the most that ever waited so
 
@@ -56,17 +57,33 @@ class LoopStats(msgspec.Struct, frozen=True, kw_only=True):
     stops: dict[str, int] = {}
 
 
+class DroppedSample(msgspec.Struct, frozen=True, kw_only=True):
+    """A sample dropped once its retries on ``stage`` were spent (``ModelConfig.on_spent="drop"``):
+    its id, its turn of the stage's loop (0 outside loops) and why its last call failed."""
+
+    sample: int
+    stage: str
+    turn: int
+    reason: str
+
+
+MAX_DROPPED_KEPT = 1000  # the latest dropped samples PipelineStats lists (each stage counts them all)
+
+
 class PipelineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counters since the pipeline opened; ``active_s`` is the time spent inside runs;
     ``blocked_s`` the time admission waited for room in the in-flight window (``max_inflight``:
     the caller, or stages downstream, held every place). ``serving``: replicas serving now, per
-    model (pools grow and shrink: ``resize``, ``ModelConfig.autoscale``)."""
+    model (pools grow and shrink: ``resize``, ``ModelConfig.autoscale``). ``dropped``: the latest
+    samples dropped after their retries (at most ``MAX_DROPPED_KEPT``; ``StageStats.dropped``
+    counts them all)."""
 
     active_s: float
     stages: dict[str, StageStats]
     blocked_s: float = 0.0
     serving: dict[str, int] = {}
     loops: dict[str, LoopStats] = {}
+    dropped: list[DroppedSample] = []
 
     def __getitem__(self, stage: str) -> StageStats:
         return self.stages[stage]
@@ -88,6 +105,8 @@ class StatsRecorder:
         self._cells = {(s, r): _Cell() for s, m in self._stage_models.items() for r in range(self._replicas[m])}
         self._model_busy = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self._retried = Counter[str]()
+        self._dropped: deque[DroppedSample] = deque(maxlen=MAX_DROPPED_KEPT)
+        self._dropped_at = Counter[str]()
         self._starved = {(m, r): 0.0 for m, n in self._replicas.items() for r in range(n)}
         self.active_s = 0.0
         self.blocked_s = 0.0
@@ -120,6 +139,12 @@ class StatsRecorder:
 
     def retried(self, stage: str, samples: int) -> None:
         self._retried[stage] += samples
+
+    def dropped(self, stage: str, samples: list[int], turns: list[int] | None, reason: str) -> None:
+        """``samples`` were dropped on ``stage`` (their retries spent), in these turns of its loop."""
+        self._dropped_at[stage] += len(samples)
+        for i, sid in enumerate(samples):
+            self._dropped.append(DroppedSample(sample=sid, stage=stage, turn=turns[i] if turns else 0, reason=reason))
 
     def record(self, stage: str, replica: int, meta: CallMeta, latency_s: float) -> None:
         cell = self._cells[(stage, replica)]
@@ -168,6 +193,7 @@ class StatsRecorder:
                 out_bytes=sum(r.out_bytes for r in reps),
                 overhead_s=sum(r.overhead_s for r in reps),
                 retried=self._retried[stage],
+                dropped=self._dropped_at[stage],
                 queued=queues.get(stage, (0, 0))[0],
                 queue_peak=queues.get(stage, (0, 0))[1],
             )
@@ -182,7 +208,12 @@ class StatsRecorder:
             for name, (counts, stops) in self._loops.items()
         }
         return PipelineStats(
-            active_s=active, stages=stages, blocked_s=self.blocked_s, serving=dict(serving or {}), loops=loops
+            active_s=active,
+            stages=stages,
+            blocked_s=self.blocked_s,
+            serving=dict(serving or {}),
+            loops=loops,
+            dropped=list(self._dropped),
         )
 
     def _replica(self, stage: str, model: str, r: int, active: float, starving: float) -> ReplicaStats:

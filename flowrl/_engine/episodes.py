@@ -130,6 +130,7 @@ class EpisodeLoop:
             wait_s=rollout.waited,
             dropped=rollout.dropped,
             regenerated=rollout.regenerated,
+            failed=rollout.failed,
             metrics={k: mean_metrics(v) for k, v in results.items()},
             staleness=lags[0],
             segment_staleness=lags[1],

@@ -103,12 +103,14 @@ class LearningState:
             out.append(float(value))
         return out
 
-    def remember(self, episode: int, samples: Sequence[Sample]) -> None:
-        """Record the lengths of ``episode``'s rollout (``RunConfig.length_field``), per prompt."""
+    def remember(self, episode: int, samples: Sequence[Sample], rows: Sequence[int]) -> None:
+        """Record the lengths of ``episode``'s rollout (``RunConfig.length_field``), per prompt;
+        ``rows``: the item each sample came from (a dropped one has none)."""
         field = self.config.length_field
-        prompts = self._prompts.get(episode)
-        if field is None or prompts is None or len(prompts) != len(samples):
+        drawn = self._prompts.get(episode)
+        if field is None or drawn is None:
             return
+        prompts = [drawn[r] for r in rows]
         lengths = []
         for i, sample in enumerate(samples):
             if field not in sample:

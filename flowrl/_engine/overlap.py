@@ -39,15 +39,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class Rollout:
-    """One episode's rollout: its samples (dataset order) and when it ran (``perf_counter``)."""
+    """One episode's rollout: its samples (dataset order), the row of its items each one came
+    from, and when it ran (``perf_counter``)."""
 
     episode: int
     samples: list[Sample]
+    rows: list[int]
     started: float
     ended: float
     waited: float = 0.0  # how long training waited for it
     dropped: int = 0
     regenerated: int = 0
+    failed: int = 0  # items the pipeline dropped (ModelConfig.on_spent="drop")
+
+    def keep(self, positions: set[int]) -> None:
+        """Keep the samples at ``positions`` (and their rows), in order."""
+        kept = [i for i in range(len(self.samples)) if i in positions]
+        self.samples = [self.samples[i] for i in kept]
+        self.rows = [self.rows[i] for i in kept]
 
 
 class Gate:
@@ -104,13 +113,15 @@ class Overlap:
     async def roll(self, episode: int) -> tuple[Rollout, list[dict[str, Any]]]:
         """``episode``'s rollout, and the items drawn for it."""
         pipe = self.rollout
-        items = self.learning.draw(episode, pipe.numbering()[0])
+        first = pipe.numbering()[0]
+        items = self.learning.draw(episode, first)
         costs = self.learning.estimates(episode, items)
         started = time.perf_counter()
         samples = await pipe.run(items, costs=costs)
         ended = time.perf_counter()
-        self.learning.remember(episode, samples)
-        return Rollout(episode, samples, started, ended), items
+        rows = [s.id - first for s in samples]  # ids follow the items; a dropped one leaves a gap
+        self.learning.remember(episode, samples, rows)
+        return Rollout(episode, samples, rows, started, ended, failed=len(items) - len(samples)), items
 
     async def run(self, target: int, train: Callable[[Rollout], Awaitable[None]]) -> None:
         """Roll out episodes up to ``target`` ahead of training, and ``train`` each in order."""
@@ -150,20 +161,24 @@ class Overlap:
         if not stale:
             return
         if cfg.on_stale == "drop":
-            gone = set(stale)
-            rollout.samples = [s for i, s in enumerate(rollout.samples) if i not in gone]
+            rollout.keep(set(range(len(rollout.samples))) - set(stale))
             rollout.dropped = len(stale)
             return
         await self._gate.reach(rollout_needs(e, max_staleness=cfg.max_staleness, sync_every=cfg.sync_every))
         pipe = self.rollout
         # the samples generated again belong to episode e: its run number, then the next one's
-        pipe.resume_at(pipe.numbering()[0], e)
-        redo = [items[i] for i in stale]
-        again = await pipe.run(redo, costs=self.learning.estimates(e, redo, stale))
+        first = pipe.numbering()[0]
+        pipe.resume_at(first, e)
+        rows = [rollout.rows[i] for i in stale]
+        redo = [items[r] for r in rows]
+        again = await pipe.run(redo, costs=self.learning.estimates(e, redo, rows))
         pipe.resume_at(pipe.numbering()[0], e + 1)
-        for i, sample in zip(stale, again, strict=True):
-            rollout.samples[i] = sample
-        rollout.regenerated = len(stale)
+        for sample in again:
+            rollout.samples[stale[sample.id - first]] = sample
+        came = {stale[s.id - first] for s in again}
+        rollout.keep(set(range(len(rollout.samples))) - (set(stale) - came))  # those dropped again are gone
+        rollout.failed += len(stale) - len(again)
+        rollout.regenerated = len(again)
 
     def train_versions(self, episode: int) -> dict[str, int]:
         """The versions synced models hold while ``episode`` trains. Asynchronous: the ones its

@@ -37,8 +37,10 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     above 0 for samples a relay function brings back from earlier episodes, and with
     ``max_staleness`` > 0). ``wait_s``: how long training waited for this episode's rollout
     (all of ``rollout_s`` when synchronous). ``dropped`` / ``regenerated``: samples over the
-    staleness bound (``on_stale``). Samples generated in a loop count by their oldest segment
-    (``RunConfig.stale_segment``); ``segment_staleness`` counts every segment.
+    staleness bound (``on_stale``). ``failed``: samples of the rollout the pipeline dropped once
+    their retries were spent (``ModelConfig.on_spent="drop"``; nothing trains on them).
+    Samples generated in a loop count by their oldest segment (``RunConfig.stale_segment``);
+    ``segment_staleness`` counts every segment.
     """
 
     episode: int
@@ -55,6 +57,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     wait_s: float = 0.0
     dropped: int = 0
     regenerated: int = 0
+    failed: int = 0
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

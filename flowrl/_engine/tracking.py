@@ -68,7 +68,7 @@ def episode_scalars(
     last = stats.episodes[-1]
     out = {f"train/{trainer}/{k}": v for trainer, metrics in last.metrics.items() for k, v in metrics.items()}
     out |= {f"time/{p}_s": float(getattr(last, f"{p}_s")) for p in PHASES}
-    out |= {f"episode/{k}": float(getattr(last, k)) for k in ("samples", "dropped", "regenerated")}
+    out |= {f"episode/{k}": float(getattr(last, k)) for k in ("samples", "dropped", "regenerated", "failed")}
     if seconds:
         out["episode/episodes_per_s"] = 1.0 / seconds
     for model, lags in last.staleness.items():

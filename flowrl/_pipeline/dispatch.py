@@ -153,3 +153,5 @@ class Dispatcher:
         for loop, turns, why in done.left:
             self._recorder.left_loop(loop, turns, why)
         self._runs.finished(done.finished)
+        if done.dropped:
+            self._runs.dropped(done.dropped)

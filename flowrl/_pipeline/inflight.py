@@ -28,7 +28,7 @@ class Turns:
 
 
 class SampleState:
-    __slots__ = ("cost", "done", "loc", "loops", "node", "run")
+    __slots__ = ("cost", "done", "dropped", "loc", "loops", "node", "run")
 
     def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
         self.loc = loc
@@ -37,6 +37,7 @@ class SampleState:
         self.run = run
         self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
         self.loops: dict[str, Turns] | None = None  # per loop it entered (None: none)
+        self.dropped = ""  # the stage that dropped it (its retries spent); its other calls still end
 
     def turns(self, loop: str) -> Turns:
         if self.loops is None:
@@ -58,9 +59,9 @@ class Run:
         self.finished = 0
         self.admission_done = False
         self.abandoned = False
-        self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc]]](limit)
+        self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc] | None]](limit)
         self.drained = anyio.Event()
-        self.held: dict[int, dict[str, Loc]] = {}
+        self.held: dict[int, dict[str, Loc] | None] = {}  # None: a dropped sample
         self.states: dict[int, SampleState] = {}  # finished samples not yet delivered: their whole state
         self.started = time.perf_counter()
         self.active_closed = False

@@ -42,6 +42,7 @@ class Completed:
     again: dict[str, list[int]] = field(default_factory=dict)
     finished: list[tuple[int, SampleState]] = field(default_factory=list)
     left: list[tuple[str, int, str]] = field(default_factory=list)  # (loop, turns, why): samples that left one
+    dropped: list[tuple[int, SampleState]] = field(default_factory=list)  # dropped, and no call of theirs left
 
 
 class Ledger:
@@ -238,6 +239,10 @@ class Ledger:
             if stage in state.done:
                 raise FlowError(f"internal: stage {stage!r} processed sample {sid} twice")
             state.done.add(stage)
+            if state.dropped:  # a call that was under way when the sample was dropped: nothing follows
+                if not self._pending(state, but=state.dropped):
+                    out.dropped.append((sid, self._forget(sid)))
+                continue
             state.loc[stage] = (out_ref, row)
             state.node[stage] = node
             for loop in entered or ():
@@ -278,6 +283,30 @@ class Ledger:
         turns.turn += 1
         out.again.setdefault(spec.name, []).append(sid)
         return self._graph.turn_starts(spec)
+
+    def _pending(self, state: SampleState, but: str = "") -> list[str]:
+        """The stages (other than ``but``) that ``state`` is queued for or running on: their inputs are done."""
+        return [
+            name
+            for name, spec in self._graph.stages.items()
+            if name != but and name not in state.done and all(i == SOURCE or i in state.done for i in spec.inputs)
+        ]
+
+    def drop(self, stage: str, ids: list[int]) -> tuple[list[str], list[tuple[int, SampleState]]]:
+        """Samples ``ids`` failed on ``stage`` for good: the stages that expected them and will
+        now never see them (once per sample), and those with no call left (now out of the
+        ledger). One still queued or running elsewhere (a parallel branch) leaves once that
+        call ends, and its output goes nowhere."""
+        unseen: list[str] = []
+        gone: list[tuple[int, SampleState]] = []
+        for sid in ids:
+            state = self.samples[sid]
+            state.dropped = stage
+            pending = self._pending(state, but=stage)
+            unseen += [n for n in self._graph.stages if n != stage and n not in state.done and n not in pending]
+            if not pending:
+                gone.append((sid, self._forget(sid)))
+        return unseen, gone
 
     def _forget(self, sid: int) -> SampleState:
         if self.retries:  # its retry counts go too: ids are reused after a resume

@@ -120,6 +120,8 @@ class Membership:
     async def _replace(self, model: str) -> None:
         try:
             async with self._resizing:
+                if self._supervisor.closed:
+                    return  # the pipeline closed before its turn: no replica is needed any more
                 await self._add(model, 1, "replaced a replica whose call hung", None)
         except Exception as err:
             self._supervisor.fail(err)

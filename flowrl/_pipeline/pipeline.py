@@ -106,6 +106,7 @@ class AsyncPipeline:
             self.timeline, self._supervisor,
         )  # fmt: skip
         self._dispatcher.replace = self._membership.replace
+        recovery.on_dropped = self._runs.dropped
         self._autoscaler = Autoscaler(
             graph, backend, self._pools, self._roster, self._membership, self._runs, self._recorder
         )

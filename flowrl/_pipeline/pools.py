@@ -65,8 +65,8 @@ class AsyncPool:
                 waiter.future.set_exception(Retired())
         self.pump()  # the shards it would have taken are now cut for the others
 
-    def give_back(self, assignment: Assignment, costs: list[float] | None) -> None:
-        self.scheduler.give_back(assignment, costs)
+    def give_back(self, assignment: Assignment, costs: list[float] | None, dropped: list[int] | None = None) -> None:
+        self.scheduler.give_back(assignment, costs, dropped or ())
         self.pump()
 
     def pump(self) -> None:

@@ -9,7 +9,9 @@
   sample's fields stay consistent); then the shard is sent again (``recompute_lost``).
 
 Either way a shard sent again counts as a retry, within ``PipelineConfig.max_retries`` per
-sample and stage, and a sample is still counted once per stage.
+sample and stage, and a sample is still counted once per stage. A sample that fails once more
+fails the run, or is dropped alone (``ModelConfig.on_spent="drop"``): the stages that expected
+it stop expecting it, and its run counts it as finished without delivering it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .._core.errors import FlowError, InputLostError, ReplicaDiedError
 from .._core.scheduler import Assignment
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle
@@ -58,13 +60,14 @@ class Recovery:
         self._recorder = recorder
         self._call = call
         self._recovering = anyio.Lock()  # a second shard that lost the same outputs finds them redone
+        self.on_dropped: Callable[[list[tuple[int, SampleState]]], None] = lambda gone: None  # Runs.dropped
 
     def lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> None:
-        """The replica running shard ``a`` died: the pool carries on without it."""
-        if handle.replica_id not in self._pools[handle.model].scheduler.retired:
-            self._check_budget(handle, a, err)
+        """The replica running shard ``a`` died (or hung and was stopped): the pool carries on
+        without it, and the shard's samples are sent again."""
+        back = self._spend(handle, a, err)
         self.retire(handle, err, a.stage, a.ids)
-        self.send_again(handle, a, err)
+        self._give_back(handle, a, back)
 
     def retire(
         self, handle: ReplicaHandle, err: ReplicaDiedError, stage: str = "", ids: list[int] | None = None
@@ -88,20 +91,37 @@ class Recovery:
 
     def send_again(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> None:
         """Shard ``a`` did not complete: its samples go back to the stage's queue."""
-        self._check_budget(handle, a, err)
-        self._ledger.retried(a.stage, a.ids)
-        self._recorder.retried(a.stage, len(a.ids))
-        self._pools[handle.model].give_back(a, self._ledger.costs(a.ids))
+        self._give_back(handle, a, self._spend(handle, a, err))
 
-    def _check_budget(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> None:
+    def _give_back(self, handle: ReplicaHandle, a: Assignment, back: list[int]) -> None:
+        self._ledger.retried(a.stage, back)
+        self._recorder.retried(a.stage, len(back))
+        dropped = [sid for sid in a.ids if sid not in back]
+        self._pools[handle.model].give_back(a, self._ledger.costs(back) if back else [], dropped)
+
+    def _spend(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> list[int]:
+        """The samples of shard ``a`` to send again. Those whose retries are spent fail the run,
+        or, with ``ModelConfig.on_spent="drop"`` and a dead or hung replica, are dropped."""
         spent = self._ledger.spent(a.stage, a.ids)
         if not spent:
-            return
+            return a.ids
         budget = self._ledger.max_retries
         note = f"samples {spent} were already retried PipelineConfig.max_retries={budget} times on this stage"
-        if isinstance(err, ReplicaDiedError):
+        if not isinstance(err, ReplicaDiedError):
+            raise InputLostError(f"{err}; {note}") from err
+        if self._graph.models[handle.model].config.on_spent == "fail":
             raise ReplicaDiedError(f"{err.message}; {note}", a.stage, handle.replica_id, a.ids) from err
-        raise InputLostError(f"{err}; {note}") from err
+        reason = f"{err.message} (retried {budget} times)"
+        self._recorder.dropped(a.stage, spent, self._ledger.turns_of(a.stage, spent), reason)
+        unseen, gone = self._ledger.drop(a.stage, spent)
+        for stage in unseen:  # a stage that waits for samples on their way must not wait for these
+            pool = self._pools[self._graph.stages[stage].model]
+            pool.scheduler.expect(stage, -1)
+            pool.scheduler.admit(stage, -1)
+        for model in {self._graph.stages[stage].model for stage in unseen}:
+            self._pools[model].pump()
+        self.on_dropped(gone)
+        return [sid for sid in a.ids if sid not in spent]
 
     async def recompute_lost(self, states: Mapping[int, SampleState]) -> int:
         """Compute again the outputs of ``states`` lost with a node that is gone, and those

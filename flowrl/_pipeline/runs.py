@@ -41,6 +41,8 @@ def _relocate(run: Run, cache: dict[Any, list[Any]]) -> int:
     how many changed."""
     changed = 0
     for sid, old in run.held.items():
+        if old is None:
+            continue  # dropped
         new = {p: run.states[sid].loc[p] for p in old}
         if new == old:
             continue
@@ -56,7 +58,7 @@ def _relocate(run: Run, cache: dict[Any, list[Any]]) -> int:
     return changed
 
 
-async def _next_finished(run: Run) -> tuple[int, dict[str, Loc]] | None:
+async def _next_finished(run: Run) -> tuple[int, dict[str, Loc] | None] | None:
     """The next finished sample of ``run`` (None at its end). One already queued is taken at
     once: anyio's ``receive`` would first pass through the event loop, for every sample."""
     try:
@@ -185,6 +187,21 @@ class Runs:
         for run in producers:
             run.maybe_close()
 
+    def dropped(self, samples: list[tuple[int, SampleState]]) -> None:
+        """Samples dropped once their retries were spent: their run counts them as finished and
+        delivers nothing in their place."""
+        runs = set()
+        for sid, state in samples:
+            run = state.run
+            run.finished += 1
+            runs.add(run)
+            if run.abandoned:
+                self._window.release(1)
+            else:
+                run.send.send_nowait((sid, None))
+        for run in runs:
+            run.maybe_close()
+
     # ---- delivery: finished samples -> Sample objects, in order ----
     async def deliver(self, run: Run) -> AsyncIterator[Sample]:
         cache: dict[Any, list[Any]] = {}  # ref -> [Batch | None, uses left]
@@ -193,18 +210,24 @@ class Runs:
         try:
             while (item := await _next_finished(run)) is not None:
                 sid, loc = item
-                for ref, _ in loc.values():
+                for ref, _ in loc.values() if loc is not None else ():
                     cache.setdefault(ref, [None, 0])[1] += 1
                 held[sid] = loc
                 while held:
                     sid = next_id if run.ordered else next(iter(held))
                     if sid not in held:
                         break
+                    where = held[sid]
+                    if where is None:  # dropped: its place in the order passes
+                        del held[sid]
+                        self._window.release(1)
+                        next_id += 1
+                        continue
                     # Each sample handed out is a cancellation point, also when its data is
                     # already in the driver and nothing below would wait.
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     try:
-                        sample = await self._materialize(sid, held[sid], cache, run.fields)
+                        sample = await self._materialize(sid, where, cache, run.fields)
                     except InputLostError:
                         redone = await self._recovery.recompute_lost(run.states)
                         if not _relocate(run, cache) and not redone:

@@ -36,6 +36,9 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "on_timeout": "`fail`: a call past `call_timeout_s` fails the run; `retry`: its replica is stopped and "
         "replaced, and its samples go to another replica, at most `PipelineConfig.max_retries` times each "
         "(a stuck environment or tool; multiturn.md)",
+        "on_spent": "what a sample does whose call hung (or lost its replica) once more after "
+        "`PipelineConfig.max_retries` retries: `fail` the run, or `drop` that sample alone (the run goes on; "
+        "`PipelineStats.dropped` records the stage, turn and reason)",
         "autoscale": "an `Autoscale`: grow and shrink this model's pool while runs go on (below)",
         "weight_transport": "trainers: `host` (numpy through the object store), `cuda_ipc` (handles to a GPU "
         "snapshot, copied on the GPU by replicas on the same GPU: colocated models) or `nccl` "

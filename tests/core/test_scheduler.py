@@ -375,3 +375,51 @@ def test_shards_are_sized_for_the_replicas_still_serving():
     s.request(0)
     (a,) = s.poll()
     assert len(a.ids) == 20  # half of the work for one of two replicas left, not a quarter
+
+
+@pytest.mark.parametrize("policy", sorted(flowrl.SPLITTERS))
+def test_samples_of_a_failed_shard_are_cut_alone_until_their_call_completes(policy):
+    """A sample that makes calls hang must not take its shard's other samples down with it."""
+    s = make(replicas=2, policy=policy, batch=4, expected=8)
+    s.ready(STAGE, list(range(8)))
+    s.request(0)
+    (failed,) = s.poll()
+    assert len(failed.ids) > 1
+    s.give_back(failed, [0.0] * len(failed.ids))
+    alone: list[Assignment] = []
+    while s.pending:
+        s.request(1)
+        (a,) = s.poll()
+        if set(a.ids) & set(failed.ids):
+            assert len(a.ids) == 1, a  # a suspect never shares a call
+            alone.append(a)
+        s.finish(a)
+    assert sorted(i for a in alone for i in a.ids) == sorted(failed.ids)
+    if policy == "greedy":  # once its call completed, a sample shares calls again (its next turn)
+        s.expect(STAGE, 2)
+        s.ready(STAGE, failed.ids[:2])
+        s.request(1)
+        (a,) = s.poll()
+        assert sorted(a.ids) == sorted(failed.ids[:2])
+
+
+def test_a_dropped_sample_is_no_longer_expected_nor_waited_for():
+    s = make(replicas=1, policy="cost", batch=4, expected=4)
+    s.admit(STAGE, 4)
+    s.ready(STAGE, [0, 1, 2, 3])
+    s.request(0)
+    (a,) = s.poll()
+    assert a.ids == [0, 1, 2, 3]
+    s.give_back(a, [0.0] * 3, dropped=[0])
+    assert s.pending == 3
+    done = []
+    while s.pending:
+        s.request(0)
+        (b,) = s.poll()
+        s.finish(b)
+        done += b.ids
+    assert sorted(done) == [1, 2, 3]
+    s.request(0)
+    assert s.poll() == [] and s.pending == 0
+    q = s._stages[STAGE]
+    assert q.remaining == 0 and q.coming == 0  # the stage no longer counts on the dropped sample

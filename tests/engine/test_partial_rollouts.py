@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import _loop_models
 import pytest
@@ -89,3 +91,57 @@ def test_each_episode_logs_its_turns():
     scalars = episode_scalars(stats)
     assert scalars["turns/segment/mean"] == sum(t * n for t, n in counts.items()) / 8
     assert scalars["turns/segment/max"] == max(counts) == 4  # lengths up to 7, two tokens a segment
+
+
+class _StuckSegmenter(_loop_models.Segmenter):
+    """Hangs in episode 1 on the sample whose length is 7, in its second segment, until released."""
+
+    @flowrl.step
+    def generate(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        rows = zip(batch["length"], batch["response"], strict=True)
+        if iteration == 1 and any(int(n) == 7 and len(t) == TOKENS for n, t in rows):
+            RELEASE.wait(120)  # the driver gives up on it first; released when the test ends
+        return super().generate(batch, iteration)
+
+
+RELEASE = threading.Event()
+
+
+def test_a_sample_dropped_after_its_retries_leaves_its_episode_and_the_run_goes_on():
+    policy = _StuckSegmenter(
+        "policy",
+        {
+            "num_replicas": 2,
+            "batch_size": 3,
+            "call_timeout_s": 2.0,
+            "on_timeout": "retry",
+            "on_spent": "drop",
+            **_loop_models.CPU,
+        },
+    )
+    learner = _loop_models.Learner("learner", {**_loop_models.CPU})
+    run = flowrl.Engine(
+        rollout=lambda p: flowrl.loop(policy.generate, p, until="finished", max_turns=10, name="segment"),
+        train=[learner],
+        sync=[(learner, policy)],
+        config={
+            "sample_per_episode": 8,
+            "num_episode": 3,
+            "train_global_batch_size": 4,
+            "shuffle": False,  # episode 1 draws items 8-15: item 9 (length 7) hangs
+            # replicas in threads: a hung call is left behind in its thread, the driver goes on
+            "pipeline": {"backend": "inprocess", "inprocess_threads": True, "max_retries": 1},
+        },
+    )
+    run.set_dataset([{"response": [], "length": 1 + (i * 3) % 7} for i in range(16)])
+    try:
+        stats = run.learn()
+    finally:
+        RELEASE.set()
+    assert [e.failed for e in stats.episodes] == [0, 1, 0]
+    assert [e.samples for e in stats.episodes] == [8, 7, 8]
+    per_episode = [sum(len(r["ids"]) for step in ep["learner"] for r in step) for ep in run.train_results]
+    assert per_episode == [8, 7, 8]  # trained on the others
+    (dropped,) = stats.rollout.dropped
+    assert (dropped.stage, dropped.turn) == ("policy.generate", 2) and "call_timeout_s=2s" in dropped.reason
+    assert stats.rollout.loops["segment"].samples == 23

@@ -293,11 +293,18 @@ class StuckGame(Game):
         return super().play(batch, iteration)
 
 
-def stuck_flow(marks: str, times: int, replicas: int = 3):
+def stuck_flow(marks: str, times: int, replicas: int = 3, on_spent: str = "fail"):
     player = Player("player", {"num_replicas": 2, "batch_size": 3, **CPU})
     game = StuckGame(
         "game",
-        {"num_replicas": replicas, "batch_size": 2, "call_timeout_s": 5.0, "on_timeout": "retry", **CPU},
+        {
+            "num_replicas": replicas,
+            "batch_size": 2,
+            "call_timeout_s": 5.0,
+            "on_timeout": "retry",
+            "on_spent": on_spent,
+            **CPU,
+        },
         marks,
         stuck=5,
         times=times,
@@ -333,6 +340,38 @@ async def test_a_sample_that_keeps_getting_stuck_fails_the_run_once_its_retries_
             await pipe.run(games(8))
     assert 5 in caught.value.sample_ids and caught.value.stage == "game.play"
     assert len(os.listdir(tmp_path)) == 2  # sent once, retried once
+    assert flowrl_actor_names() == []
+
+
+class Tally(flowrl.Model):
+    @flowrl.step
+    def score(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        return {"score": [len(t) for t in batch["text"]]}
+
+
+async def test_a_sample_that_keeps_getting_stuck_is_dropped_alone_and_the_run_goes_on(ray_cluster, tmp_path):
+    """``on_spent="drop"``: the stuck sample leaves with its reason recorded; its shard-mates,
+    cut apart from it after the first hang, keep their retries; a stage after the loop waits
+    for no dropped sample; the pipeline stays usable."""
+    tally = Tally("tally", {"num_replicas": 1, "batch_size": 8, **CPU})
+    play = stuck_flow(str(tmp_path), times=10, on_spent="drop")
+    n = 8
+    async with flowrl.open_pipeline(lambda x: tally.score(play(x)), {"max_retries": 1}) as pipe:
+        out = await pipe.run(games(n))
+        stats = pipe.stats()
+        again = await pipe.run(games(n))  # ids 8-15: none is stuck
+    kept = [i for i in range(n) if i != 5]
+    assert [s.id for s in out] == kept
+    assert [s["text"] for s in out] == [transcript(goal(i)) for i in kept]
+    assert [s["score"] for s in out] == [2 * goal(i) for i in kept]
+    assert len(os.listdir(tmp_path)) == 2  # sent once, retried once, then dropped
+    (dropped,) = stats.dropped
+    assert (dropped.sample, dropped.stage, dropped.turn) == (5, "game.play", 2)
+    assert "call_timeout_s=5s" in dropped.reason and "retried 1 times" in dropped.reason
+    assert stats["game.play"].dropped == 1 and stats["player.act"].dropped == 0
+    assert stats["tally.score"].samples == n - 1
+    assert stats["game.play"].samples == sum(goal(i) for i in kept) + 1  # sample 5's first turn
+    assert [s["text"] for s in again] == [transcript(goal(i)) for i in range(n)]
     assert flowrl_actor_names() == []
 
 
