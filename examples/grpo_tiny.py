@@ -50,7 +50,9 @@ class GRPOPolicy(Trainer):
         return out
 
 
-def make_engine(episodes: int, backend: str = "ray", group: int = 4, loggers: list[Any] | None = None) -> flowrl.Engine:
+def make_engine(
+    episodes: int, backend: str = "ray", group: int = 4, loggers: list[Any] | None = None, seed: int = 0
+) -> flowrl.Engine:
     cpu = {"cpus_per_replica": 0.25}
     policy = Policy("policy", {"num_replicas": 2, "batch_size": 16, **cpu})
     reference = Reference("reference", {"num_replicas": 1, "batch_size": 32, **cpu})
@@ -61,7 +63,7 @@ def make_engine(episodes: int, backend: str = "ray", group: int = 4, loggers: li
         out = policy.forward_step(prompts)
         return reward.forward_step(out, reference.forward_step(out))
 
-    config = run_config(episodes, backend, group, loggers=loggers or [])
+    config = run_config(episodes, backend, group, loggers=loggers or [], seed=seed)
     engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)
     engine.set_dataset([{"prompt": p} for p in range(VOCAB)] * 16)
     return engine
@@ -90,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GRPO on a toy counting task")
     parser.add_argument("--episodes", type=int, default=30)
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="ray")
+    parser.add_argument("--seed", type=int, default=0, help="RunConfig.seed: the same seed gives the same run")
     ppo_tiny.add_tracking_flag(parser)
     args = parser.parse_args(argv)
-    engine = make_engine(args.episodes, args.backend, loggers=ppo_tiny.tensorboard(args.tensorboard))
+    engine = make_engine(args.episodes, args.backend, loggers=ppo_tiny.tensorboard(args.tensorboard), seed=args.seed)
     first, last = ppo_tiny.print_curve(reward_curve(engine.learn()))
     if args.tensorboard:
         print(f"TensorBoard: tensorboard --logdir {args.tensorboard}  (the reward: train/grpo_policy/reward)")

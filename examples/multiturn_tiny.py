@@ -27,6 +27,7 @@ import torch
 from ppo_tiny import CLIP, KL_COEF, LENGTH, SEED, VOCAB, TinyLM, build, logprobs, mean_score
 
 import flowrl
+from flowrl.rl import sample_rows
 
 
 def padded(rows: list[list[Any]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +41,7 @@ def padded(rows: list[list[Any]], dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 class Policy(ppo_tiny.Policy):
-    """ppo_tiny's sampling policy (same weights, same generator), one token a turn."""
+    """ppo_tiny's sampling policy (same weights, per-sample streams), one token a turn."""
 
     @flowrl.step
     @torch.no_grad()
@@ -53,7 +54,7 @@ class Policy(ppo_tiny.Policy):
             self.module.token(previous.to(self.device)) + self.module.position(position.to(self.device))
         )
         logp = torch.log_softmax(logits, -1)
-        token = torch.multinomial(logp.exp(), 1, generator=self.generator)
+        token = sample_rows(logp.exp(), batch.generators(self.device)).unsqueeze(-1)  # streams per sample and turn
         chosen = logp.gather(-1, token).squeeze(-1).cpu().tolist()
         token = token.squeeze(-1).cpu().tolist()
         return {

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import flowrl
+from flowrl.rl import sample_rows
 
 VOCAB, LENGTH, HIDDEN, SEED = 8, 4, 32, 0
 KL_COEF, CLIP, GAMMA, LAMBDA = 0.01, 0.2, 1.0, 0.95
@@ -74,17 +75,19 @@ def on(device: torch.device, batch: flowrl.Batch | dict[str, Any], *fields: str)
 class Policy(flowrl.Model):
     def setup(self) -> None:
         self.module = build(TinyLM).to(self.device).eval()
-        self.generator = torch.Generator(self.device).manual_seed(SEED + 1 + self.replica_id)
 
     @torch.no_grad()
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         (prompt,) = on(self.device, batch, "prompt")
         prompt = prompt.long()
+        # each sample draws from its own stream (the run's seed, the stage, its id): the same
+        # tokens whichever replica and shard it lands in
+        generators = batch.generators(self.device)
         tokens = [prompt]
         for t in range(LENGTH):  # sampling with a running prefix (the KV cache of a real LM)
             step = torch.stack(tokens[-1:], 1)
             logits = self.module.head(self.module.token(step[:, -1]) + self.module.position.weight[t])
-            tokens.append(torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator).squeeze(1))
+            tokens.append(sample_rows(torch.softmax(logits, -1), generators))
         response = torch.stack(tokens[1:], 1)
         return {"response": response.cpu(), "old_logprobs": logprobs(self.module, prompt, response).cpu()}
 
@@ -193,7 +196,7 @@ def on_gpu(backend: str) -> bool:
 
 
 def make_engine(
-    episodes: int, backend: str = "ray", trainer_ranks: int = 2, loggers: list[Any] | None = None
+    episodes: int, backend: str = "ray", trainer_ranks: int = 2, loggers: list[Any] | None = None, seed: int = 0
 ) -> flowrl.RLHFEngine:
     cpu = {"cpus_per_replica": 0.25}
     gpu = {**cpu, "gpus_per_replica": 0.1} if on_gpu(backend) else cpu
@@ -204,6 +207,7 @@ def make_engine(
         train_micro_batch_size=16,
         num_training_epoch=4,
         shuffle=True,
+        seed=seed,  # the prompts' order and every sample's random stream
         loggers=loggers or [],
         pipeline=flowrl.PipelineConfig(backend=backend),
     )
@@ -258,13 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=30)
     parser.add_argument("--backend", choices=["ray", "inprocess"], default="ray")
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
+    parser.add_argument("--seed", type=int, default=0, help="RunConfig.seed: the same seed gives the same run")
     add_tracking_flag(parser)
     args = parser.parse_args(argv)
     # NCCL takes one rank per GPU, and fractional replicas share GPU 0: one trainer rank on GPUs
     ranks = 2 if args.backend == "ray" and not on_gpu(args.backend) else 1
     if on_gpu(args.backend):
         print(f"on {torch.cuda.get_device_name(0)}: policy, reference, value and trainers compute on cuda")
-    stats = make_engine(args.episodes, args.backend, ranks, tensorboard(args.tensorboard)).learn()
+    stats = make_engine(args.episodes, args.backend, ranks, tensorboard(args.tensorboard), args.seed).learn()
     curve = reward_curve(stats)
     first, last = print_curve(curve)
     if args.tensorboard:

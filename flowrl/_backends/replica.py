@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.batch import Batch, approx_nbytes
+from .._core.batch import Batch, Stream, approx_nbytes
 from .._core.columns import column_length, like, signature
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowDefinitionError, FlowError, MissingFieldError, OutputError, StageError
@@ -149,6 +149,8 @@ class ReplicaRuntime:
         time the preparation took (counted as the call's busy time)."""
         start, started = time.perf_counter(), time.time()
         inputs = batch.keys()
+        turns = None if call.turns is None else dict(zip(call.ids, call.turns, strict=True))
+        batch._stream = Stream(call.seed, call.stage, turns)  # each sample's random streams
         target, writes = self._step(call.method)
         try:
             out = target(batch, call.iteration)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from .columns import (
     take_rows,
 )
 from .errors import FlowDefinitionError, FlowError, MissingFieldError
+from .streams import numpy_generators, row_seeds, torch_generators
 
 
 def approx_nbytes(batch: Batch) -> int:
@@ -86,6 +87,7 @@ def _rebuild(ids: _Packed, fields: dict[str, _Packed]) -> Batch:
     batch = Batch.__new__(Batch)  # the pickled ids are int64 and flat already: no checks
     batch.ids = _decode(ids)
     batch._fields = {k: _decode(v) for k, v in fields.items()}
+    batch._stream = None  # a step's input gets its streams from the runtime, not from the pickle
     return batch
 
 
@@ -97,6 +99,14 @@ def _id_array(values: object, where: str) -> np.ndarray:
         raise FlowDefinitionError(f"{where}: expected a sequence of ints, got {values!r}") from err
 
 
+class Stream(NamedTuple):
+    """What a step's input derives its samples' random streams from (``Batch.seeds``)."""
+
+    seed: int
+    stage: str
+    turns: dict[int, int] | None  # sample id -> its turn of the stage's loop (None: not in a loop)
+
+
 class Batch:
     """Several samples as columns. ``len(batch)`` is the number of samples.
 
@@ -105,12 +115,13 @@ class Batch:
     assigning an existing field is an error, because a stage never overwrites a field.
     """
 
-    __slots__ = ("ids", "_fields", "_kinds")
+    __slots__ = ("ids", "_fields", "_kinds", "_stream")
 
     def __init__(
         self, ids: Sequence[int] | np.ndarray, fields: Mapping[str, Column] | None = None, *, _check: bool = True
     ) -> None:
         self.ids = _id_array(ids, "Batch(ids=...)")
+        self._stream: Stream | None = None  # set by the runtime for a step's input
         self._fields: dict[str, Column] = {}
         if _check and fields is not None and not isinstance(fields, Mapping):
             raise FlowDefinitionError(
@@ -231,11 +242,11 @@ class Batch:
             raise FlowDefinitionError(
                 f"Batch.select: rows {idx.tolist()} out of range for {len(self)} samples"
             ) from err
-        return Batch(ids, {n: take_rows(v, idx) for n, v in self._fields.items()}, _check=False)
+        return self._keep_stream(Batch(ids, {n: take_rows(v, idx) for n, v in self._fields.items()}, _check=False))
 
     def only(self, names: Sequence[str]) -> Batch:
         """The same rows with fields ``names`` only (a view: the columns are shared)."""
-        return Batch(self.ids, {n: self[n] for n in names}, _check=False)
+        return self._keep_stream(Batch(self.ids, {n: self[n] for n in names}, _check=False))
 
     def merge(self, other: Batch) -> Batch:
         """The union of two batches' fields for the same samples in the same order."""
@@ -247,12 +258,35 @@ class Batch:
         both = self.keys() & other.keys()
         if both:
             raise FlowError(f"cannot merge batches that both have fields {sorted(both)}")
-        return Batch(self.ids, {**self._fields, **other._fields}, _check=False)
+        return self._keep_stream(Batch(self.ids, {**self._fields, **other._fields}, _check=False))
 
     def copy(self) -> Batch:
         """The same rows in columns of its own (a list column's items are shared): what a
         step returned, kept after the step although the model may reuse its buffers."""
         return Batch(self.ids.copy(), {n: copy_column(v) for n, v in self._fields.items()}, _check=False)
+
+    # ---- per-sample random streams (streams.py) ----
+    def seeds(self) -> np.ndarray:
+        """A 64-bit seed per sample (uint64), from the run's seed (``RunConfig.seed``, or
+        ``PipelineConfig.seed``), the stage, the sample's id and its turn in a loop: the same
+        for a sample on any replica, in any shard, in process and on Ray. A batch not handed
+        to a step by flowrl derives them from seed 0 and its ids."""
+        seed, stage, turns = self._stream or Stream(0, "", None)
+        return row_seeds(seed, stage, self.ids, None if turns is None else [turns[int(i)] for i in self.ids])
+
+    def generators(self, device: Any = None) -> list[Any]:
+        """A ``torch.Generator`` per sample (on ``device``, the CPU by default), seeded from
+        ``seeds()``: draw each sample's randomness from its own (e.g. ``flowrl.rl.sample_rows``).
+        Each call starts the streams again: make them once per step."""
+        return torch_generators(self.seeds(), device)
+
+    def rngs(self) -> list[np.random.Generator]:
+        """A numpy ``Generator`` per sample, seeded from ``seeds()`` (see ``generators``)."""
+        return numpy_generators(self.seeds())
+
+    def _keep_stream(self, other: Batch) -> Batch:
+        other._stream = self._stream  # a subset of the same samples: the same streams
+        return other
 
     def row(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):

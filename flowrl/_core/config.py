@@ -304,6 +304,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     in the driver from a Unix socket rather than Ray actor calls, which cost far more CPU.
     ``max_retries``: how many times a sample may be sent to a stage again after the replica
     running it died; the pool carries on without that replica. 0 fails the run at once.
+    ``seed``: what every sample's random streams derive from (``Batch.seeds``/``generators``);
+    None: an engine's ``RunConfig.seed``, else 0.
     ``trace_spans``: how many of the latest shard spans the pipeline keeps for its timeline
     (``write_trace``); 0 keeps none. ``progress``: ``"auto"`` (a live table while a stream
     runs, on a terminal; else a log line per run), ``"live"``, ``"log"`` or ``"off"``.
@@ -322,6 +324,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cost_field: str | None = None
     local_channels: bool = True
     max_retries: int = 3
+    seed: int | None = None
     trace_spans: int = 200_000
     progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
 
@@ -394,6 +397,8 @@ class ShardCall(msgspec.Struct, frozen=True, kw_only=True):
     updates: list[str] = []  # fields it may return although its input has them (a loop's state)
     in_loop: bool = False  # a stage inside a loop's body
     loop: LoopCall | None = None  # the last stage of a loop's body: turns, ends, ``until``
+    seed: int = 0  # the run's seed, and each sample's turn of the stage's loop: its random streams
+    turns: list[int] | None = None
 
 
 class CallMeta(msgspec.Struct, frozen=True, kw_only=True):

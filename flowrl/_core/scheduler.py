@@ -94,6 +94,7 @@ class PoolScheduler:
         self._held: dict[tuple[int, str], int] = {}  # (replica, stage) -> samples running there
         self._seq = itertools.count()
         self.retired: set[int] = set()  # replicas that serve no more (their process died)
+        self._isolating: set[int] = set()  # replicas running a suspect: nothing is queued behind it
 
     def add_stage(self, name: str, batch_size: int, prior: tuple[float, float] | None = None) -> None:
         """Register a stage served by this pool; later stages in a flow are added later.
@@ -165,8 +166,10 @@ class PoolScheduler:
         retries of the others."""
         r, q = assignment.replica, self._stages[assignment.stage]
         self.in_flight[r] -= 1
+        self._isolating.discard(r)
         self._held_add(r, q, -len(assignment.ids))
         q.dispatched -= len(assignment.ids)
+        q.suspects.difference_update(dropped)
         q.expected -= len(dropped)
         q.admitted -= len(dropped)
         back = [i for i in assignment.ids if i not in dropped] if dropped else assignment.ids
@@ -182,6 +185,7 @@ class PoolScheduler:
         """The shard ``assignment`` completed."""
         r, n, q = assignment.replica, len(assignment.ids), self._stages[assignment.stage]
         self.in_flight[r] -= 1
+        self._isolating.discard(r)
         self._held_add(r, q, -n)
         q.finished += n
         if q.suspects:
@@ -194,6 +198,7 @@ class PoolScheduler:
 
     def poll(self) -> list[Assignment]:
         out: list[Assignment] = []
+        passed: list[int] = []  # busy replicas left only suspects (or running one): they wait
         while self._queue:
             if not any(q.heap for q in self._stages.values()):
                 break
@@ -205,11 +210,17 @@ class PoolScheduler:
                 self._enqueue(replica)  # still waiting: the stages wait for more samples, or
                 break  # every replica still waiting has work; each asks again when a shard ends
             stage, n = cut
+            taken = self._take(stage, replica, n)
+            if not taken:
+                passed.append(replica)
+                continue
             self._waiting[replica] -= 1
-            out.append(Assignment(replica, stage.name, self._take(stage, replica, n)))
+            out.append(Assignment(replica, stage.name, taken))
             self.in_flight[replica] += 1
             self._last_served[replica] = next(self._seq)
             self._changed(replica)
+        for replica in passed:
+            self._enqueue(replica)
         for q in self._stages.values():
             q.peak = max(q.peak, len(q.heap))
         return out
@@ -272,14 +283,27 @@ class PoolScheduler:
         )
 
     def _take(self, q: _StageQueue, replica: int, n: int) -> list[int]:
+        """Up to ``n`` samples of ``q`` for ``replica``, costliest first. A suspect goes alone,
+        to a replica with nothing in flight (a call queued behind one that hangs fails with it);
+        none when only suspects are left for a busy replica."""
+        if replica in self._isolating:
+            return []
         entries = [heapq.heappop(q.heap) for _ in range(n)]
-        if n > 1 and q.suspects:
-            alone = next((e for e in entries if e[1] in q.suspects), None)
-            if alone is not None:  # the suspect goes alone; the others wait for the next cut
-                for e in entries:
-                    if e is not alone:
-                        heapq.heappush(q.heap, e)
-                entries = [alone]
+        if q.suspects:
+            suspects = [e for e in entries if e[1] in q.suspects]
+            keep = suspects[:1] if suspects and not self.in_flight[replica] else []
+            keep = keep or [e for e in entries if e[1] not in q.suspects]
+            for e in entries:
+                if e not in keep:
+                    heapq.heappush(q.heap, e)
+            entries = keep
+            if suspects and entries == suspects[:1]:
+                self._isolating.add(replica)
         self._held_add(replica, q, len(entries))
         q.dispatched += len(entries)
         return [e[1] for e in entries]
+
+    def forget_suspects(self) -> None:
+        """Sample ids start again (a resume): none is a suspect."""
+        for q in self._stages.values():
+            q.suspects.clear()

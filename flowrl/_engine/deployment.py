@@ -11,6 +11,7 @@ import msgspec
 
 from .._backends.select import make_backend
 from .._core.stats import PipelineStats
+from .._core.streams import derived_seed
 from .._pipeline.opening import plain_errors, running
 from .._pipeline.progress import showing_startup
 
@@ -123,12 +124,20 @@ async def _start_pools(
     rollout: FlowGraph,
     evaluation: FlowGraph | None,
 ) -> tuple[AsyncPipeline, AsyncPipeline | None]:
-    cfg = msgspec.structs.replace(config.pipeline, progress="off")  # the engine's own view covers the pools
+    seed = config.seed if config.pipeline.seed is None else config.pipeline.seed
+    # the engine's own view covers the pools
+    cfg = msgspec.structs.replace(config.pipeline, progress="off", seed=seed)
     pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec))
     if evaluation is None:
         return pipe, None
+    # its samples are numbered apart from the rollout's: streams of their own
     evaluating = await stack.enter_async_context(
-        running(evaluation, backend, cfg, lambda m, r: placement.spec(m, r, "-eval"))
+        running(
+            evaluation,
+            backend,
+            msgspec.structs.replace(cfg, seed=derived_seed(seed, "eval")),
+            lambda m, r: placement.spec(m, r, "-eval"),
+        )
     )
     return pipe, evaluating
 

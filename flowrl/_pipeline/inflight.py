@@ -28,7 +28,7 @@ class Turns:
 
 
 class SampleState:
-    __slots__ = ("cost", "done", "dropped", "loc", "loops", "node", "run")
+    __slots__ = ("cost", "done", "dropped", "loc", "loops", "node", "run", "waiting")
 
     def __init__(self, loc: dict[str, Loc], run: Run, cost: float) -> None:
         self.loc = loc
@@ -38,6 +38,7 @@ class SampleState:
         self.cost = cost  # its estimate (PipelineConfig.cost_field), else 0
         self.loops: dict[str, Turns] | None = None  # per loop it entered (None: none)
         self.dropped = ""  # the stage that dropped it (its retries spent); its other calls still end
+        self.waiting: set[str] = set()  # dropped: the stages whose calls of it are still to end
 
     def turns(self, loop: str) -> Turns:
         if self.loops is None:

@@ -118,6 +118,8 @@ class Ledger:
             updates=self.updates(stage),
             in_loop=stage in self._graph.loop_of,
             loop=self.loop_call(stage, ids),
+            seed=self._config.seed or 0,
+            turns=self.turns_of(stage, ids),
         )
 
     def _segments(self, spec: LoopSpec, turns: list[Turns]) -> dict[str, list[list[int]]]:
@@ -240,7 +242,8 @@ class Ledger:
                 raise FlowError(f"internal: stage {stage!r} processed sample {sid} twice")
             state.done.add(stage)
             if state.dropped:  # a call that was under way when the sample was dropped: nothing follows
-                if not self._pending(state, but=state.dropped):
+                state.waiting.discard(stage)
+                if not state.waiting:
                     out.dropped.append((sid, self._forget(sid)))
                 continue
             state.loc[stage] = (out_ref, row)
@@ -292,21 +295,28 @@ class Ledger:
             if name != but and name not in state.done and all(i == SOURCE or i in state.done for i in spec.inputs)
         ]
 
-    def drop(self, stage: str, ids: list[int]) -> tuple[list[str], list[tuple[int, SampleState]]]:
-        """Samples ``ids`` failed on ``stage`` for good: the stages that expected them and will
-        now never see them (once per sample), and those with no call left (now out of the
-        ledger). One still queued or running elsewhere (a parallel branch) leaves once that
-        call ends, and its output goes nowhere."""
+    def drop(self, stage: str, ids: list[int]) -> tuple[list[int], list[str], list[tuple[int, SampleState]]]:
+        """Samples ``ids`` failed on ``stage`` for good: those dropped now (not on another
+        branch before), the stages that expected them and will now never see them (once per
+        sample), and the samples with no call left (now out of the ledger). One still queued or
+        running elsewhere (a parallel branch) leaves once that call ends, its output unused."""
+        fresh: list[int] = []
         unseen: list[str] = []
         gone: list[tuple[int, SampleState]] = []
         for sid in ids:
             state = self.samples[sid]
-            state.dropped = stage
-            pending = self._pending(state, but=stage)
-            unseen += [n for n in self._graph.stages if n != stage and n not in state.done and n not in pending]
-            if not pending:
+            if state.dropped:  # dropped on another branch already: this call was one it waited for
+                state.waiting.discard(stage)
+            else:
+                fresh.append(sid)
+                state.dropped = stage
+                state.waiting = set(self._pending(state, but=stage))
+                unseen += [
+                    n for n in self._graph.stages if n != stage and n not in state.done and n not in state.waiting
+                ]
+            if not state.waiting:
                 gone.append((sid, self._forget(sid)))
-        return unseen, gone
+        return fresh, unseen, gone
 
     def _forget(self, sid: int) -> SampleState:
         if self.retries:  # its retry counts go too: ids are reused after a resume

@@ -202,6 +202,8 @@ class AsyncPipeline:
         if self._ledger.samples or self._runs.running():
             raise PipelineClosedError("a pipeline can only be renumbered while no run is in progress")
         self._ledger.renumber(next_id)
+        for pool in self._pools.values():
+            pool.scheduler.forget_suspects()  # ids are used again
         self._runs.count = next_run
 
     def numbering(self) -> tuple[int, int]:

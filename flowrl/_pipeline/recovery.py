@@ -111,9 +111,10 @@ class Recovery:
             raise InputLostError(f"{err}; {note}") from err
         if self._graph.models[handle.model].config.on_spent == "fail":
             raise ReplicaDiedError(f"{err.message}; {note}", a.stage, handle.replica_id, a.ids) from err
+        turns = dict(zip(spent, self._ledger.turns_of(a.stage, spent) or [0] * len(spent), strict=True))
+        fresh, unseen, gone = self._ledger.drop(a.stage, spent)
         reason = f"{err.message} (retried {budget} times)"
-        self._recorder.dropped(a.stage, spent, self._ledger.turns_of(a.stage, spent), reason)
-        unseen, gone = self._ledger.drop(a.stage, spent)
+        self._recorder.dropped(a.stage, fresh, [turns[sid] for sid in fresh], reason)
         for stage in unseen:  # a stage that waits for samples on their way must not wait for these
             pool = self._pools[self._graph.stages[stage].model]
             pool.scheduler.expect(stage, -1)

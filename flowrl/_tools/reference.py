@@ -62,6 +62,8 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "local_channels": "Ray: replicas on the driver's node get shards over a Unix socket, not actor calls",
         "max_retries": "times a sample may be sent to a stage again after its replica died (or its input was "
         "lost with a node); 0 fails the run at once",
+        "seed": "what each sample's random streams derive from (`Batch.seeds`, `Batch.generators`); "
+        "default: an engine's `RunConfig.seed`, else 0 (reproducibility.md)",
         "trace_spans": "how many of the latest shard spans the pipeline keeps for its timeline; 0: none",
         "progress": "`auto` (a live table while a stream runs, on a terminal; else a log line per run), "
         "`live`, `log` or `off` (YAML's bare `off`/`on` read as false/true mean `off`/`live`); an "

@@ -9,7 +9,9 @@ and per-sample advantages are ``[n]``.
   (PPO), :func:`expand_to_tokens`;
 - losses: :func:`policy_loss` (PPO clip, clip-higher, dual clip), :func:`kl_loss`,
   :func:`value_loss`, :func:`kl_estimate`, :func:`entropy_from_logits`, all reduced by
-  :func:`aggregate`.
+  :func:`aggregate`;
+- sampling: :func:`sample_rows` (a token per row, each row from its sample's own generator,
+  ``Batch.generators``).
 
 The reductions take the token and sequence counts of the whole global batch as arguments: a
 trainer that sums the losses of its micro-batches, and the gradients over its data-parallel
@@ -38,6 +40,7 @@ from .losses import (
     policy_loss,
     value_loss,
 )
+from .sampling import sample_rows
 
 __all__ = [
     "Aggregation",
@@ -54,6 +57,7 @@ __all__ = [
     "policy_loss",
     "reinforce_advantages",
     "rloo_advantages",
+    "sample_rows",
     "token_rewards",
     "value_loss",
 ]

@@ -423,3 +423,39 @@ def test_a_dropped_sample_is_no_longer_expected_nor_waited_for():
     assert s.poll() == [] and s.pending == 0
     q = s._stages[STAGE]
     assert q.remaining == 0 and q.coming == 0  # the stage no longer counts on the dropped sample
+
+
+def test_a_dropped_sample_is_no_suspect_and_a_resume_forgets_them_all():
+    s = make(replicas=1, policy="greedy", batch=4, expected=4)
+    s.ready(STAGE, [0, 1, 2, 3])
+    s.request(0)
+    (a,) = s.poll()
+    s.give_back(a, [0.0] * 4)  # the call hung: every sample a suspect
+    s.request(0)
+    (b,) = s.poll()
+    assert len(b.ids) == 1
+    s.give_back(b, [], dropped=b.ids)  # hung again: dropped
+    assert b.ids[0] not in s._stages[STAGE].suspects
+    s.forget_suspects()  # ids start again (a resume): the others are cut together
+    s.request(0)
+    (c,) = s.poll()
+    assert sorted(c.ids) == sorted(set(a.ids) - set(b.ids))
+
+
+def test_a_suspect_goes_to_an_idle_replica_and_nothing_queues_behind_it():
+    s = make(replicas=2, policy="greedy", batch=4, prefetch=2, expected=8)
+    s.ready(STAGE, list(range(8)))
+    s.request(0)
+    (a,) = s.poll()
+    s.give_back(a, [0.0] * len(a.ids))  # suspects now
+    s.request(0)
+    s.request(0)
+    s.request(1)
+    got = s.poll()
+    # each idle replica takes one suspect, alone; replica 0's second slot gets nothing behind it
+    assert sorted(x.replica for x in got) == [0, 1]
+    assert all(len(x.ids) == 1 and x.ids[0] in a.ids for x in got)
+    s.finish(next(x for x in got if x.replica == 1))
+    s.request(1)
+    (more,) = s.poll()  # replica 1 idle again: the next suspect; replica 0 still runs its own
+    assert more.replica == 1 and len(more.ids) == 1
