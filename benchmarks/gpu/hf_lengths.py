@@ -137,11 +137,13 @@ class LengthPolicy(hf.HFPolicy):
         inner: Callable[..., torch.Tensor] = module.generate
         eos = int(self.tokenizer.eos_token_id)
 
-        # HFPolicy takes no logits processor: wrap the network's generate, which it calls once
-        # per step with the left-padded prompts (the width the steps count from)
+        # HFPolicy takes no logits processor of ours: wrap the network's generate, which it calls
+        # once per step with the left-padded prompts (the width the steps count from); the
+        # forcing comes after the policy's own processors (its per-row sampling)
         def generate(*a: Any, **kw: Any) -> torch.Tensor:
             width = int(kw["input_ids"].shape[1])
-            forcing = LogitsProcessorList([EndAt(self.due, width, eos, self.stop_ids)])
+            own = list(kw.pop("logits_processor", None) or [])
+            forcing = LogitsProcessorList([*own, EndAt(self.due, width, eos, self.stop_ids)])
             out = inner(*a, logits_processor=forcing, **kw)
             self.last_steps = int(out.shape[1]) - width
             return out

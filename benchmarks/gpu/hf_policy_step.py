@@ -32,7 +32,7 @@ def timed(arch: str, tokenizer: str, batch: int, new: int, threads: int | None) 
     torch.cuda.synchronize()
     t = time.perf_counter()
     prompts = [policy.encode(p) for p in b["prompt"]]
-    policy.generate(prompts, policy.sampling)
+    policy.generate(prompts, policy.sampling, b)
     torch.cuda.synchronize()
     gen = time.perf_counter() - t
     t = time.perf_counter()

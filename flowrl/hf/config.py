@@ -75,8 +75,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     end a response besides the tokenizer's eos. ``chat_template``: render prompts with the
     tokenizer's chat template (None: when it has one); ``system_prompt`` goes first then.
     ``max_prompt_tokens``: a longer prompt is an error naming the sample (None: the model's
-    context less ``max_new_tokens``). ``seed``: replica ``i`` samples from a torch generator
-    seeded with ``(seed, i)``, so replicas never draw the same numbers. ``max_response_tokens``:
+    context less ``max_new_tokens``). ``seed``: moves every sample's random stream (which
+    derives from the run's seed, the stage, the sample and its turn: the same tokens on any
+    replica and in any shard; reproducibility.md). ``max_response_tokens``:
     a partial rollout's whole response (``HFPolicy.continue_step``, which writes at most
     ``max_new_tokens`` a call; None: ``max_new_tokens``, one call)."""
 

@@ -23,6 +23,7 @@ from .._core.errors import ConfigError
 from .._core.model import Model, step
 from .config import LM, Sampling
 from .loading import Head, checked_paths, context_length, load_module, load_tokenizer, shape_of
+from .sampling import RowSampler, seeded
 from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logprobs, token_micro_batches
 
 if TYPE_CHECKING:
@@ -132,8 +133,6 @@ class HFPolicy(HFModel):
                 f"model {self.name!r}: Sampling.max_new_tokens={s.max_new_tokens} leaves no room for a "
                 f"prompt in the model's context of {context} tokens"
             )
-        # generate() samples from torch's default generator: each replica seeds its own stream
-        torch.manual_seed(hash((s.seed, self.replica_id or 0)) & 0xFFFF_FFFF)
         self.use_template = s.chat_template if s.chat_template is not None else bool(tok.chat_template)
         if self.use_template and not tok.chat_template:
             raise ConfigError(f"model {self.name!r}: Sampling.chat_template=True, but the tokenizer has no template")
@@ -196,7 +195,7 @@ class HFPolicy(HFModel):
 
     def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:
         prompts = self.prompts(batch, self.max_prompt, "max_new_tokens")
-        responses, reasons = cut_at_stop(self.generate(prompts, sampling), self.stop_ids)
+        responses, reasons = cut_at_stop(self.generate(prompts, sampling, batch), self.stop_ids)
         temperature = sampling.temperature or 1.0  # greedy: the log-probs of the model itself
         return {
             "prompt_ids": prompts,
@@ -226,7 +225,7 @@ class HFPolicy(HFModel):
         budget = min(s.max_new_tokens, max(1, total - min(len(r) for r in done)))
         step = msgspec.structs.replace(s, max_new_tokens=budget)
         prefixes = [torch.cat([p, r]) for p, r in zip(prompts, done, strict=True)]
-        new, reasons = cut_at_stop(self.generate(prefixes, step), self.stop_ids)
+        new, reasons = cut_at_stop(self.generate(prefixes, step, batch), self.stop_ids)
         room = [max(0, total - len(r)) for r in done]  # never past the total: a cut row ends by length
         reasons = [why if len(n) <= k else "length" for why, n, k in zip(reasons, new, room, strict=True)]
         new = [n[:k] for n, k in zip(new, room, strict=True)]
@@ -252,24 +251,31 @@ class HFPolicy(HFModel):
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
         }
 
-    def generate(self, prompts: list[torch.Tensor], s: Sampling) -> torch.Tensor:
-        """Generated tokens ``[n, R]``, KV-cached; rows that stopped early are padded."""
-        from transformers import GenerationConfig
+    def generate(self, prompts: list[torch.Tensor], s: Sampling, batch: Batch) -> torch.Tensor:
+        """Generated tokens ``[n, R]``, KV-cached; rows that stopped early are padded. Each
+        row samples from its sample's own stream (``batch.generators``, moved by
+        ``Sampling.seed``): the same tokens on any replica, in any shard."""
+        from transformers import GenerationConfig, LogitsProcessorList
 
         pad = int(self.tokenizer.pad_token_id)
         ids, mask = left_pad(prompts, pad)
-        greedy = s.temperature == 0
         config = GenerationConfig(  # type: ignore[no-untyped-call]
-            do_sample=not greedy,
-            temperature=None if greedy else s.temperature,
-            top_p=None if greedy else s.top_p,
-            top_k=None if greedy or not s.top_k else s.top_k,
+            do_sample=False,  # greedy over the rows' Gumbel-perturbed logits: a draw per row
+            temperature=None,
+            top_p=None,
+            top_k=None,
             max_new_tokens=s.max_new_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=pad,
         )
+        rows = [] if s.temperature == 0 else [RowSampler(s, seeded(batch.generators(self.device), s.seed))]
         generate: Any = self.module.generate
-        out = generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config)
+        out = generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList(rows),
+        )
         tokens: torch.Tensor = out[:, ids.shape[1] :].cpu()
         return tokens
 
