@@ -71,6 +71,7 @@ def test_an_episode_s_scalars_are_its_stats_by_name():
         "time/wait_s": 1.5,
         "episode/samples": 8.0,
         "episode/dropped": 1.0,
+        "episode/failed": 0.0,
         "episode/regenerated": 0.0,
         "episode/episodes_per_s": 0.25,
         "staleness/policy/mean": 0.5,  # (6 x 0 + 2 x 2) / 8
