@@ -67,14 +67,11 @@ def main() -> int:
         for i, layout in enumerate(LAYOUTS):
             results.append(run(layout, args.episodes, Path(tmp, str(i))))
     (first, weights) = results[0]
-    print(
-        "| layout (policy replicas x shard, reference/value replicas x shard) | rewards equal | weights equal | last 3 |"
-    )
+    print("| layout (policy, reference/value: replicas x shard) | rewards equal | weights equal | last 3 |")
     print("| --- | --- | --- | --- |")
     for (pr, pb, rr, rb), (curve, digest) in zip(LAYOUTS, results, strict=True):
-        print(
-            f"| {pr} x {pb}, {rr} x {rb} | {curve == first} | {digest == weights} ({digest}) | {sum(curve[-3:]) / 3:.4f} |"
-        )
+        same = f"{digest == weights} ({digest})"
+        print(f"| {pr} x {pb}, {rr} x {rb} | {curve == first} | {same} | {sum(curve[-3:]) / 3:.4f} |")
     return 0
 
 
