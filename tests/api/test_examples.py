@@ -38,3 +38,16 @@ def test_grpo_tiny_raises_the_reward(example):
 def test_fanout_example_passes_its_own_checks(example):
     fanout = example("fanout_utilization")
     assert fanout.main(["--inprocess"]) == 0
+
+
+def test_the_tiny_examples_give_the_same_reward_curve_on_ray_and_in_process(ray_cluster, example):
+    """Each sample draws from its own stream (issue 24): the layout (Ray with the trainer on 2
+    ranks, or in process on 1) and the timing do not change what a seed gives."""
+    ppo, grpo = example("ppo_tiny"), example("grpo_tiny")
+    in_process = ppo.reward_curve(ppo.make_engine(episodes=3, backend="inprocess", trainer_ranks=1).learn())
+    on_ray = ppo.reward_curve(ppo.make_engine(episodes=3, backend="ray", trainer_ranks=2).learn())
+    assert on_ray == in_process
+    other_seed = ppo.reward_curve(ppo.make_engine(episodes=3, backend="inprocess", trainer_ranks=1, seed=1).learn())
+    assert other_seed != in_process
+    curves = [grpo.reward_curve(grpo.make_engine(episodes=3, backend=b).learn()) for b in ("inprocess", "ray")]
+    assert curves[0] == curves[1]
