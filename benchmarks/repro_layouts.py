@@ -1,8 +1,8 @@
 """Reproducibility across layouts (issue 24; docs/reproducibility.md): ``examples/ppo_tiny.py``'s
 six models with seed 0, in process, with several replica counts and shard sizes of the rollout's
 models. Prints, per layout, whether the 30 episodes' mean rewards equal the first layout's as
-floats, and whether the policy weights after the last episode (the synced weights in the last
-checkpoint) are bitwise equal.
+floats, and whether the trainers' models after the last episode (the last checkpoint's
+``*.model.msgpack`` files: the policy and value trainers) are bitwise equal.
 
     python benchmarks/repro_layouts.py            # about 1-2 min on 2 cores
 """
@@ -18,43 +18,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import ppo_tiny  # noqa: E402
-from ppo_tiny import Policy, PPOPolicy, PPOValue, Reference, Reward, Value  # noqa: E402
-
-import flowrl  # noqa: E402
 
 # (policy replicas, policy shard, reference/value replicas, their shard)
 LAYOUTS = [(2, 16, 1, 32), (3, 5, 3, 7), (1, 64, 2, 8)]
 
 
 def run(layout: tuple[int, int, int, int], episodes: int, folder: Path) -> tuple[list[float], str]:
-    pr, pb, rr, rb = layout
-    cpu = {"cpus_per_replica": 0.25}
-    config = flowrl.RunConfig(
-        sample_per_episode=64,
-        num_episode=episodes,
-        train_global_batch_size=32,
-        train_micro_batch_size=16,
-        num_training_epoch=4,
-        shuffle=True,
+    engine = ppo_tiny.make_engine(
+        episodes,
+        "inprocess",
+        1,
         seed=0,
+        rollout=layout,
         checkpoint_dir=str(folder),
         checkpoint_every=episodes,
         progress="off",
-        pipeline=flowrl.PipelineConfig(backend="inprocess"),
     )
-    engine = flowrl.RLHFEngine(
-        Policy("policy", {"num_replicas": pr, "batch_size": pb, **cpu}),
-        Reference("reference", {"num_replicas": rr, "batch_size": rb, **cpu}),
-        Reward("reward", {"num_replicas": 2, "batch_size": 16, **cpu}),
-        Value("value", {"num_replicas": rr, "batch_size": rb, **cpu}),
-        PPOPolicy("ppo_policy", {"num_replicas": 1, **cpu}),
-        PPOValue("ppo_value", {"num_replicas": 1, **cpu}),
-        config,
-    )
-    engine.set_dataset(ppo_tiny.dataset())
     curve = ppo_tiny.reward_curve(engine.learn())
     last = sorted(folder.glob("episode-*"))[-1]
-    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sorted(last.glob("*synced*")))).hexdigest()[:16]
+    files = sorted(last.glob("*.model.msgpack"))  # each trainer's model as saved
+    if not files:
+        raise SystemExit(f"no trainer model files in {last}")
+    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
     return curve, digest
 
 

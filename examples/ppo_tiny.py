@@ -196,8 +196,16 @@ def on_gpu(backend: str) -> bool:
 
 
 def make_engine(
-    episodes: int, backend: str = "ray", trainer_ranks: int = 2, loggers: list[Any] | None = None, seed: int = 0
+    episodes: int,
+    backend: str = "ray",
+    trainer_ranks: int = 2,
+    loggers: list[Any] | None = None,
+    seed: int = 0,
+    rollout: tuple[int, int, int, int] = (2, 16, 1, 32),
+    **extra: Any,
 ) -> flowrl.RLHFEngine:
+    """``rollout``: (policy replicas, their shard size, reference and value replicas, theirs);
+    ``extra``: more ``RunConfig`` keys."""
     cpu = {"cpus_per_replica": 0.25}
     gpu = {**cpu, "gpus_per_replica": 0.1} if on_gpu(backend) else cpu
     config = flowrl.RunConfig(
@@ -210,12 +218,14 @@ def make_engine(
         seed=seed,  # the prompts' order and every sample's random stream
         loggers=loggers or [],
         pipeline=flowrl.PipelineConfig(backend=backend),
+        **extra,
     )
+    policy, policy_batch, scorers, scorer_batch = rollout
     engine = flowrl.RLHFEngine(
-        Policy("policy", {"num_replicas": 2, "batch_size": 16, **gpu}),
-        Reference("reference", {"num_replicas": 1, "batch_size": 32, **gpu}),
+        Policy("policy", {"num_replicas": policy, "batch_size": policy_batch, **gpu}),
+        Reference("reference", {"num_replicas": scorers, "batch_size": scorer_batch, **gpu}),
         Reward("reward", {"num_replicas": 2, "batch_size": 16, **cpu}),
-        Value("value", {"num_replicas": 1, "batch_size": 32, **gpu}),
+        Value("value", {"num_replicas": scorers, "batch_size": scorer_batch, **gpu}),
         PPOPolicy("ppo_policy", {"num_replicas": trainer_ranks, **gpu}),
         PPOValue("ppo_value", {"num_replicas": 1, **gpu}),
         config,
