@@ -51,11 +51,20 @@ class GRPOPolicy(Trainer):
 
 
 def make_engine(
-    episodes: int, backend: str = "ray", group: int = 4, loggers: list[Any] | None = None, seed: int = 0
+    episodes: int,
+    backend: str = "ray",
+    group: int = 4,
+    loggers: list[Any] | None = None,
+    seed: int = 0,
+    rollout_layout: tuple[int, int, int, int] = (2, 16, 1, 32),
+    **extra: Any,
 ) -> flowrl.Engine:
+    """``rollout_layout``: (policy replicas, their shard size, reference replicas, theirs);
+    ``extra``: more ``RunConfig`` keys."""
     cpu = {"cpus_per_replica": 0.25}
-    policy = Policy("policy", {"num_replicas": 2, "batch_size": 16, **cpu})
-    reference = Reference("reference", {"num_replicas": 1, "batch_size": 32, **cpu})
+    policies, policy_batch, references, reference_batch = rollout_layout
+    policy = Policy("policy", {"num_replicas": policies, "batch_size": policy_batch, **cpu})
+    reference = Reference("reference", {"num_replicas": references, "batch_size": reference_batch, **cpu})
     reward = Reward("reward", {"num_replicas": 2, "batch_size": 16, **cpu})
     trainer = GRPOPolicy("grpo_policy", {"num_replicas": 2 if backend == "ray" else 1, **cpu})
 
@@ -63,7 +72,7 @@ def make_engine(
         out = policy.forward_step(prompts)
         return reward.forward_step(out, reference.forward_step(out))
 
-    config = run_config(episodes, backend, group, loggers=loggers or [], seed=seed)
+    config = run_config(episodes, backend, group, loggers=loggers or [], seed=seed, **extra)
     engine = flowrl.Engine(rollout=rollout, train=[trainer], sync=[(trainer, policy)], config=config)
     engine.set_dataset([{"prompt": p} for p in range(VOCAB)] * 16)
     return engine

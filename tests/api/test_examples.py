@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,14 +41,34 @@ def test_fanout_example_passes_its_own_checks(example):
     assert fanout.main(["--inprocess"]) == 0
 
 
-def test_the_tiny_examples_give_the_same_reward_curve_on_ray_and_in_process(ray_cluster, example):
-    """Each sample draws from its own stream (issue 24): the layout (Ray with the trainer on 2
-    ranks, or in process on 1) and the timing do not change what a seed gives."""
+def trained(engine: Any, curve: Any, folder: Path) -> tuple[list[float], dict[str, bytes]]:
+    """The reward curve, and each trainer's model as the last checkpoint saved it."""
+    rewards = curve(engine.learn())
+    last = sorted(folder.glob("episode-*"))[-1]
+    return rewards, {p.name: p.read_bytes() for p in sorted(last.glob("*.model.msgpack"))}
+
+
+def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluster, example, tmp_path):
+    """Each sample draws from its own stream (issue 24): the replica layout, the backend, the
+    trainer's rank count and the timing do not change what a seed trains."""
     ppo, grpo = example("ppo_tiny"), example("grpo_tiny")
-    in_process = ppo.reward_curve(ppo.make_engine(episodes=3, backend="inprocess", trainer_ranks=1).learn())
-    on_ray = ppo.reward_curve(ppo.make_engine(episodes=3, backend="ray", trainer_ranks=2).learn())
-    assert on_ray == in_process
-    other_seed = ppo.reward_curve(ppo.make_engine(episodes=3, backend="inprocess", trainer_ranks=1, seed=1).learn())
-    assert other_seed != in_process
-    curves = [grpo.reward_curve(grpo.make_engine(episodes=3, backend=b).learn()) for b in ("inprocess", "ray")]
-    assert curves[0] == curves[1]
+    runs = []
+    for i, (backend, ranks, layout) in enumerate(
+        [("inprocess", 1, (2, 16, 1, 32)), ("ray", 2, (3, 5, 3, 7)), ("ray", 1, (2, 4, 3, 3))]
+    ):
+        folder = tmp_path / f"ppo-{i}"
+        engine = ppo.make_engine(
+            3, backend, ranks, rollout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
+        )
+        runs.append(trained(engine, ppo.reward_curve, folder))
+    assert runs[0][1] and runs[1] == runs[0] and runs[2] == runs[0]
+    other = ppo.make_engine(3, "inprocess", 1, seed=1).learn()
+    assert ppo.reward_curve(other) != runs[0][0]
+    grpo_runs = []
+    for backend, layout in [("inprocess", (2, 16, 1, 32)), ("ray", (3, 5, 2, 7))]:
+        folder = tmp_path / f"grpo-{backend}"
+        engine = grpo.make_engine(
+            3, backend, rollout_layout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
+        )
+        grpo_runs.append(trained(engine, grpo.reward_curve, folder))
+    assert grpo_runs[0][1] and grpo_runs[1] == grpo_runs[0]
