@@ -53,15 +53,13 @@ def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluste
     trainer's rank count and the timing do not change what a seed trains."""
     ppo, grpo = example("ppo_tiny"), example("grpo_tiny")
     runs = []
-    for i, (backend, ranks, layout) in enumerate(
-        [("inprocess", 1, (2, 16, 1, 32)), ("ray", 2, (3, 5, 3, 7)), ("ray", 1, (2, 4, 3, 3))]
-    ):
+    for i, (backend, ranks, layout) in enumerate([("inprocess", 1, (2, 16, 1, 32)), ("ray", 2, (3, 5, 3, 7))]):
         folder = tmp_path / f"ppo-{i}"
         engine = ppo.make_engine(
             3, backend, ranks, rollout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
         )
         runs.append(trained(engine, ppo.reward_curve, folder))
-    assert runs[0][1] and runs[1] == runs[0] and runs[2] == runs[0]
+    assert runs[0][1] and runs[1] == runs[0]
     other = ppo.make_engine(3, "inprocess", 1, seed=1).learn()
     assert ppo.reward_curve(other) != runs[0][0]
     grpo_runs = []
