@@ -140,11 +140,11 @@ class StatsRecorder:
     def retried(self, stage: str, samples: int) -> None:
         self._retried[stage] += samples
 
-    def dropped(self, stage: str, samples: list[int], turns: list[int] | None, reason: str) -> None:
+    def dropped(self, stage: str, samples: list[int], turns: list[int], reason: str) -> None:
         """``samples`` were dropped on ``stage`` (their retries spent), in these turns of its loop."""
         self._dropped_at[stage] += len(samples)
-        for i, sid in enumerate(samples):
-            self._dropped.append(DroppedSample(sample=sid, stage=stage, turn=turns[i] if turns else 0, reason=reason))
+        for sid, turn in zip(samples, turns, strict=True):
+            self._dropped.append(DroppedSample(sample=sid, stage=stage, turn=turn, reason=reason))
 
     def record(self, stage: str, replica: int, meta: CallMeta, latency_s: float) -> None:
         cell = self._cells[(stage, replica)]

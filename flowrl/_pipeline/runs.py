@@ -171,16 +171,20 @@ class Runs:
         run.recv.close()
         self._window.release(dropped)
 
-    def finished(self, samples: list[tuple[int, SampleState]]) -> None:
-        """Samples every stage has done go to their run's consumer (or free their room)."""
+    def finished(self, samples: list[tuple[int, SampleState]], dropped: bool = False) -> None:
+        """Samples every stage has done go to their run's consumer (or free their room).
+        ``dropped``: samples dropped once their retries were spent; their run counts them as
+        finished and delivers nothing in their place."""
         producers: dict[Run, tuple[str, ...]] = {}  # per run: the producers it returns fields of
         for sid, state in samples:
             run = state.run
             run.finished += 1
             if run not in producers:
-                producers[run] = self._ledger.output_producers(run.fields)
+                producers[run] = () if dropped else self._ledger.output_producers(run.fields)
             if run.abandoned:
                 self._window.release(1)
+            elif dropped:
+                run.send.send_nowait((sid, None))
             else:
                 run.states[sid] = state  # until delivered: an output lost meanwhile is computed again
                 run.send.send_nowait((sid, {p: state.loc[p] for p in producers[run]}))
@@ -188,19 +192,7 @@ class Runs:
             run.maybe_close()
 
     def dropped(self, samples: list[tuple[int, SampleState]]) -> None:
-        """Samples dropped once their retries were spent: their run counts them as finished and
-        delivers nothing in their place."""
-        runs = set()
-        for sid, state in samples:
-            run = state.run
-            run.finished += 1
-            runs.add(run)
-            if run.abandoned:
-                self._window.release(1)
-            else:
-                run.send.send_nowait((sid, None))
-        for run in runs:
-            run.maybe_close()
+        self.finished(samples, dropped=True)
 
     # ---- delivery: finished samples -> Sample objects, in order ----
     async def deliver(self, run: Run) -> AsyncIterator[Sample]:
