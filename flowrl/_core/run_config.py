@@ -118,6 +118,14 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     epochs (checkpoints keep it), and each later rollout starts the longest predicted samples
     first and groups samples of similar predicted length in a shard. None: nothing remembered
     (an ``Engine(predict_cost=...)`` hook may still predict).
+
+    Reproducibility (docs/reproducibility.md): ``deterministic`` turns on torch's deterministic
+    algorithms in every replica and trainer and cuts every shard as a fixed block of sample ids
+    (``PipelineConfig.deterministic``), so a sample's numbers do not depend on which samples
+    shared its forward pass. ``record_schedule``: a file the engine writes, per episode, the
+    weight version each rollout sample was generated with (what timing decides in asynchronous
+    training); ``replay_schedule``: such a file, read back so that every sample is generated
+    with the version it had in the recorded run.
     """
 
     sample_per_episode: int
@@ -141,6 +149,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     on_stale: str = "wait"
     stale_segment: str = "oldest"
     length_field: str | None = None
+    deterministic: bool = False
+    record_schedule: str | None = None
+    replay_schedule: str | None = None
     run_dir: str | None = None
     progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
     loggers: list[str | LoggerConfig] = msgspec.field(default_factory=list)  # each a LoggerConfig after __post_init__
@@ -170,7 +181,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             max_staleness=self.max_staleness,
             seed=self.seed,  # numpy's generators take no negative seed: refused here, not at the first shuffle
         )
-        for key in ("run_dir", "checkpoint_dir", "resume"):
+        for key in ("run_dir", "checkpoint_dir", "resume", "record_schedule", "replay_schedule"):
             path = getattr(self, key)
             if isinstance(path, str) and "\x00" in path:  # the OS refuses it, with a bare ValueError, only later
                 raise ConfigError(f"RunConfig.{key} is a path and cannot hold a NUL character (\\x00), got {path!r}")
