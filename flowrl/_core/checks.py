@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterable, Iterable, Mapping, Sized
-from numbers import Real
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,26 @@ def item_costs(value: object, items: object, where: str) -> list[float] | None:
     if bad:
         raise ConfigError(f"{where}: costs must be finite numbers >= 0, got {', '.join(f'[{i}]={c}' for i, c in bad)}")
     return costs
+
+
+def item_ids(value: object, items: object, where: str) -> list[int] | None:
+    """``value`` as one distinct sample id >= 0 per item of ``items`` (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{where}: expected a list of ints, one per item, got {_kind(value)}")
+    if not isinstance(items, Sized):
+        raise ConfigError(f"{where}: ids need items with a length (a list), got {_kind(items)}")
+    ids = list(value)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, Integral) or i < 0][:3]
+    if bad:
+        raise ConfigError(f"{where}: ids must be ints >= 0, got {bad}")
+    if len(ids) != len(items):
+        raise ConfigError(f"{where}: expected one id per item ({len(items)}), got {len(ids)}")
+    if len(set(ids)) != len(ids):
+        repeated = sorted({i for i in ids if ids.count(i) > 1})[:3]
+        raise ConfigError(f"{where}: ids must be distinct; {repeated} repeat")
+    return [int(i) for i in ids]
 
 
 def file_path(value: object, where: str) -> Path:

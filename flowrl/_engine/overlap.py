@@ -22,6 +22,7 @@ from .._core.errors import FlowDefinitionError, FlowError
 from .._core.staleness import lags, rollout_needs, staleness_field, too_stale, train_version
 from .._core.trace import ENGINE
 from .._pipeline.opening import plain_errors
+from .schedule import run_record
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .._pipeline.pipeline import AsyncPipeline
     from .checkpoint_files import CheckpointFiles
     from .learning import LearningState
+    from .schedule import Replay, ScheduleLog
     from .weight_sync import Snapshots, WeightSync
 
 
@@ -98,8 +100,11 @@ class Overlap:
         weights: WeightSync,
         checkpoints: CheckpointFiles,
         timeline: Timeline,
+        record: ScheduleLog | None = None,
+        replay: Replay | None = None,
     ) -> None:
         self.config = config
+        self.record, self.replay = record, replay
         self.enabled = overlapped(config)
         self.learning = learning
         self.rollout = rollout
@@ -117,11 +122,27 @@ class Overlap:
         items = self.learning.draw(episode, first)
         costs = self.learning.estimates(episode, items)
         started = time.perf_counter()
-        samples = await pipe.run(items, costs=costs)
+        samples = await self._run(episode, 0, items, costs)
         ended = time.perf_counter()
         rows = [s.id - first for s in samples]  # ids follow the items; a dropped one leaves a gap
         self.learning.remember(episode, samples, rows)
+        if self.record is not None and self.config.on_stale == "wait":  # else once _refresh is done
+            self.record.done(episode)
         return Rollout(episode, samples, rows, started, ended, failed=len(items) - len(samples)), items
+
+    async def _run(
+        self, episode: int, index: int, items: list[dict[str, Any]], costs: list[float] | None
+    ) -> list[Sample]:
+        """Run ``index`` of ``episode``'s rollout (the first, or the samples generated again),
+        as a replayed schedule says, and recorded where one is recorded."""
+        first = self.rollout.numbering()[0]
+        if self.replay is not None:
+            samples = await self.replay.run(self.rollout, episode, index, items, costs)
+        else:
+            samples = await self.rollout.run(items, costs=costs)
+        if self.record is not None:
+            self.record.ran(episode, run_record(first, len(items), samples, sorted(self.weights.versions)))
+        return samples
 
     async def run(self, target: int, train: Callable[[Rollout], Awaitable[None]]) -> None:
         """Roll out episodes up to ``target`` ahead of training, and ``train`` each in order."""
@@ -151,6 +172,8 @@ class Overlap:
                 rollout, items = await self.roll(e)
                 if slack:
                     await self._refresh(rollout, items)
+                    if self.record is not None:
+                        self.record.done(e)
                 await send.send(rollout)
 
     async def _refresh(self, rollout: Rollout, items: list[dict[str, Any]]) -> None:
@@ -171,7 +194,7 @@ class Overlap:
         pipe.resume_at(first, e)
         rows = [rollout.rows[i] for i in stale]
         redo = [items[r] for r in rows]
-        again = await pipe.run(redo, costs=self.learning.estimates(e, redo, rows))
+        again = await self._run(e, 1, redo, self.learning.estimates(e, redo, rows))
         pipe.resume_at(pipe.numbering()[0], e + 1)
         for sample in again:
             rollout.samples[stale[sample.id - first]] = sample

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .._core.model import Model
     from .._core.run_config import RunConfig
     from .deployment import Deployment
+    from .schedule import Replay
 
 Snapshots = list[tuple[str, Any]]  # (inference model, the weights it is to get)
 Deaths = list[tuple["ReplicaHandle", ReplicaDiedError]]  # replicas that died loading weights
@@ -38,6 +39,7 @@ class WeightSync:
         self.groups: dict[str, tuple[list[Any], Group]] = {}  # model -> (members, group) of its last broadcast
         self._first: dict[str, Any] = {}  # model -> its weights before the first sync (or the error reading them)
         self._keep_first = False
+        self.watch: Replay | None = None  # a replayed schedule: told of each sync, may hold it back
 
     @property
     def versions(self) -> dict[str, int]:
@@ -72,6 +74,8 @@ class WeightSync:
         # Every replica loads between two of its shards (one worker thread per replica), and
         # the version counts only once all hold it: the staleness gate reads it.
         deployment = self.deployment
+        if self.watch is not None:
+            await self.watch.before_send(name, version)
         try:
             async with deployment.members:  # no replica joins or leaves meanwhile
                 await self._deliver_all(name, version, weights)
@@ -80,6 +84,8 @@ class WeightSync:
             raise
         self._versions[name] = version
         self._sent[name] = weights
+        if self.watch is not None:
+            self.watch.sent(name, version)
 
     async def _deliver_all(self, name: str, version: int, weights: Any) -> None:
         """``weights`` to every live replica of ``name``. One that dies meanwhile is retired from

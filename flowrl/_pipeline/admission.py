@@ -112,10 +112,14 @@ class Admission:
                 )
         costs = self._read_costs(run, chunk)
         first = self._ledger.next_id
-        batch = Batch.from_items(list(range(first, first + len(chunk))), chunk, first_item=run.admitted)
+        if run.ids is None:
+            ids = list(range(first, first + len(chunk)))
+        else:
+            ids = run.ids[run.admitted : run.admitted + len(chunk)]
+        batch = Batch.from_items(ids, chunk, first_item=run.admitted)
         self._types.check(batch)
         self._ledger.note_fields(SOURCE, frozenset(batch.keys()))
-        ids = self._ledger.admit(run, len(chunk), self._store.put(batch), costs)
+        self._ledger.admit(run, ids, self._store.put(batch), costs)
         if not expected:
             self.expect(len(chunk))
         run.admitted += len(chunk)

@@ -53,6 +53,7 @@ class Run:
     def __init__(self, index: int, first_id: int, ordered: bool, limit: int, fields: frozenset[str] | None) -> None:
         self.index = index
         self.first_id = first_id
+        self.ids: list[int] | None = None  # the samples' ids when the caller chose them (``run(ids=...)``)
         self.ordered = ordered
         self.fields = fields  # None: every field of the flow's output
         self.costs: list[float] | None = None  # an estimate per item (``stream(costs=...)``)
@@ -67,6 +68,10 @@ class Run:
         self.started = time.perf_counter()
         self.active_closed = False
         self.stop_admission: Callable[[], None] = lambda: None
+
+    def id_at(self, position: int) -> int:
+        """The id of the run's ``position``-th item."""
+        return self.first_id + position if self.ids is None else self.ids[position]
 
     def maybe_close(self) -> None:
         if self.admission_done and self.finished == self.admitted:

@@ -62,15 +62,19 @@ class Ledger:
         self.next_id = next_id
         self.retries.clear()
 
-    def admit(self, run: Run, count: int, ref: Any, costs: list[float] | None) -> list[int]:
-        """Number ``count`` new samples, stored as the rows of input object ``ref``."""
-        ids = list(range(self.next_id, self.next_id + count))
-        self.next_id += count
+    def admit(self, run: Run, ids: list[int], ref: Any, costs: list[float] | None) -> None:
+        """Samples ``ids`` are new, stored as the rows of input object ``ref``."""
+        if run.ids is None:
+            self.next_id = ids[-1] + 1
+        elif any(sid in self.samples for sid in ids):
+            taken = [sid for sid in ids if sid in self.samples][:3]
+            raise FlowDefinitionError(
+                f"AsyncPipeline.run(ids=...): samples {taken} are still in flight in this pipeline"
+            )
         for row, sid in enumerate(ids):
             state = self.samples[sid] = SampleState({SOURCE: (ref, row)}, run, costs[row] if costs else 0.0)
             for spec in self._graph.loops_from.get(SOURCE, ()):
                 state.turns(spec.name)
-        return ids
 
     def costs(self, ids: list[int]) -> list[float] | None:
         # without estimates every cost is 0 and the stages take the oldest first, as with None

@@ -136,9 +136,10 @@ class AsyncPipeline:
         ordered: bool | None = None,
         fields: Iterable[str] | None = None,
         costs: Iterable[float] | None = None,
+        ids: Iterable[int] | None = None,
     ) -> list[Sample]:
         """Run every item through the flow; the finished samples, in input order by default."""
-        stream = self.stream(items, ordered=ordered, fields=fields, costs=costs)
+        stream = self.stream(items, ordered=ordered, fields=fields, costs=costs, ids=ids)
         try:
             return [s async for s in stream]
         finally:
@@ -151,6 +152,7 @@ class AsyncPipeline:
         ordered: bool | None = None,
         fields: Iterable[str] | None = None,
         costs: Iterable[float] | None = None,
+        ids: Iterable[int] | None = None,
     ) -> AsyncGenerator[Sample, None]:
         """Yield finished samples as the flow produces them (input order unless ``ordered=False``).
 
@@ -158,11 +160,15 @@ class AsyncPipeline:
         are fetched; everything else stays in the object store. ``costs``: an estimate of each
         item's cost (e.g. its response length last epoch), one per item: every stage takes the
         costliest pending samples first, and a shard holds samples of similar cost (as
-        ``PipelineConfig.cost_field``, which it replaces for this run).
+        ``PipelineConfig.cost_field``, which it replaces for this run). ``ids``: each item's
+        sample id (distinct, none in flight), in place of numbering on from the last run: a
+        sample's random streams follow its id, so a run of some items again under their old ids
+        draws what they drew (an engine replaying a recorded schedule does so).
         """
         wanted = checks.field_names(fields, "AsyncPipeline.stream(fields=...)")
         estimates = checks.item_costs(costs, items, "AsyncPipeline.stream(costs=...)")
-        run = await self._runs.begin(ordered, wanted, items, estimates)
+        chosen = checks.item_ids(ids, items, "AsyncPipeline.stream(ids=...)")
+        run = await self._runs.begin(ordered, wanted, items, estimates, chosen)
         view = self._show(run)
         try:
             async for sample in self._runs.deliver(run):

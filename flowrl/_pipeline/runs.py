@@ -120,9 +120,15 @@ class Runs:
         return 0.0 if run is None or run.active_closed else time.perf_counter() - run.started
 
     async def begin(
-        self, ordered: bool | None, fields: frozenset[str] | None, items: Any, costs: list[float] | None = None
+        self,
+        ordered: bool | None,
+        fields: frozenset[str] | None,
+        items: Any,
+        costs: list[float] | None = None,
+        ids: list[int] | None = None,
     ) -> Run:
-        """Start a run over ``items`` (superseding one left unfinished); admission starts too."""
+        """Start a run over ``items`` (superseding one left unfinished); admission starts too.
+        ``ids``: the samples' ids, one per item (default: numbered on from the last run's)."""
         item_source(items, "AsyncPipeline.run/stream(items=...)")  # not once admission has started
         async with self._begin_lock:
             self._supervisor.raise_if_failed()
@@ -135,7 +141,7 @@ class Runs:
                 self._supervisor.raise_if_failed()
             ordered = self._config.ordered if ordered is None else ordered
             run = Run(self.count, self._ledger.next_id, ordered, self._window.limit, fields)
-            run.costs = costs
+            run.costs, run.ids = costs, ids
             self.count += 1
             self.current = run
         self._supervisor.start_soon(self._admission.admit, run, items)
@@ -198,7 +204,7 @@ class Runs:
     async def deliver(self, run: Run) -> AsyncIterator[Sample]:
         cache: dict[Any, list[Any]] = {}  # ref -> [Batch | None, uses left]
         held = run.held
-        next_id = run.first_id
+        position = 0  # of the next sample in input order
         try:
             while (item := await _next_finished(run)) is not None:
                 sid, loc = item
@@ -206,14 +212,14 @@ class Runs:
                     cache.setdefault(ref, [None, 0])[1] += 1
                 held[sid] = loc
                 while held:
-                    sid = next_id if run.ordered else next(iter(held))
+                    sid = run.id_at(position) if run.ordered else next(iter(held))
                     if sid not in held:
                         break
                     where = held[sid]
                     if where is None:  # dropped: its place in the order passes
                         del held[sid]
                         self._window.release(1)
-                        next_id += 1
+                        position += 1
                         continue
                     # Each sample handed out is a cancellation point, also when its data is
                     # already in the driver and nothing below would wait.
@@ -228,7 +234,7 @@ class Runs:
                     del held[sid]
                     run.states.pop(sid, None)
                     self._window.release(1)
-                    next_id += 1
+                    position += 1
                     yield sample
         except anyio.ClosedResourceError:
             raise PipelineClosedError("this stream was superseded: a newer stream started on the pipeline") from None
