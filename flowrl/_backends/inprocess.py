@@ -54,8 +54,9 @@ def _trainer(rank: ReplicaHandle) -> TrainerRuntime:
 
 
 class InProcessBackend:
-    def __init__(self, *, threads: bool = False) -> None:
+    def __init__(self, *, threads: bool = False, deterministic: bool = False) -> None:
         self.threads = threads
+        self.deterministic = deterministic  # torch's deterministic algorithms: process-wide here
         self.counts = ActorCounts()
         self._replicas: list[_LocalReplica] = []
 
@@ -65,7 +66,7 @@ class InProcessBackend:
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         handles = []
         for spec in specs:
-            runtime = ReplicaRuntime(copy.deepcopy(spec.model), spec.replica_id)
+            runtime = ReplicaRuntime(copy.deepcopy(spec.model), spec.replica_id, self.deterministic)
             runtime.setup(gpu_ids=[], node_id="local")
             replica = _LocalReplica(runtime)
             self._replicas.append(replica)
@@ -101,7 +102,7 @@ class InProcessBackend:
                 )
             # one rank computes what the group would: losses are normalised by the global batch
             log.warning("%s=1: trainer %r runs as one rank instead of %d", DEBUG_ENV, name, len(specs))
-        runtime = TrainerRuntime(copy.deepcopy(specs[0].model), 0, 1)
+        runtime = TrainerRuntime(copy.deepcopy(specs[0].model), 0, 1, self.deterministic)
         runtime.setup(None, [], "local", timeout_s)
         self.counts.started(specs[0].model.name)
         return [ReplicaHandle(specs[0].model.name, 0, "local", runtime)]

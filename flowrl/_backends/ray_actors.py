@@ -29,8 +29,8 @@ def _node_ip() -> str:
 
 @ray.remote
 class ReplicaActor:
-    def __init__(self, model: Model, replica_id: int) -> None:
-        self.runtime = ReplicaRuntime(model, replica_id)
+    def __init__(self, model: Model, replica_id: int, deterministic: bool = False) -> None:
+        self.runtime = ReplicaRuntime(model, replica_id, deterministic)
         # User code runs on this one thread whichever way a shard comes (a Ray call or the
         # channel): one shard at a time, weights loaded between shards, and thread-local state
         # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
@@ -85,8 +85,8 @@ class ReplicaActor:
 
 @ray.remote(concurrency_groups={"control": 1, "weights": 1})  # type: ignore[call-overload]  # ray's overloads omit it
 class TrainerActor:
-    def __init__(self, model: Model, rank: int, world_size: int) -> None:
-        self.runtime = TrainerRuntime(model, rank, world_size)
+    def __init__(self, model: Model, rank: int, world_size: int, deterministic: bool = False) -> None:
+        self.runtime = TrainerRuntime(model, rank, world_size, deterministic)
 
     def rendezvous(self) -> str:
         with socket.socket() as sock:  # a free port on this node, for the process group

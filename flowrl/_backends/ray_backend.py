@@ -170,7 +170,7 @@ class RayBackend:
         await self.prepare(specs)
         waits, actors = {}, {}
         for s in specs:
-            actor = self._create(ReplicaActor, s, s.model, s.replica_id)
+            actor = self._create(ReplicaActor, s, s.model, s.replica_id, self.config.deterministic)
             future = asyncio.ensure_future(_setup(s, actor, self.counts))
             waits[future], actors[future] = s, actor
         try:
@@ -266,7 +266,9 @@ class RayBackend:
 
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
         await self.prepare(specs)
-        ranks = [self._create(TrainerActor, s, s.model, s.replica_id, len(specs)) for s in specs]
+        ranks = [
+            self._create(TrainerActor, s, s.model, s.replica_id, len(specs), self.config.deterministic) for s in specs
+        ]
         try:
             with anyio.fail_after(self.config.setup_timeout_s):
                 init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None

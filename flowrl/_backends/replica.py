@@ -25,6 +25,7 @@ from .._core.model import Model, step_info, step_target, weight_hooks_problem
 from .._core.rng_state import rng_state, set_rng_state
 from .._core.staleness import versions_field
 from .._core.state_format import decode_state, encode_state
+from .determinism import use_deterministic_torch
 from .grad_sync import GradReducer, check_scaler, checksum, unchecked
 from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
 
@@ -108,9 +109,10 @@ def new_fields(
 class ReplicaRuntime:
     """One model instance inside one replica."""
 
-    def __init__(self, model: Model, replica_id: int) -> None:
+    def __init__(self, model: Model, replica_id: int, deterministic: bool = False) -> None:
         self.model = model
         self.replica_id = replica_id
+        self.deterministic = deterministic  # torch's deterministic algorithms, from setup() on
         self._steps: dict[str, tuple[Callable[..., Any], Any]] = {}  # method -> (callable, writes)
         self._groups = Groups()  # weight-broadcast groups it joined (weight_transport="nccl")
 
@@ -125,6 +127,8 @@ class ReplicaRuntime:
         m.replica_id = self.replica_id
         m.gpu_ids = list(gpu_ids)
         m.node_id = node_id
+        if self.deterministic:
+            use_deterministic_torch()
         try:
             m.setup()
         except Exception as err:
@@ -315,8 +319,9 @@ def to_tensors(weights: Mapping[str, Any]) -> dict[str, Any]:
 class TrainerRuntime:
     """One rank of a data-parallel trainer group."""
 
-    def __init__(self, model: Model, rank: int, world_size: int) -> None:
+    def __init__(self, model: Model, rank: int, world_size: int, deterministic: bool = False) -> None:
         self.model = model
+        self.deterministic = deterministic  # torch's deterministic algorithms, from setup() on
         model.rank, model.world_size, model.replica_id = rank, world_size, rank
         self._shared: tuple[CudaShare | None, CudaShare | None] = (None, None)  # weight_transport="cuda_ipc"
         self._sender = Sender()  # weight_transport="nccl"
@@ -328,6 +333,8 @@ class TrainerRuntime:
         m = self.model
         m.gpu_ids, m.node_id = list(gpu_ids), node_id
         stage = f"{m.name}.setup"
+        if self.deterministic:
+            use_deterministic_torch()
         try:
             if m.world_size > 1:
                 import datetime

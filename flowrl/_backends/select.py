@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def make_backend(config: PipelineConfig) -> Backend:
     if config.backend == "inprocess" or debugging():
-        return InProcessBackend(threads=config.inprocess_threads and not debugging())
+        threads = config.inprocess_threads and not debugging()
+        return InProcessBackend(threads=threads, deterministic=config.deterministic)
     # Ray is imported only when a pipeline runs on it: an in-process run (and ``import
     # flowrl``) does not pay for importing it (about 1 s).
     from .ray_backend import RayBackend

@@ -305,7 +305,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``max_retries``: how many times a sample may be sent to a stage again after the replica
     running it died; the pool carries on without that replica. 0 fails the run at once.
     ``seed``: what every sample's random streams derive from (``Batch.seeds``/``generators``);
-    None: an engine's ``RunConfig.seed``, else 0.
+    None: an engine's ``RunConfig.seed``, else 0. ``deterministic``: a sample's numbers do not
+    depend on the layout (docs/reproducibility.md): every stage cuts its shards as fixed blocks
+    of ``batch_size`` sample ids (the splitter is not used), and every replica and trainer rank
+    runs torch's deterministic algorithms (in process: the whole driver process does).
     ``trace_spans``: how many of the latest shard spans the pipeline keeps for its timeline
     (``write_trace``); 0 keeps none. ``progress``: ``"auto"`` (a live table while a stream
     runs, on a terminal; else a log line per run), ``"live"``, ``"log"`` or ``"off"``.
@@ -325,6 +328,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     local_channels: bool = True
     max_retries: int = 3
     seed: int | None = None
+    deterministic: bool = False
     trace_spans: int = 200_000
     progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
 

@@ -11,6 +11,13 @@ Pending samples leave in order of their cost estimate, costliest first, then old
 (without estimates: oldest first). Starting the long samples first keeps them off the end of
 the episode, and a shard then holds samples of similar cost, so a call that lasts as long as
 its longest sample wastes little.
+
+Deterministic mode (``PipelineConfig.deterministic``): a sample's numbers may depend on which
+samples share its call, so shards are fixed blocks: the sample at position k of its run is in
+block k // batch_size of each stage, cut whole, in id order, once every member is ready
+(``ready(places=)``; the run's last block once ``seal`` gives the run's size). No splitter, no
+cost order. Samples without a place (a loop's body) are blocks of one. A shard given back goes
+back whole once; samples given back again are suspects, cut alone.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ class _StageQueue:
     prior: tuple[float, float] | None = None  # (fixed, per-sample) seconds of a call, from config
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
     suspects: set[int] = field(default_factory=set)  # given back by a failed call: each cut alone
+    # deterministic: (run, block) -> its members ready; a cut block's heap key -> its size; given back once
+    parked: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    parked_n: int = 0
+    lengths: dict[float, int] = field(default_factory=dict)
+    returned: set[int] = field(default_factory=set)
     fit: CallCost = field(init=False)  # the call's cost, refitted from measured calls
 
     def __post_init__(self) -> None:
@@ -80,11 +92,14 @@ class PoolScheduler:
     so a pool of thousands of replicas schedules as fast as a pool of eight.
     """
 
-    def __init__(self, *, replicas: int, policy: str, prefetch: int = 1) -> None:
+    def __init__(self, *, replicas: int, policy: str, prefetch: int = 1, deterministic: bool = False) -> None:
         self.replicas = replicas
         check_policy(policy)
         self.policy = policy
         self.prefetch = prefetch
+        self.deterministic = deterministic
+        self._sealed: dict[int, int] = {}  # deterministic: run -> its number of samples, once known
+        self._blocks = itertools.count()  # deterministic: cut blocks leave in the order they filled
         self.in_flight = [0] * replicas
         self._last_served = list(range(-replicas, 0))  # never served: in replica order
         self._stages: dict[str, _StageQueue] = {}
@@ -117,12 +132,55 @@ class PoolScheduler:
         q.fit.observe(rows, busy_s, overhead_s)
         q.floor = q.fit.floor()
 
-    def ready(self, stage: str, ids: list[int], costs: Sequence[float] | None = None) -> None:
-        """Samples ``ids`` can run on ``stage``; ``costs``: an estimate of each one's cost."""
+    def ready(
+        self,
+        stage: str,
+        ids: list[int],
+        costs: Sequence[float] | None = None,
+        places: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Samples ``ids`` can run on ``stage``; ``costs``: an estimate of each one's cost;
+        ``places`` (deterministic mode): each one's (run, position in it), else blocks of one."""
         q = self._stages[stage]
-        if q.dispatched + len(q.heap) + len(ids) > q.expected:
+        if q.dispatched + len(q.heap) + q.parked_n + len(ids) > q.expected:
             raise ValueError(f"stage {stage!r}: more samples ready than expected ({q.expected})")
-        q.push(ids, costs)
+        if not self.deterministic:
+            q.push(ids, costs)
+            return
+        every: Sequence[tuple[int, int] | None] = [None] * len(ids) if places is None else places
+        for i, place in zip(ids, every, strict=True):
+            if place is None:
+                self._cut_block(q, [i])
+                continue
+            key = (place[0], place[1] // q.batch_size)
+            q.parked.setdefault(key, []).append(i)
+            q.parked_n += 1
+            self._unpark(q, key)
+
+    def seal(self, run: int, count: int) -> None:
+        """Run ``run`` holds ``count`` samples (admission done): its last, short block may go."""
+        if not self.deterministic:
+            return
+        self._sealed[run] = count
+        for q in self._stages.values():
+            for key in [k for k in q.parked if k[0] == run]:
+                self._unpark(q, key)
+
+    def _unpark(self, q: _StageQueue, key: tuple[int, int]) -> None:
+        """Cut block ``key`` if every member is ready (its size: a batch, or less at a run's end)."""
+        count = self._sealed.get(key[0])
+        size = q.batch_size if count is None else min(q.batch_size, count - key[1] * q.batch_size)
+        if len(q.parked[key]) >= size:
+            members = q.parked.pop(key)
+            q.parked_n -= len(members)
+            self._cut_block(q, sorted(members))
+
+    def _cut_block(self, q: _StageQueue, ids: list[int]) -> None:
+        """``ids`` leave together as one shard, in id order, after the blocks cut before them."""
+        key = float(next(self._blocks))
+        q.lengths[key] = len(ids)
+        for i in ids:
+            heapq.heappush(q.heap, (key, i))
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
@@ -173,9 +231,25 @@ class PoolScheduler:
         q.expected -= len(dropped)
         q.admitted -= len(dropped)
         back = [i for i in assignment.ids if i not in dropped] if dropped else assignment.ids
-        q.push(back, costs)
-        q.suspects.update(back)
+        if self.deterministic:
+            self._give_back_block(q, back)
+        else:
+            q.push(back, costs)
+            q.suspects.update(back)
         self._changed(r)
+
+    def _give_back_block(self, q: _StageQueue, back: list[int]) -> None:
+        # Whole the first time (a replica's death is seldom its samples' fault); given back again,
+        # each is a suspect cut alone: the block rule breaks rather than one sample spending its
+        # block's retries.
+        again = [i for i in back if i in q.returned]
+        whole = [i for i in back if i not in q.returned]
+        if whole:
+            q.returned.update(whole)
+            self._cut_block(q, sorted(whole))
+        for i in again:
+            self._cut_block(q, [i])
+        q.suspects.update(again)
 
     @property
     def serving(self) -> int:
@@ -190,6 +264,8 @@ class PoolScheduler:
         q.finished += n
         if q.suspects:
             q.suspects.difference_update(assignment.ids)
+        if q.returned:
+            q.returned.difference_update(assignment.ids)
         self._changed(r)
 
     @property
@@ -265,6 +341,8 @@ class PoolScheduler:
         q.holders += (before + n > 0) - (before > 0)
 
     def _size(self, q: _StageQueue, replica: int) -> int:
+        if self.deterministic:  # the block at the head of the queue, whole
+            return q.lengths[q.heap[0][0]]
         held = self._held.get((replica, q.name), 0)
         busy = q.holders - (held > 0)  # other replicas running samples of this stage
         unassigned = q.expected - q.dispatched
@@ -288,6 +366,8 @@ class PoolScheduler:
         none when only suspects are left for a busy replica."""
         if replica in self._isolating:
             return []
+        if self.deterministic:
+            return self._take_block(q, replica)
         entries = [heapq.heappop(q.heap) for _ in range(n)]
         if q.suspects:
             suspects = [e for e in entries if e[1] in q.suspects]
@@ -303,7 +383,24 @@ class PoolScheduler:
         q.dispatched += len(entries)
         return [e[1] for e in entries]
 
+    def _take_block(self, q: _StageQueue, replica: int) -> list[int]:
+        """The block at the head of ``q``; a suspect only for a replica with nothing in flight."""
+        key, first = q.heap[0]
+        if first in q.suspects:
+            if self.in_flight[replica]:
+                return []
+            self._isolating.add(replica)
+        ids = []
+        while q.heap and q.heap[0][0] == key:
+            ids.append(heapq.heappop(q.heap)[1])
+        del q.lengths[key]
+        self._held_add(replica, q, len(ids))
+        q.dispatched += len(ids)
+        return ids
+
     def forget_suspects(self) -> None:
-        """Sample ids start again (a resume): none is a suspect."""
+        """Sample ids and run numbers start again (a resume): no suspect, no run's size known."""
+        self._sealed.clear()
         for q in self._stages.values():
             q.suspects.clear()
+            q.returned.clear()

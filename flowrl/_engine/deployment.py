@@ -98,7 +98,10 @@ async def deploy(
     config: RunConfig, placement: Placement, trainers: list[Model], rollout: FlowGraph, evaluation: FlowGraph | None
 ) -> Deployment:
     """Start the trainer groups and the pipelines; on a failure, stop what started."""
-    backend = make_backend(config.pipeline)
+    # RunConfig.deterministic reaches the backend (its replicas and trainer ranks run torch's
+    # deterministic algorithms) and the pipelines (fixed shards)
+    deterministic = config.deterministic or config.pipeline.deterministic
+    backend = make_backend(msgspec.structs.replace(config.pipeline, deterministic=deterministic))
     stack = contextlib.AsyncExitStack()
     try:
         async with plain_errors():
@@ -126,7 +129,8 @@ async def _start_pools(
 ) -> tuple[AsyncPipeline, AsyncPipeline | None]:
     seed = config.seed if config.pipeline.seed is None else config.pipeline.seed
     # the engine's own view covers the pools
-    cfg = msgspec.structs.replace(config.pipeline, progress="off", seed=seed)
+    deterministic = config.deterministic or config.pipeline.deterministic
+    cfg = msgspec.structs.replace(config.pipeline, progress="off", seed=seed, deterministic=deterministic)
     pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec))
     if evaluation is None:
         return pipe, None

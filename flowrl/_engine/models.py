@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from .._core.errors import ConfigError, FlowDefinitionError
 from .._core.model import Model, mark_synced
 from .._core.sampler import EpisodeSampler, check_train_sizes
+from .._pipeline.blocks import check_deterministic
 from .._pipeline.opening import Flow, build_flow
 
 if TYPE_CHECKING:
@@ -97,6 +100,11 @@ def check(
             dp=m.config.replicas,
             group=cfg.num_samples_per_prompt,
         )
+    if cfg.deterministic:  # what it cannot run, refused before anything starts
+        deterministic = msgspec.structs.replace(cfg.pipeline, deterministic=True)
+        for graph in (rollout, evaluation):
+            if graph is not None:
+                check_deterministic(graph, deterministic, "RunConfig.deterministic")
     _check_sync(cfg, trainers, sync, rollout)
     mark_synced(models.values(), sync)  # each replica checks, after setup(), that it can send or load weights
     if cfg.eval_every and evaluation is None:

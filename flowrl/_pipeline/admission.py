@@ -18,6 +18,7 @@ from .._core.batch import Batch
 from .._core.columns import FieldTypes
 from .._core.errors import FlowDefinitionError
 from .._core.graph import SOURCE
+from .blocks import seal
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
@@ -101,6 +102,7 @@ class Admission:
             if total is not None and run.admitted < total:
                 self.expect(run.admitted - total)  # fewer than len() said
             run.admission_done = True
+            seal(self._pools, run)  # deterministic mode: the run's last block may be cut now
             run.maybe_close()
 
     def _admit_chunk(self, run: Run, chunk: list[Any], *, expected: bool) -> None:

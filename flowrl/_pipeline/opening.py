@@ -17,6 +17,7 @@ from .._core.errors import FlowError, PipelineClosedError
 from .._core.graph import FlowGraph, trace
 from .._core.model import Model
 from .._core.node import Node
+from .blocks import check_deterministic
 from .pipeline import AsyncPipeline
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ async def running(
     graph: FlowGraph, backend: Backend, config: PipelineConfig, make_spec: SpecFn = default_spec
 ) -> AsyncIterator[AsyncPipeline]:
     """Start ``graph``'s pools on ``backend`` and run their pullers until the block exits."""
+    check_deterministic(graph, config)  # before any replica starts
     async with anyio.create_task_group() as tg:
         handles = await backend.start(replica_specs(graph, make_spec))
         pipe = AsyncPipeline(graph, backend, config, handles)
@@ -108,6 +110,7 @@ async def open_pipeline(
     """
     cfg = to_config(PipelineConfig, config, "pipeline config")
     graph = build_flow(flow, input_fields)
+    check_deterministic(graph, cfg)
     backend = make_backend(cfg)
     try:
         async with plain_errors(), running(graph, backend, cfg) as pipe:

@@ -27,6 +27,7 @@ from .._core.stats import PipelineStats, StatsRecorder
 from .._core.trace import Timeline, chrome_trace, write_json
 from .admission import Admission
 from .autoscaler import Autoscaler
+from .blocks import place_blocks
 from .calls import ShardCaller
 from .dispatch import Dispatcher
 from .ledger import Ledger
@@ -57,12 +58,13 @@ if TYPE_CHECKING:
 View = tuple[str, dict[str, int], anyio.CancelScope | None]
 
 
-def _pools(graph: FlowGraph) -> dict[str, AsyncPool]:
+def _pools(graph: FlowGraph, deterministic: bool = False) -> dict[str, AsyncPool]:
     pools = {}
     for name, model in graph.models.items():
         sched = PoolScheduler(
-            replicas=model.config.replicas, policy=model.config.splitter, prefetch=model.config.prefetch
-        )
+            replicas=model.config.replicas, policy=model.config.splitter, prefetch=model.config.prefetch,
+            deterministic=deterministic,
+        )  # fmt: skip
         c = model.config.call_cost
         prior = None if c is None else (c.fixed_s, c.per_sample_s)
         for stage in graph.stages_of(name):
@@ -82,11 +84,13 @@ class AsyncPipeline:
         self.config = config
         self.timeline = Timeline(config.trace_spans)  # a span per shard, as its replica timed it
         self._supervisor = Supervisor()
-        self._pools = _pools(graph)
+        self._pools = _pools(graph, config.deterministic)
         self._recorder = StatsRecorder(
             {s.name: s.model for s in graph.stages.values()}, {n: m.config.replicas for n, m in graph.models.items()}
         )
         self._ledger = Ledger(graph, config)
+        if config.deterministic:
+            place_blocks(graph, self._ledger, self._pools)  # shards are fixed blocks of each run's samples
         self._roster = Roster(handles, self._recorder)
         window = Window(config.max_inflight)
         call = ShardCaller(graph, backend, backend)

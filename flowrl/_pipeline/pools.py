@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 import anyio
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._core.scheduler import Assignment, PoolScheduler
+
+    Places = Callable[[str, list[int]], "list[tuple[int, int]] | None"]
 
 
 class _Waiter:
@@ -31,6 +35,8 @@ class AsyncPool:
     def __init__(self, scheduler: PoolScheduler) -> None:
         self.scheduler = scheduler
         self.replacing = 0  # replicas starting in place of stopped ones (``Membership.replace``)
+        # deterministic mode: each sample's (run, position in it) on a stage (``blocks.Places``)
+        self.places: Places | None = None
         self._waiters: dict[int, deque[_Waiter]] = {r: deque() for r in range(scheduler.replicas)}
 
     async def next(self, replica: int) -> Assignment:
@@ -44,8 +50,16 @@ class AsyncPool:
         return await waiter.future
 
     def ready(self, stage: str, ids: list[int], costs: list[float] | None = None) -> None:
-        self.scheduler.ready(stage, ids, costs)
+        places = None if self.places is None else self.places(stage, ids)
+        self.scheduler.ready(stage, ids, costs, places)
         self.pump()
+
+    def seal(self, run: int, count: int) -> None:
+        """Run ``run``'s admission is done with ``count`` samples (deterministic mode: its last
+        block may be cut now)."""
+        if self.scheduler.deterministic:
+            self.scheduler.seal(run, count)
+            self.pump()
 
     def finish(self, assignment: Assignment) -> None:
         self.scheduler.finish(assignment)

@@ -64,6 +64,9 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "lost with a node); 0 fails the run at once",
         "seed": "what each sample's random streams derive from (`Batch.seeds`, `Batch.generators`); "
         "default: an engine's `RunConfig.seed`, else 0 (reproducibility.md)",
+        "deterministic": "shards are fixed blocks of `batch_size` sample ids of each run (the splitter is not "
+        "used) and replicas run torch's deterministic algorithms (in process: the whole process); an engine's "
+        "`RunConfig.deterministic` sets it (reproducibility.md)",
         "trace_spans": "how many of the latest shard spans the pipeline keeps for its timeline; 0: none",
         "progress": "`auto` (a live table while a stream runs, on a terminal; else a log line per run), "
         "`live`, `log` or `off` (YAML's bare `off`/`on` read as false/true mean `off`/`live`); an "
@@ -97,6 +100,12 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "`oldest` (every token within the bound) or `newest` (multiturn.md)",
         "length_field": "an output field of the rollout with each sample's response length (a number or a "
         "sequence, e.g. `response_ids`): remembered per prompt, the next rollouts start the longest first",
+        "deterministic": "a sample's numbers do not depend on the layout: fixed shards of `batch_size` sample ids "
+        "in every pool, torch's deterministic algorithms in every replica and trainer rank (reproducibility.md)",
+        "record_schedule": "a file the engine writes, per episode, the weight version each rollout sample was "
+        "generated with (what timing decides in asynchronous training)",
+        "replay_schedule": "a `record_schedule` file read back: every sample is generated with the version it had "
+        "in the recorded run",
         "run_dir": "where `metrics.jsonl` (a line per episode) and `trace.json` (the timeline) go",
         "progress": "`auto` (a live table on a terminal, else log lines), `live`, `log` or `off` (false: `off`, "
         "true: `live`)",
