@@ -40,11 +40,10 @@ class Places:
         return out
 
     def _position(self, run: Run, sid: int) -> int:
-        chosen = getattr(run, "ids", None)  # ids the caller chose for the run: its items' order
-        if chosen is None:
+        if run.ids is None:  # numbered on from the run's first id
             return sid - run.first_id
-        if self._chosen[0] is not run:
-            self._chosen = (run, {i: k for k, i in enumerate(chosen)})
+        if self._chosen[0] is not run:  # ids the caller chose (``run(ids=...)``): the items' order
+            self._chosen = (run, {i: k for k, i in enumerate(run.ids)})
         return self._chosen[1][sid]
 
 
