@@ -1,9 +1,10 @@
 """Record and replay of an asynchronous schedule (issue 24; docs/reproducibility.md):
-``examples/ppo_tiny.py`` with ``max_staleness=1``, each run recording the weight version of every
-rollout sample. Per repeat: a plain asynchronous run (recorded), a second plain run (does
-timing give the same split?), and a replay of the first run's record with another layout of
-the rollout's replicas. Prints each run's wall time, how many samples were a version behind,
-and whether the trainers' final models are bitwise equal to the first run's.
+``examples/ppo_tiny.py`` with ``max_staleness=1``, each run recording the weight version of
+every rollout sample. Per repeat: a plain asynchronous run (recorded), a second plain run (does
+timing give the same split?), a replay of the first run's record with the same layout (what
+replaying costs), and one with another layout of the rollout's replicas. Prints each run's wall
+time, how many samples were a version behind, and whether the trainers' final models are
+bitwise equal to the first run's.
 
     python benchmarks/replay_cost.py --backend ray --repeats 3      # about 3 min on 2 cores
 """
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"recorded": [], "again": [], "replayed": []}
+    times: dict[str, list[float]] = {"recorded": [], "again": [], "replayed": [], "replayed, 3x5/3x7": []}
     print("| repeat | run | wall s | samples a version behind | final models (blake2b) | equal to the recorded |")
     print("| --- | --- | --- | --- | --- | --- |")
     for k in range(args.repeats):
@@ -63,14 +64,10 @@ def main() -> None:
             root = Path(tmp)
             first = run(root / "a", args.backend, args.episodes)
             again = run(root / "b", args.backend, args.episodes)
-            replayed = run(
-                root / "c",
-                args.backend,
-                args.episodes,
-                rollout=(3, 5, 3, 7),
-                replay_schedule=str(root / "a" / "schedule.jsonl"),
-            )
-            for name, (wall, digest, behind) in zip(times, (first, again, replayed), strict=True):
+            record = str(root / "a" / "schedule.jsonl")
+            replayed = run(root / "c", args.backend, args.episodes, replay_schedule=record)
+            other = run(root / "d", args.backend, args.episodes, rollout=(3, 5, 3, 7), replay_schedule=record)
+            for name, (wall, digest, behind) in zip(times, (first, again, replayed, other), strict=True):
                 times[name].append(wall)
                 print(f"| {k} | {name} | {wall:.2f} | {behind} | {digest} | {digest == first[1]} |")
     medians = {name: statistics.median(t) for name, t in times.items()}

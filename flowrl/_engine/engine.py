@@ -274,7 +274,7 @@ class Engine:
         trainers = Trainers(cfg, self.trainers, deployment, learning.counters, self.timeline)
         checkpoints = Checkpoints(cfg, files, learning, self.trainers, deployment, weights)
         record = ScheduleLog(cfg.record_schedule) if cfg.record_schedule else None
-        replay = Replay(cfg.replay_schedule, weights.versions) if cfg.replay_schedule else None
+        replay = Replay(cfg.replay_schedule, lambda: weights.versions) if cfg.replay_schedule else None
         weights.watch = replay
         overlap = Overlap(cfg, learning, deployment.rollout, weights, files, self.timeline, record, replay)
         elasticity = Elasticity([m.name for m in self.trainers], deployment.rollout)

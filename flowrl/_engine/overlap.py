@@ -147,6 +147,8 @@ class Overlap:
     async def run(self, target: int, train: Callable[[Rollout], Awaitable[None]]) -> None:
         """Roll out episodes up to ``target`` ahead of training, and ``train`` each in order."""
         self._gate, self._synced = Gate(self.learning.episode), None
+        if self.replay is not None:
+            self.replay.window(self.learning.episode, target)
         send, recv = anyio.create_memory_object_stream[Rollout](self.config.max_staleness + 1)
         try:
             async with plain_errors(), anyio.create_task_group() as tg:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import random
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _delays import delayed
 
 from flowrl import ConfigError, FlowError
 
@@ -45,18 +44,6 @@ def learn(
 
 def episodes(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def delayed(monkeypatch: pytest.MonkeyPatch, ppo: Any, seed: int) -> None:
-    """Each forward pass of the tiny models (the policy's, the reference's and the value's)
-    sleeps a random 0-5 ms first, so shards finish in another order."""
-    rng, original = random.Random(seed), ppo.TinyLM.forward
-
-    def slow(self: Any, *args: Any) -> Any:
-        time.sleep(rng.uniform(0.0, 0.005))
-        return original(self, *args)
-
-    monkeypatch.setattr(ppo.TinyLM, "forward", slow)
 
 
 def test_an_asynchronous_run_replays_bit_for_bit(ray_cluster, ppo, tmp_path, monkeypatch):
@@ -120,3 +107,15 @@ def test_a_replay_of_another_runs_record_says_where_it_differs(ppo, tmp_path):
     engine = ppo.make_engine(1, "inprocess", 1, max_staleness=1, replay_schedule=str(record), progress="off")
     with pytest.raises(FlowError, match="recorded with 32 samples from id 0, this run has 64 from id 0"):
         engine.learn()
+
+
+@pytest.mark.timeout(120)  # a sync waiting for an episode this learn() never rolls out would hang
+def test_a_replay_shorter_than_its_record_ends_with_the_records_first_episodes(ppo, tmp_path):
+    record = tmp_path / "schedule.jsonl"
+    learn(ppo, tmp_path / "a", record_schedule=str(record))
+    again = tmp_path / "again.jsonl"
+    engine = ppo.make_engine(
+        2, "inprocess", 1, max_staleness=1, replay_schedule=str(record), record_schedule=str(again), progress="off"
+    )
+    engine.learn()
+    assert episodes(again) == episodes(record)[:2]
