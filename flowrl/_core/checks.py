@@ -62,17 +62,27 @@ def number(value: object, where: str) -> float:
     return float(value)
 
 
-def item_costs(value: object, items: object, where: str) -> list[float] | None:
-    """``value`` as one finite cost >= 0 per item of ``items`` (``None`` stays ``None``)."""
+def _per_item(value: object, items: object, where: str, what: str, kind: str) -> list[Any] | None:
+    """``value`` as a list of one ``what`` (``kind``: what it must be) per item of ``items``,
+    its elements unchecked (``None`` stays ``None``)."""
     if value is None:
         return None
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise ConfigError(f"{where}: expected a list of numbers, one per item, got {_kind(value)}")
+        raise ConfigError(f"{where}: expected a list of {kind}, one per item, got {_kind(value)}")
     if not isinstance(items, Sized):
-        raise ConfigError(f"{where}: costs need items with a length (a list), got {_kind(items)}")
-    costs = [number(c, where) for c in value]
-    if len(costs) != len(items):
-        raise ConfigError(f"{where}: expected one cost per item ({len(items)}), got {len(costs)}")
+        raise ConfigError(f"{where}: {what}s need items with a length (a list), got {_kind(items)}")
+    out = list(value)
+    if len(out) != len(items):
+        raise ConfigError(f"{where}: expected one {what} per item ({len(items)}), got {len(out)}")
+    return out
+
+
+def item_costs(value: object, items: object, where: str) -> list[float] | None:
+    """``value`` as one finite cost >= 0 per item of ``items`` (``None`` stays ``None``)."""
+    given = _per_item(value, items, where, "cost", "numbers")
+    if given is None:
+        return None
+    costs = [number(c, where) for c in given]
     bad = [(i, c) for i, c in enumerate(costs) if not (0.0 <= c < float("inf"))][:3]
     if bad:
         raise ConfigError(f"{where}: costs must be finite numbers >= 0, got {', '.join(f'[{i}]={c}' for i, c in bad)}")
@@ -81,18 +91,12 @@ def item_costs(value: object, items: object, where: str) -> list[float] | None:
 
 def item_ids(value: object, items: object, where: str) -> list[int] | None:
     """``value`` as one distinct sample id >= 0 per item of ``items`` (``None`` stays ``None``)."""
-    if value is None:
+    ids = _per_item(value, items, where, "id", "ints")
+    if ids is None:
         return None
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise ConfigError(f"{where}: expected a list of ints, one per item, got {_kind(value)}")
-    if not isinstance(items, Sized):
-        raise ConfigError(f"{where}: ids need items with a length (a list), got {_kind(items)}")
-    ids = list(value)
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, Integral) or i < 0][:3]
     if bad:
         raise ConfigError(f"{where}: ids must be ints >= 0, got {bad}")
-    if len(ids) != len(items):
-        raise ConfigError(f"{where}: expected one id per item ({len(items)}), got {len(ids)}")
     if len(set(ids)) != len(ids):
         repeated = sorted({i for i in ids if ids.count(i) > 1})[:3]
         raise ConfigError(f"{where}: ids must be distinct; {repeated} repeat")
