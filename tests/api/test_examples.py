@@ -74,3 +74,18 @@ def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluste
         )
         grpo_runs.append(trained(engine, grpo.reward_curve, folder))
     assert grpo_runs[0][1] and grpo_runs[1] == grpo_runs[0]
+
+
+def test_three_trainer_ranks_train_the_same_weights_whatever_the_rollout_layout(ray_cluster, example, tmp_path):
+    """The trainers sum gradients over ranks in a fixed order for a given rank count: with 3
+    ranks, rollouts of 2x4 and 3x3 train byte-for-byte the same models (1 rank sums in another
+    order: docs/reproducibility.md)."""
+    ppo = example("ppo_tiny")
+    runs = []
+    for i, layout in enumerate([(2, 4, 2, 4), (3, 3, 3, 3)]):
+        folder = tmp_path / f"ppo-{i}"
+        engine = ppo.make_engine(
+            3, "ray", 3, rollout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
+        )
+        runs.append(trained(engine, ppo.reward_curve, folder))
+    assert runs[0][1] and runs[1] == runs[0]
