@@ -23,6 +23,7 @@ import ray
 import ray.cloudpickle
 from ray.cloudpickle import cloudpickle as _cloudpickle
 
+from .._core.batch import approx_nbytes
 from .._core.config import CallMeta, Piece, ShardCall, decode_call, encode_message
 from .._core.errors import PipelineClosedError, StageError
 from .local_channel import RemoteTraceback
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 
 INLINE_BYTES = 1 << 20
 SMALL_BYTES = 64 << 10
+# An inline batch whose pickle is at most this goes whole with a call that reads some of its
+# rows (the replica selects them): the driver pickles it once, not a slice per call, and the
+# driver is what limits small shards.
+WHOLE_BYTES = 16 << 10
 
 
 class Inline:
@@ -53,11 +58,16 @@ class Inline:
             self._batch = pickle.loads(self.blob)
         return self._batch
 
-    def pickled(self, rows: list[int]) -> bytes:
-        """Rows ``rows`` of it, pickled."""
+    def part(self, rows: list[int]) -> tuple[bytes, list[int]]:
+        """What a call reading rows ``rows`` of it sends: a pickle, and the rows to read in it.
+        The whole pickle while it is small (made once, kept), else the rows alone."""
+        if self.blob is None and approx_nbytes(self.batch) <= WHOLE_BYTES:
+            self.blob = dumps(self.batch)
+        if self.blob is not None and len(self.blob) <= WHOLE_BYTES:
+            return self.blob, rows
         if self.blob is not None and len(rows) == self.rows and rows == list(range(self.rows)):
-            return self.blob
-        return dumps(self.batch.select(rows))
+            return self.blob, rows
+        return dumps(self.batch.select(rows)), list(range(len(rows)))
 
 
 class Reply:
@@ -170,11 +180,18 @@ def call_args(call: ShardCall) -> tuple[list[Any], bytes, list[Piece]]:
     refs: list[Any] = []
     parts: list[bytes] = []
     index: dict[Any, int] = {}
+    sent: dict[int, int] = {}  # an inline batch sent whole: id -> its part
     pieces = []
     for p in call.pieces:
         if isinstance(p.ref, Inline):
-            parts.append(p.ref.pickled(p.rows))
-            pieces.append(msgspec.structs.replace(p, ref=-len(parts), rows=list(range(len(p.rows)))))
+            blob, rows = p.ref.part(p.rows)
+            whole = blob is p.ref.blob
+            if not whole or id(p.ref) not in sent:
+                parts.append(blob)
+                if whole:
+                    sent[id(p.ref)] = len(parts)
+            at = sent[id(p.ref)] if whole else len(parts)
+            pieces.append(msgspec.structs.replace(p, ref=-at, rows=rows))
             continue
         ref = p.ref.ref if isinstance(p.ref, Reply) else p.ref
         if ref not in index:

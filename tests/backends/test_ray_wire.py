@@ -161,3 +161,38 @@ def test_a_replica_calls_the_users_function_past_the_tracing_wrapper_but_keeps_i
     target = step_target(model, "forward_step")
     assert target.__func__ is not M.forward_step  # the tracing wrapper is skipped
     assert target(Batch([1]), 4) == {"y": [1]} and seen == [4]  # the user's decorator is not
+
+
+def test_a_small_inline_batch_is_pickled_once_and_sent_whole_a_large_one_in_slices() -> None:
+    """The driver limits one-sample shards: a small input chunk is pickled once and sent whole
+    (once per call, whatever the pieces reading it), the replica selecting its rows; a large
+    one still travels as the rows a call reads."""
+    import numpy as np
+
+    from flowrl import Batch
+    from flowrl._backends.ray_wire import WHOLE_BYTES, Inline, call_args
+    from flowrl._core.config import Piece, ShardCall
+
+    def sent(ref: Inline, rows: list[int], pieces: int = 1) -> tuple[list[bytes], list[Piece]]:
+        call = ShardCall(
+            stage="a.forward_step",
+            method="forward_step",
+            iteration=0,
+            ids=[int(ref.batch.ids[r]) for r in rows],
+            pieces=[Piece(producer=f"p{i}", ref=ref, rows=rows) for i in range(pieces)],
+        )
+        _, body, out = call_args(call)
+        return pickle.loads(body), out
+
+    small = Inline(Batch(list(range(64)), {"k": np.arange(64)}))
+    parts, pieces = sent(small, [5], pieces=2)
+    blob = small.blob
+    assert blob is not None and len(parts) == 1 and parts[0] == blob
+    assert [(p.ref, p.rows) for p in pieces] == [(-1, [5]), (-1, [5])]
+    parts, pieces = sent(small, [9, 2])
+    assert small.blob is blob and parts == [blob] and pieces[0].rows == [9, 2]  # not pickled again
+
+    large = Inline(Batch(list(range(64)), {"x": np.zeros((64, 256))}))  # 128 KiB
+    parts, pieces = sent(large, [5, 1])
+    assert len(parts[0]) < WHOLE_BYTES and pickle.loads(parts[0]).ids.tolist() == [5, 1]
+    assert pieces[0].rows == [0, 1]
