@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import flowrl
 from flowrl.testing import Scale, flowrl_actor_names
@@ -110,3 +111,26 @@ async def test_a_step_that_hangs_past_its_deadline_fails_the_run_and_leaves_no_a
 def test_a_call_deadline_must_be_positive():
     with pytest.raises(flowrl.ConfigError, match="call_timeout_s"):
         flowrl.ModelConfig(call_timeout_s=0)
+
+
+class DrawOrDie(DieOn):
+    """``DieOn``, drawing each sample's number from its own stream (``Batch.generators``)."""
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        super().forward_step(batch, iteration)
+        return {"draw": [torch.rand(1, generator=g).item() for g in batch.generators()]}
+
+
+async def test_a_sample_retried_after_its_replica_died_draws_what_it_would_have_drawn(ray_cluster, tmp_path):
+    """A sample's stream is keyed by its id, not by the attempt: a retry on another replica
+    draws the same numbers, so a failure does not change a seeded run (issue 24)."""
+    draws = []
+    for times, marks in [(0, tmp_path / "calm"), (1, tmp_path / "dying")]:
+        marks.mkdir()
+        model = DrawOrDie("a", {"num_replicas": 3, "batch_size": 2, **CPU}, die_on=9, marks=str(marks), times=times)
+        async with flowrl.open_pipeline(model.forward_step, {"seed": 5}) as pipe:
+            out = await pipe.run([{"x": [i]} for i in range(24)])
+            retried = pipe.stats()["a.forward_step"].retried
+        draws.append([s["draw"] for s in out])
+        assert _deaths(marks) == times and (retried > 0) == (times > 0)
+    assert draws[1] == draws[0] and len(set(draws[0])) == 24
