@@ -41,7 +41,7 @@ from .models import all_models, apply_model_configs, check, sync_pairs, trainer_
 from .overlap import Overlap, overlapped
 from .placement import Placement
 from .run_folder import RunDir
-from .schedule import Replay, ScheduleLog, check_schedule_settings
+from .schedule import Replay, ScheduleLog, check_schedule_settings, schedule_settings
 from .tracking import Tracking
 from .training import Trainers
 from .weight_sync import WeightSync
@@ -123,7 +123,7 @@ class Engine:
         apply_model_configs(self.config, models)
         _check_trainer_configs(self.trainers, self.rollout_graph, self.eval_graph)
         check(self.config, models, self.trainers, self.sync_pairs, self.rollout_graph, self.eval_graph)
-        check_schedule_settings(self.config)
+        check_schedule_settings(self.config, [t.name for _, t in self.sync_pairs], self.rollout_graph)
         self.placement = Placement(self.config, models)
         for _, target in self.sync_pairs:
             target.track_version = True
@@ -273,7 +273,8 @@ class Engine:
             pipe.join_hook = weights.join  # a replica joining gets the weights the others hold
         trainers = Trainers(cfg, self.trainers, deployment, learning.counters, self.timeline)
         checkpoints = Checkpoints(cfg, files, learning, self.trainers, deployment, weights)
-        record = ScheduleLog(cfg.record_schedule) if cfg.record_schedule else None
+        synced = [t.name for _, t in self.sync_pairs]
+        record = ScheduleLog(cfg.record_schedule, schedule_settings(cfg, synced)) if cfg.record_schedule else None
         replay = Replay(cfg.replay_schedule, lambda: weights.versions) if cfg.replay_schedule else None
         weights.watch = replay
         overlap = Overlap(cfg, learning, deployment.rollout, weights, files, self.timeline, record, replay)

@@ -100,11 +100,12 @@ def check(
             dp=m.config.replicas,
             group=cfg.num_samples_per_prompt,
         )
-    if cfg.deterministic:  # what it cannot run, refused before anything starts
+    if cfg.deterministic or cfg.pipeline.deterministic:  # what it cannot run, refused before anything starts
+        key = "RunConfig.deterministic" if cfg.deterministic else "RunConfig.pipeline.deterministic"
         deterministic = msgspec.structs.replace(cfg.pipeline, deterministic=True)
         for graph in (rollout, evaluation):
             if graph is not None:
-                check_deterministic(graph, deterministic, "RunConfig.deterministic")
+                check_deterministic(graph, deterministic, key)
     _check_sync(cfg, trainers, sync, rollout)
     mark_synced(models.values(), sync)  # each replica checks, after setup(), that it can send or load weights
     if cfg.eval_every and evaluation is None:

@@ -141,7 +141,7 @@ class Overlap:
         else:
             samples = await self.rollout.run(items, costs=costs)
         if self.record is not None:
-            self.record.ran(episode, run_record(first, len(items), samples, sorted(self.weights.versions)))
+            self.record.ran(episode, index, run_record(first, len(items), samples, sorted(self.weights.versions)))
         return samples
 
     async def run(self, target: int, train: Callable[[Rollout], Awaitable[None]]) -> None:
@@ -235,8 +235,8 @@ class Overlap:
 
     async def _push(self, snapshots: Snapshots, e: int, done: anyio.Event) -> None:
         started = time.time()
-        for name, weights in snapshots:
-            await self.weights.send(name, train_version(e + 1, self.config.sync_every), weights)
+        version = train_version(e + 1, self.config.sync_every)
+        await self.weights.send_all([(name, version, weights) for name, weights in snapshots])
         self._gate.set(e + 1)
         done.set()
         self.timeline.add(ENGINE, 2, "sync", started, time.time(), episode=e)  # in the background: a lane of its own

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from .._core.batch import Sample
+    from .._core.graph import FlowGraph
     from .._core.run_config import RunConfig
     from .._pipeline.pipeline import AsyncPipeline
 
@@ -52,30 +53,50 @@ def run_record(first: int, count: int, samples: Sequence[Sample], models: Sequen
     return {"first": first, "count": count, "versions": versions}
 
 
-class ScheduleLog:
-    """Writes the record: a JSON line per episode, once its rollout is final. A run from episode
-    0 starts the file afresh; a resumed one appends (an episode written again counts last)."""
+def schedule_settings(config: RunConfig, models: Sequence[str]) -> dict[str, Any]:
+    """The settings a record holds good for (its first line): under others the episodes, ids
+    and versions differ, and a replay could not follow it."""
+    keys = ("sample_per_episode", "num_samples_per_prompt", "seed", "max_staleness", "on_stale", "sync_every")
+    return {**{k: getattr(config, k) for k in keys}, "models": sorted(models)}
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
+
+class ScheduleLog:
+    """Writes the record: its settings, then a JSON line per episode once its rollout is final.
+    A run from episode 0 (or into a file not there yet) starts the file afresh; a resumed one
+    appends (an episode written again counts by its last line)."""
+
+    def __init__(self, path: str, settings: dict[str, Any]) -> None:
+        self.path, self.settings = Path(path), settings
         self._runs: dict[int, list[RunRecord]] = defaultdict(list)
         self._opened = False
 
-    def ran(self, episode: int, record: RunRecord) -> None:
+    def ran(self, episode: int, index: int, record: RunRecord) -> None:
+        if index == 0:  # the rollout of an episode run again (a rebuilt trainer) starts its line again
+            self._runs[episode] = []
         self._runs[episode].append(record)
 
     def done(self, episode: int) -> None:
-        line = json.dumps({"episode": episode, "runs": self._runs.pop(episode, [])})
-        if not self._opened:
+        fresh = not self._opened and (episode == 0 or not self.path.exists() or not self.path.stat().st_size)
+        lines = [json.dumps({"settings": self.settings})] if fresh else []
+        lines.append(json.dumps({"episode": episode, "runs": self._runs.pop(episode, [])}))
+        if fresh:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a" if self._opened or episode > 0 else "w") as f:
-            f.write(line + "\n")
+        with self.path.open("w" if fresh else "a") as f:
+            f.write("".join(line + "\n" for line in lines))
         self._opened = True
 
 
-def check_schedule_settings(config: RunConfig) -> None:
-    """Refuse a replay file that does not read, or one the same run would write over."""
+def check_schedule_settings(config: RunConfig, models: Sequence[str], graph: FlowGraph) -> None:
+    """Refuse, when the engine is built: recording partial rollouts; a replay file that does not
+    read, was recorded under other settings or cannot be replayed; one the run would write over."""
     record, replay = config.record_schedule, config.replay_schedule
+    looped = sorted({graph.stages[s].model for loop in graph.loops.values() for s in loop.body} & set(models))
+    if (record or replay) and looped:
+        key = "RunConfig.record_schedule" if record else "RunConfig.replay_schedule"
+        raise ConfigError(
+            f"{key}: the synced model(s) {looped} run inside a flowrl.loop (a partial rollout, whose segments "
+            "may each have a version); recording and replaying those is not supported"
+        )
     if replay is None:
         return
     if record is not None and Path(record).resolve() == Path(replay).resolve():
@@ -83,23 +104,55 @@ def check_schedule_settings(config: RunConfig) -> None:
             f"RunConfig.record_schedule and RunConfig.replay_schedule name the same file ({record!r}): the "
             "replay would write over the record it reads; record the replay to another file"
         )
-    read_schedule(replay)
+    recorded, runs = read_schedule(replay)
+    now = schedule_settings(config, models)
+    differ = {k: (recorded.get(k), v) for k, v in now.items() if recorded.get(k) != v}
+    if differ:
+        said = ", ".join(f"{k}: recorded {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise ConfigError(f"RunConfig.replay_schedule={replay!r} was recorded under other settings ({said})")
+    for episode, records in runs.items():
+        for each in records:
+            _check_order(replay, episode, each)
 
 
-def read_schedule(path: str) -> dict[int, list[RunRecord]]:
+def _check_order(path: str, episode: int, record: RunRecord) -> None:
+    """The phases run oldest first, and each model's syncs wait for its older phases: that needs
+    an order in which every model's version only grows."""
+    keys = list(_phases(record))
+    for model in record["versions"]:
+        seen = [dict(key).get(model) for key in keys]
+        held = [v for v in seen if v is not None]
+        if held != sorted(held):
+            raise ConfigError(
+                f"RunConfig.replay_schedule={path!r}: in episode {episode}, some samples met a newer version of one "
+                f"synced model and an older one of another, and others the reverse ({keys}); replaying that needs "
+                "each stage gated on its own model's version, which is not supported"
+            )
+
+
+def read_schedule(path: str) -> tuple[dict[str, Any], dict[int, list[RunRecord]]]:
+    """A record's settings and, per episode, its runs."""
     where = f"RunConfig.replay_schedule={path!r}"
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as err:
         raise ConfigError(f"{where}: cannot read it ({err})") from None
+    settings: dict[str, Any] | None = None
     out: dict[int, list[RunRecord]] = {}
     for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             entry = json.loads(line)
+            if n == 1 and isinstance(entry, dict) and isinstance(entry.get("settings"), dict):
+                settings = entry["settings"]
+                continue
             out[int(entry["episode"])] = [_checked(r) for r in entry["runs"]]
         except (ValueError, KeyError, TypeError) as err:
             raise ConfigError(f"{where}: line {n} is not a recorded episode ({err!r}): {line[:120]!r}") from None
-    return out
+    if settings is None:
+        raise ConfigError(f"{where}: its first line holds no settings: not a record_schedule file")
+    return settings, out
 
 
 def _checked(record: Any) -> RunRecord:
@@ -117,7 +170,7 @@ class Replay:
 
     def __init__(self, path: str, held: Callable[[], dict[str, int]]) -> None:
         self.path = path
-        self.runs = read_schedule(path)
+        self.runs = read_schedule(path)[1]
         self._held = held  # the version every replica of each synced model holds (WeightSync's)
         # per episode and model, the versions of phases not run yet: a sync to v waits while one
         # below v is left in an episode this learn() rolls out (``window``)
@@ -170,7 +223,9 @@ class Replay:
                 costs=None if costs is None else [costs[r] for r in rows],
             )
             for model, v in key:
-                self._left[episode][model].remove(v)
+                left = self._left[episode][model]
+                if v in left:  # an episode run again (a rebuilt trainer) finds its phases gone
+                    left.remove(v)
             self._wake()
         pipe.resume_at(first + len(items), run_number + 1)
         return sorted(out, key=lambda s: s.id)

@@ -56,8 +56,20 @@ class WeightSync:
         self._keep_first = True
 
     async def sync(self) -> None:
-        for name, weights in await self.snapshots():
-            await self.send(name, self._versions[name] + 1, weights)
+        await self.send_all([(name, self._versions[name] + 1, weights) for name, weights in await self.snapshots()])
+
+    async def send_all(self, sends: list[tuple[str, int, Any]]) -> None:
+        """Each (model, version, weights), one model after another. Under a replayed schedule
+        each model's sync waits on its own (``Replay.before_send``): a recorded sample may have
+        met one model's new version and another's old one, which an order fixed here would
+        not give."""
+        if self.watch is None:
+            for name, version, weights in sends:
+                await self.send(name, version, weights)
+            return
+        async with anyio.create_task_group() as tg:
+            for name, version, weights in sends:
+                tg.start_soon(self.send, name, version, weights)
 
     async def snapshots(self) -> Snapshots:
         """Each trainer's weights now (stored: later steps do not change them), per target."""
@@ -70,11 +82,11 @@ class WeightSync:
                 self._first[target.name] = await self._replica_weights(target.name)
         return out
 
-    async def send(self, name: str, version: int, weights: Any) -> None:
+    async def send(self, name: str, version: int, weights: Any, restoring: bool = False) -> None:
         # Every replica loads between two of its shards (one worker thread per replica), and
         # the version counts only once all hold it: the staleness gate reads it.
         deployment = self.deployment
-        if self.watch is not None:
+        if self.watch is not None and not restoring:  # a restore gives back what was held: nothing to wait for
             await self.watch.before_send(name, version)
         try:
             async with deployment.members:  # no replica joins or leaves meanwhile
@@ -126,7 +138,7 @@ class WeightSync:
             weights = await self._read(trainer)
         else:
             weights = self._first_weights(target)
-        await self.send(target, want, weights)
+        await self.send(target, want, weights, restoring=True)
 
     def _first_weights(self, target: str) -> Any:
         weights = self._first.get(target)

@@ -64,9 +64,8 @@ class Ledger:
 
     def admit(self, run: Run, ids: list[int], ref: Any, costs: list[float] | None) -> None:
         """Samples ``ids`` are new, stored as the rows of input object ``ref``."""
-        if run.ids is None:
-            self.next_id = ids[-1] + 1
-        elif any(sid in self.samples for sid in ids):
+        self.next_id = max(self.next_id, max(ids) + 1)  # a later run is numbered after every id used
+        if run.ids is not None and any(sid in self.samples for sid in ids):
             taken = [sid for sid in ids if sid in self.samples][:3]
             raise FlowDefinitionError(
                 f"AsyncPipeline.run(ids=...): samples {taken} are still in flight in this pipeline"

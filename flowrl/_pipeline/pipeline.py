@@ -165,9 +165,10 @@ class AsyncPipeline:
         item's cost (e.g. its response length last epoch), one per item: every stage takes the
         costliest pending samples first, and a shard holds samples of similar cost (as
         ``PipelineConfig.cost_field``, which it replaces for this run). ``ids``: each item's
-        sample id (distinct, none in flight), in place of numbering on from the last run: a
-        sample's random streams follow its id, so a run of some items again under their old ids
-        draws what they drew (an engine replaying a recorded schedule does so).
+        sample id (distinct, none in flight), in place of numbering on from the last run (a later
+        run is numbered after the highest id used): a sample's random streams follow its id, so
+        a run of some items again under their old ids draws what they drew (an engine replaying
+        a recorded schedule does so).
         """
         wanted = checks.field_names(fields, "AsyncPipeline.stream(fields=...)")
         estimates = checks.item_costs(costs, items, "AsyncPipeline.stream(costs=...)")

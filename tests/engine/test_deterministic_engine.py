@@ -9,6 +9,7 @@ import random
 import time
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -75,3 +76,10 @@ def test_what_cannot_run_deterministically_is_refused_when_the_engine_is_built()
     with pytest.raises(flowrl.ConfigError, match=r"RunConfig.deterministic=True with model 'shards'.*on_spent='drop'"):
         engine("inprocess", 1, on_spent="drop")
     engine("inprocess", 1, deterministic=False, on_spent="drop")  # without it, built
+    only = engine("inprocess", 1, deterministic=False)
+    config = msgspec.structs.replace(
+        only.config, pipeline=msgspec.structs.replace(only.config.pipeline, deterministic=True)
+    )
+    shards = Shards("shards", {"num_replicas": 1, "batch_size": 4, **CPU, "on_spent": "drop"})
+    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.pipeline.deterministic=True with model 'shards'"):
+        flowrl.Engine(rollout=shards.forward_step, train=[Keeper("keeper", {**CPU})], config=config)

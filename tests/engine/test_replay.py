@@ -27,15 +27,9 @@ def learn(
     ppo: Any, folder: Path, backend: str = "inprocess", ranks: int = 1, **extra: Any
 ) -> tuple[list[float], dict[str, bytes]]:
     """The reward curve, and each trainer's model as the last checkpoint saved it."""
+    extra = {"checkpoint_every": EPISODES, **extra}
     engine = ppo.make_engine(
-        EPISODES,
-        backend,
-        ranks,
-        checkpoint_dir=str(folder),
-        checkpoint_every=EPISODES,
-        max_staleness=1,
-        progress="off",
-        **extra,
+        EPISODES, backend, ranks, checkpoint_dir=str(folder), max_staleness=1, progress="off", **extra
     )
     rewards = ppo.reward_curve(engine.learn())
     last = sorted(folder.glob("episode-*"))[-1]
@@ -43,7 +37,19 @@ def learn(
 
 
 def episodes(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """A record's episode lines (its first line holds the settings)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert set(lines[0]) == {"settings"}
+    return lines[1:]
+
+
+def settings(path: Path) -> str:
+    return path.read_text().splitlines()[0]
+
+
+def written(path: Path, header: str, log: list[dict[str, Any]]) -> Path:
+    path.write_text(header + "\n" + "".join(json.dumps(e) + "\n" for e in log))
+    return path
 
 
 def test_an_asynchronous_run_replays_bit_for_bit(ray_cluster, ppo, tmp_path, monkeypatch):
@@ -67,17 +73,18 @@ def test_an_asynchronous_run_replays_bit_for_bit(ray_cluster, ppo, tmp_path, mon
 
 def test_a_replay_generates_each_sample_with_the_version_the_file_says(ray_cluster, ppo, tmp_path):
     """A schedule written by hand (a split the staleness bound allows, which timing did not
-    give) is followed exactly in process and on Ray, and trains the same weights on both."""
+    give; some samples meet the policy's old version and the value model's new one) is followed
+    exactly in process and on Ray, and trains the same weights on both."""
     natural = tmp_path / "natural.jsonl"
     plain = learn(ppo, tmp_path / "a", record_schedule=str(natural))
     log = episodes(natural)
     for e in log:  # episode e may use versions e-1 and e: alternate them, by blocks of 8 samples
         for run in e["runs"]:
-            chosen = [max(0, e["episode"] - (i // 8) % 2) for i in range(run["count"])]
-            run["versions"] = dict.fromkeys(run["versions"], chosen)
+            policy = [max(0, e["episode"] - (i // 8) % 2) for i in range(run["count"])]
+            value = [v if (i // 4) % 2 == 0 else e["episode"] for i, v in enumerate(policy)]
+            run["versions"] = {"policy": policy, "value": value}
     assert log != episodes(natural)
-    wanted = tmp_path / "wanted.jsonl"
-    wanted.write_text("".join(json.dumps(e) + "\n" for e in log))
+    wanted = written(tmp_path / "wanted.jsonl", settings(natural), log)
     runs = []
     for backend, ranks in [("inprocess", 1), ("ray", 2)]:
         replayed = tmp_path / f"replayed-{backend}.jsonl"
@@ -93,18 +100,32 @@ def test_replay_settings_are_checked_when_the_engine_is_built(ppo, tmp_path):
     path = tmp_path / "schedule.jsonl"
     with pytest.raises(ConfigError, match="replay_schedule.*cannot read"):
         ppo.make_engine(2, "inprocess", 1, replay_schedule=str(path))
-    path.write_text('{"episode": 0}\n')
-    with pytest.raises(ConfigError, match="line 1 is not a recorded episode"):
-        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(path))
     path.write_text('{"episode": 0, "runs": []}\n')
+    with pytest.raises(ConfigError, match="its first line holds no settings"):
+        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(path))
+    record = tmp_path / "record.jsonl"
+    learn(ppo, tmp_path / "a", record_schedule=str(record))
+    path.write_text(record.read_text() + '\n{"episode": 9}\n')  # blank lines are skipped
+    with pytest.raises(ConfigError, match="line 7 is not a recorded episode"):
+        ppo.make_engine(2, "inprocess", 1, max_staleness=1, replay_schedule=str(path))
     with pytest.raises(ConfigError, match="name the same file"):
-        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(path), record_schedule=str(path))
+        ppo.make_engine(2, "inprocess", 1, max_staleness=1, replay_schedule=str(record), record_schedule=str(record))
+    with pytest.raises(ConfigError, match=r"other settings \(max_staleness: recorded 1, now 0\)"):
+        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(record))  # synchronous: it would wait for ever
+    log = episodes(record)
+    run = log[2]["runs"][0]  # one sample meets the policy's new version and the value's old one, another the reverse
+    run["versions"]["policy"][:2], run["versions"]["value"][:2] = [2, 1], [1, 2]
+    with pytest.raises(ConfigError, match="in episode 2, some samples met a newer version of one synced model"):
+        ppo.make_engine(2, "inprocess", 1, max_staleness=1, replay_schedule=str(written(path, settings(record), log)))
 
 
 def test_a_replay_of_another_runs_record_says_where_it_differs(ppo, tmp_path):
     record = tmp_path / "schedule.jsonl"
-    record.write_text(json.dumps({"episode": 0, "runs": [{"first": 0, "count": 32, "versions": {"policy": [0] * 32}}]}))
-    engine = ppo.make_engine(1, "inprocess", 1, max_staleness=1, replay_schedule=str(record), progress="off")
+    learn(ppo, tmp_path / "a", record_schedule=str(record))
+    log = episodes(record)
+    log[0]["runs"][0] = {"first": 0, "count": 32, "versions": {"policy": [0] * 32, "value": [0] * 32}}
+    other = written(tmp_path / "other.jsonl", settings(record), log)
+    engine = ppo.make_engine(1, "inprocess", 1, max_staleness=1, replay_schedule=str(other), progress="off")
     with pytest.raises(FlowError, match="recorded with 32 samples from id 0, this run has 64 from id 0"):
         engine.learn()
 
@@ -119,3 +140,25 @@ def test_a_replay_shorter_than_its_record_ends_with_the_records_first_episodes(p
     )
     engine.learn()
     assert episodes(again) == episodes(record)[:2]
+
+
+@pytest.mark.timeout(180)  # a restore waiting for the record's earlier episodes would hang
+def test_a_replay_resumed_from_a_checkpoint_says_which_version_it_cannot_give(ppo, tmp_path):
+    """A checkpoint holds the newest weights only: resumed from one, the replay of an episode
+    whose samples were generated a version behind (rolled out ahead of training) stops with
+    an error naming it, instead of waiting for weights that will not come."""
+    record = tmp_path / "schedule.jsonl"
+    learn(ppo, tmp_path / "a", record_schedule=str(record), checkpoint_every=1, keep_checkpoints=0)
+    assert all(v == 0 for v in episodes(record)[1]["runs"][0]["versions"]["policy"])  # in process: a version behind
+    engine = ppo.make_engine(
+        EPISODES,
+        "inprocess",
+        1,
+        checkpoint_dir=str(tmp_path / "b"),
+        resume=str(sorted((tmp_path / "a").glob("episode-*"))[1]),
+        max_staleness=1,
+        replay_schedule=str(record),
+        progress="off",
+    )
+    with pytest.raises(FlowError, match="episode 1 recorded samples generated by version 0 of .policy.*hold version 1"):
+        engine.learn()
