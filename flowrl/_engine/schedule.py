@@ -8,10 +8,12 @@ versions. The record is that split: per episode, per pipeline run of its rollout
 then a ``regenerate`` run), the first sample id and each sample's version per synced model, a
 JSON line per episode.
 
-Replay runs each recorded run as phases, oldest version first, each phase the samples that
-had that version, under their recorded ids (``AsyncPipeline.run(ids=...)``) and once the
-replicas hold that version; and it holds back every sync until no phase of an older version is
-left to run. Which replica runs what, and when, is free: only the versions are replayed.
+Replay runs each recorded run as phases, oldest versions first, each phase the samples that
+had those versions, under their recorded ids (``AsyncPipeline.run(ids=...)``) and once the
+replicas hold them; and it holds back each synced model's sync until no phase of an older
+version of that model is left to run (the models' syncs run side by side meanwhile:
+``WeightSync.send_all``). Which replica runs what, and when, is free: only the versions are
+replayed. A record starts with the settings it holds for (``schedule_settings``).
 """
 
 from __future__ import annotations
