@@ -76,6 +76,7 @@ def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluste
     assert grpo_runs[0][1] and grpo_runs[1] == grpo_runs[0]
 
 
+@pytest.mark.slow  # a minute on 2 cores: two Ray runs with 3 trainer ranks (python -m pytest -q -m slow)
 def test_three_trainer_ranks_train_the_same_weights_whatever_the_rollout_layout(ray_cluster, example, tmp_path):
     """The trainers sum gradients over ranks in a fixed order for a given rank count: with 3
     ranks, rollouts of 2x4 and 3x3 train byte-for-byte the same models (1 rank sums in another
