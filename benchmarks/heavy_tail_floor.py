@@ -16,12 +16,17 @@ Each cell is makespan / strict lower bound.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 import numpy as np
 
 from flowrl._core.sim_epochs import prompt_keys
 from flowrl._core.simulate import Workload, simulate, tails
 from flowrl._tools.scenarios import scenarios
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 SEEDS = [22, 1, 2, 3, 4, 5]  # 22 is the load test's
 
@@ -38,8 +43,8 @@ def ratios(w: Workload) -> dict[str, list[float]]:
         if seen:
             past = np.array(seen)  # epochs x samples
 
-            def per_prompt(reduce: np.ufunc | object, past: np.ndarray = past) -> np.ndarray:
-                return np.array([reduce(past[:, keys == k]) for k in keys])  # type: ignore[operator]
+            def per_prompt(reduce: Callable[[np.ndarray], float], past: np.ndarray = past) -> np.ndarray:
+                return np.array([reduce(past[:, keys == k]) for k in keys])
 
             costs = {
                 "memory": per_prompt(np.mean),

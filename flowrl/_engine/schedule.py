@@ -92,8 +92,10 @@ def check_schedule_settings(config: RunConfig, models: Sequence[str], graph: Flo
     """Refuse, when the engine is built: recording partial rollouts; a replay file that does not
     read, was recorded under other settings or cannot be replayed; one the run would write over."""
     record, replay = config.record_schedule, config.replay_schedule
+    if record is None and replay is None:
+        return
     looped = sorted({graph.stages[s].model for loop in graph.loops.values() for s in loop.body} & set(models))
-    if (record or replay) and looped:
+    if looped:
         key = "RunConfig.record_schedule" if record else "RunConfig.replay_schedule"
         raise ConfigError(
             f"{key}: the synced model(s) {looped} run inside a flowrl.loop (a partial rollout, whose segments "

@@ -61,10 +61,10 @@ View = tuple[str, dict[str, int], anyio.CancelScope | None]
 def _pools(graph: FlowGraph, deterministic: bool = False) -> dict[str, AsyncPool]:
     pools = {}
     for name, model in graph.models.items():
+        cfg = model.config
         sched = PoolScheduler(
-            replicas=model.config.replicas, policy=model.config.splitter, prefetch=model.config.prefetch,
-            deterministic=deterministic,
-        )  # fmt: skip
+            replicas=cfg.replicas, policy=cfg.splitter, prefetch=cfg.prefetch, deterministic=deterministic
+        )
         c = model.config.call_cost
         prior = None if c is None else (c.fixed_s, c.per_sample_s)
         for stage in graph.stages_of(name):
