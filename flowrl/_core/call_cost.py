@@ -13,6 +13,9 @@ overhead beside it. From that it answers the splitter's questions:
 - ``floor``: the smallest shard whose samples' work covers a call's overhead (the guided and
   factoring splitters' floor).
 - ``queue_ahead``: whether a replica should get its next shard before its current one ends.
+- ``drain_share`` (a function): at a stage's drain, when every sample left is pending and one
+  call per replica covers them, how many the asking replica takes so that all replicas, each
+  free at its own time, finish together.
 
 Before two different sizes have been measured, the fixed time of a step cannot be told from
 its per-sample time; the prior (``ModelConfig.call_cost``) stands in, and without one the whole
@@ -22,6 +25,10 @@ step is counted per sample (the shard size then follows the overhead alone).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 # After warm-up a call counts as at most its predicted time plus CLIP times the calls' mean
 # deviation from the fit (at least SPREAD of the prediction): a stall (a garbage collection,
@@ -137,6 +144,12 @@ class CallCost:
         steady = "dev" in m and m["dev"] <= m["o"] and calls_left >= 2
         return steady or m["o"] * calls_left >= m["y"]
 
+    def steady(self) -> bool:
+        """Whether calls last as the fit says (their mean deviation from it within ``SPREAD`` of
+        a mean call): a stage whose time is its longest sample's (a generation tail) is not."""
+        m = self._avg
+        return self.calls >= WARM and "dev" in m and m["dev"] <= SPREAD * m["y"]
+
     def floor(self) -> int:
         per_sample = self.per_sample_s()
         if per_sample is None or "o" not in self._avg:
@@ -144,3 +157,35 @@ class CallCost:
         if per_sample <= 0:
             return self.batch_size
         return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))
+
+
+def drain_share(mine: float, others: Sequence[float], samples: int, fixed: float, per: float, batch: int) -> int:
+    """How many of the last ``samples`` the asking replica's call takes, so that they finish
+    soonest: each replica (the asking one free at ``mine``, the others at ``others``: now, or
+    when their calls in flight should end) runs at most one more call of ``fixed + per * n``
+    seconds and ``n <= batch``. The finish ``T`` is where the replicas' shares
+    ``clip((T - free - fixed) / per, 0, batch)`` add up to ``samples`` (piecewise linear in
+    ``T``: walked over its breakpoints); the asking replica takes its share, rounded up. 0 when
+    the others finish them all before its call could: a busy replica then queues nothing.
+
+    Guided self-scheduling spreads what is left over the replicas free *now*; where the others
+    free up a moment later, that hands the free ones a shard longer than the wait for the rest.
+    """
+    if samples <= 0 or per <= 0:
+        return 0
+    starts = sorted([mine, *others])
+    # the share of replica i rises from 0 at starts[i] + fixed, at a rate 1/per, to batch
+    # ``batch * per`` later: breakpoints where the slope of the total changes
+    points = sorted([(t + fixed, 1) for t in starts] + [(t + fixed + batch * per, -1) for t in starts])
+    total, rising, at = 0.0, 0, points[0][0]
+    finish = math.inf
+    for t, step in points:
+        gained = rising * (t - at) / per
+        if total + gained >= samples:
+            finish = at + (samples - total) * per / rising
+            break
+        total, at, rising = total + gained, t, rising + step
+    if not math.isfinite(finish):  # more than one call each: not a drain
+        return batch
+    share = (finish - mine - fixed) / per
+    return min(batch, samples, max(0, math.ceil(share - 1e-9)))

@@ -24,65 +24,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .call_cost import CallCost
+from .call_cost import drain_share
 from .splitter import policy as check_policy
 from .splitter import shard_size
+from .stage_queue import Assignment as Assignment
+from .stage_queue import StageQueue
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-
-@dataclass
-class _StageQueue:
-    name: str
-    batch_size: int
-    expected: int = 0
-    dispatched: int = 0
-    finished: int = 0
-    holders: int = 0  # replicas running samples of this stage
-    peak: int = 0  # the most samples ever left waiting after a poll (no replica free to take them)
-    admitted: int = 0  # samples inside the pipeline that will reach this stage (``admit``)
-    floor: int = 1  # the smallest shard worth a call, from ``measure``
-    prior: tuple[float, float] | None = None  # (fixed, per-sample) seconds of a call, from config
-    heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, sample id)
-    suspects: set[int] = field(default_factory=set)  # given back by a failed call: each cut alone
-    # deterministic: (run, block) -> its members ready; a cut block's heap key -> its size; given back once
-    parked: dict[tuple[int, int], list[int]] = field(default_factory=dict)
-    parked_n: int = 0
-    lengths: dict[float, int] = field(default_factory=dict)
-    returned: set[int] = field(default_factory=set)
-    fit: CallCost = field(init=False)  # the call's cost, refitted from measured calls
-
-    def __post_init__(self) -> None:
-        self.fit = CallCost(self.batch_size, prior=self.prior)
-
-    def push(self, ids: list[int], costs: Sequence[float] | None) -> None:
-        """Samples ``ids`` are pending, costliest first; ``costs`` has one per sample (strict:
-        a short list fails instead of leaving samples out)."""
-        pairs = ((i, 0.0) for i in ids) if costs is None else zip(ids, costs, strict=True)
-        for i, cost in pairs:
-            heapq.heappush(self.heap, (-cost, i))
-
-    @property
-    def remaining(self) -> int:
-        """Samples not finished yet: pending, still upstream, or running."""
-        return self.expected - self.finished
-
-    @property
-    def coming(self) -> int:
-        """Samples admitted into the pipeline but not yet ready for this stage: they are
-        upstream, so they arrive (a stage that waits for them cannot wait for admission)."""
-        return max(0, self.admitted - self.dispatched - len(self.heap))
-
-
-@dataclass(frozen=True)
-class Assignment:
-    replica: int
-    stage: str
-    ids: list[int]
+    from collections.abc import Callable, Sequence
 
 
 class PoolScheduler:
@@ -92,7 +43,15 @@ class PoolScheduler:
     so a pool of thousands of replicas schedules as fast as a pool of eight.
     """
 
-    def __init__(self, *, replicas: int, policy: str, prefetch: int = 1, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        replicas: int,
+        policy: str,
+        prefetch: int = 1,
+        deterministic: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.replicas = replicas
         check_policy(policy)
         self.policy = policy
@@ -102,7 +61,7 @@ class PoolScheduler:
         self._blocks = itertools.count()  # deterministic: cut blocks leave in the order they filled
         self.in_flight = [0] * replicas
         self._last_served = list(range(-replicas, 0))  # never served: in replica order
-        self._stages: dict[str, _StageQueue] = {}
+        self._stages: dict[str, StageQueue] = {}
         self._waiting = [0] * replicas  # slots of each replica waiting for a shard
         self._version = [0] * replicas  # bumped when a replica's priority changes
         self._queue: list[tuple[int, int, int, int]] = []  # (in flight, last served, replica, version)
@@ -110,11 +69,15 @@ class PoolScheduler:
         self._seq = itertools.count()
         self.retired: set[int] = set()  # replicas that serve no more (their process died)
         self._isolating: set[int] = set()  # replicas running a suspect: nothing is queued behind it
+        # ``clock`` (seconds; the simulator's virtual one, or the runtime's): with it, the cost
+        # splitter predicts when each replica's calls in flight end, for the drain (``drain_share``)
+        self._clock = clock
+        self._free_at = [0.0] * replicas  # predicted end of each replica's last call in flight
 
     def add_stage(self, name: str, batch_size: int, prior: tuple[float, float] | None = None) -> None:
         """Register a stage served by this pool; later stages in a flow are added later.
         ``prior``: a call's (fixed, per-sample) seconds until calls are measured."""
-        self._stages[name] = _StageQueue(name, batch_size, prior=prior)
+        self._stages[name] = StageQueue(name, batch_size, prior=prior)
 
     def expect(self, stage: str, count: int) -> None:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
@@ -166,7 +129,7 @@ class PoolScheduler:
             for key in [k for k in q.parked if k[0] == run]:
                 self._unpark(q, key)
 
-    def _unpark(self, q: _StageQueue, key: tuple[int, int]) -> None:
+    def _unpark(self, q: StageQueue, key: tuple[int, int]) -> None:
         """Cut block ``key`` if every member is ready (its size: a batch, or less at a run's end)."""
         count = self._sealed.get(key[0])
         size = q.batch_size if count is None else min(q.batch_size, count - key[1] * q.batch_size)
@@ -175,7 +138,7 @@ class PoolScheduler:
             q.parked_n -= len(members)
             self._cut_block(q, sorted(members))
 
-    def _cut_block(self, q: _StageQueue, ids: list[int]) -> None:
+    def _cut_block(self, q: StageQueue, ids: list[int]) -> None:
         """``ids`` leave together as one shard, in id order, after the blocks cut before them."""
         key = float(next(self._blocks))
         q.lengths[key] = len(ids)
@@ -200,6 +163,7 @@ class PoolScheduler:
         self._last_served.append(min(self._last_served, default=0) - 1)
         self._waiting.append(0)
         self._version.append(0)
+        self._free_at.append(0.0)
         return r
 
     def withdraw(self, replica: int) -> None:
@@ -238,7 +202,7 @@ class PoolScheduler:
             q.suspects.update(back)
         self._changed(r)
 
-    def _give_back_block(self, q: _StageQueue, back: list[int]) -> None:
+    def _give_back_block(self, q: StageQueue, back: list[int]) -> None:
         # Whole the first time (a replica's death is seldom its samples' fault); given back again,
         # each is a suspect cut alone: the block rule breaks rather than one sample spending its
         # block's retries.
@@ -291,6 +255,8 @@ class PoolScheduler:
                 passed.append(replica)
                 continue
             self._waiting[replica] -= 1
+            if self._clock is not None:
+                self._free_at[replica] = self._ends(replica, stage, len(taken))
             out.append(Assignment(replica, stage.name, taken))
             self.in_flight[replica] += 1
             self._last_served[replica] = next(self._seq)
@@ -321,7 +287,7 @@ class PoolScheduler:
                 return r
         return None
 
-    def _next_cut(self, replica: int) -> tuple[_StageQueue, int] | None:
+    def _next_cut(self, replica: int) -> tuple[StageQueue, int] | None:
         """The stage ``replica`` serves next and the shard's size; None when none should be cut
         now. The deepest stage first (stages are added in flow order): it drains the pipeline."""
         for q in reversed(self._stages.values()):
@@ -334,15 +300,41 @@ class PoolScheduler:
                 return q, n
         return None
 
-    def _held_add(self, replica: int, q: _StageQueue, n: int) -> None:
+    def _held_add(self, replica: int, q: StageQueue, n: int) -> None:
         key = (replica, q.name)
         before = self._held.get(key, 0)
         self._held[key] = before + n
         q.holders += (before + n > 0) - (before > 0)
 
-    def _size(self, q: _StageQueue, replica: int) -> int:
+    def _ends(self, r: int, q: StageQueue, n: int) -> float:
+        """When a call of ``n`` samples of ``q`` cut for ``r`` now should end (after its calls in flight)."""
+        assert self._clock is not None
+        now = self._clock()
+        start = max(self._free_at[r], now) if self.in_flight[r] else now + (q.fit.overhead_s() or 0.0)
+        return start + q.fit.predict(n)
+
+    def _drain(self, q: StageQueue, replica: int) -> int | None:
+        """The ``cost`` splitter's size at the stage's drain (``drain_share``): every sample
+        left is pending and one call per serving replica covers them; None otherwise."""
+        pending = len(q.heap)
+        if self._clock is None or q.batch_size == 1 or q.expected - q.dispatched != pending or not q.fit.steady():
+            return None
+        fixed, per = q.fit.fixed_s(), q.fit.per_sample_s()
+        if fixed is None or per is None or per <= 0 or pending > self.serving * q.batch_size:
+            return None
+        now = self._clock()
+
+        def free(r: int) -> float:
+            return max(now, self._free_at[r]) if self.in_flight[r] else now
+
+        others = [free(r) for r in range(self.replicas) if r != replica and r not in self.retired]
+        return drain_share(free(replica), heapq.nsmallest(pending - 1, others), pending, fixed, per, q.batch_size)
+
+    def _size(self, q: StageQueue, replica: int) -> int:
         if self.deterministic:  # the block at the head of the queue, whole
             return q.lengths[q.heap[0][0]]
+        if self.policy == "cost" and (n := self._drain(q, replica)) is not None:
+            return n
         held = self._held.get((replica, q.name), 0)
         busy = q.holders - (held > 0)  # other replicas running samples of this stage
         unassigned = q.expected - q.dispatched
@@ -360,7 +352,7 @@ class PoolScheduler:
             coming=q.coming,
         )
 
-    def _take(self, q: _StageQueue, replica: int, n: int) -> list[int]:
+    def _take(self, q: StageQueue, replica: int, n: int) -> list[int]:
         """Up to ``n`` samples of ``q`` for ``replica``, costliest first. A suspect goes alone,
         to a replica with nothing in flight (a call queued behind one that hangs fails with it);
         none when only suspects are left for a busy replica."""
@@ -383,7 +375,7 @@ class PoolScheduler:
         q.dispatched += len(entries)
         return [e[1] for e in entries]
 
-    def _take_block(self, q: _StageQueue, replica: int) -> list[int]:
+    def _take_block(self, q: StageQueue, replica: int) -> list[int]:
         """The block at the head of ``q``; a suspect only for a replica with nothing in flight."""
         key, first = q.heap[0]
         if first in q.suspects:

@@ -265,7 +265,7 @@ class _Sim:
         self.hints = cost_hints(w, self.tail) if hints is None else hints
         self.pools = {}
         for st in w.stages:
-            pool = PoolScheduler(replicas=st.replicas, policy=st.splitter, prefetch=st.prefetch)
+            pool = PoolScheduler(replicas=st.replicas, policy=st.splitter, prefetch=st.prefetch, clock=self._now)
             pool.add_stage(st.name, st.batch_size, _prior(st, self.tail[st.name]) if w.warm else None)
             pool.expect(st.name, w.samples)
             pool.admit(st.name, w.samples)
@@ -295,6 +295,9 @@ class _Sim:
         while self.events:
             self.now, _, name, a, duration, overhead = heapq.heappop(self.events)
             self._finish(name, a, duration, overhead)
+
+    def _now(self) -> float:
+        return self.now
 
     def _costs(self, ids: list[int]) -> list[float] | None:
         return None if self.hints is None else self.hints[ids].tolist()

@@ -63,7 +63,11 @@ def _pools(graph: FlowGraph, deterministic: bool = False) -> dict[str, AsyncPool
     for name, model in graph.models.items():
         cfg = model.config
         sched = PoolScheduler(
-            replicas=cfg.replicas, policy=cfg.splitter, prefetch=cfg.prefetch, deterministic=deterministic
+            replicas=cfg.replicas,
+            policy=cfg.splitter,
+            prefetch=cfg.prefetch,
+            deterministic=deterministic,
+            clock=time.monotonic,
         )
         c = model.config.call_cost
         prior = None if c is None else (c.fixed_s, c.per_sample_s)
