@@ -2,7 +2,8 @@
 
     python benchmarks/before_after.py BEFORE [AFTER] [--rounds 2] [--scenario tiny-shards ...]
 
-Each commit is exported (``git archive``) to a folder of its own and run from there
+Each commit is exported (``git archive``) to a folder of its own (a folder given instead of a
+commit is used as it is: where there is no git, as on the lent machine) and run from there
 (``PYTHONPATH``; Ray's workers inherit it), alternating before, after, before, after, so that
 the machine's drift falls on both. Prints, per scenario, flowrl's makespan in each round, the
 ratio of the medians, and static push over flowrl; then the substrate (shards per second).
@@ -24,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def export(rev: str, into: Path) -> Path:
+    if Path(rev).is_dir():
+        return Path(rev).resolve()
     into.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
     with tempfile.TemporaryFile() as f:
@@ -37,7 +40,8 @@ def export(rev: str, into: Path) -> Path:
 def run(tree: Path, out: Path, scenarios: list[str], repeats: int) -> dict[str, Any]:
     picked = [a for s in scenarios for a in ("--scenario", s)]
     cmd = ["python", "-m", "flowrl", "loadtest", "--repeats", str(repeats), "--no-ray-data", "--out", str(out), *picked]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True)
     report: dict[str, Any] = json.loads(out.with_suffix(".json").read_text())
     return report
@@ -53,17 +57,20 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> str:
         ]
 
     lines = [
-        "| scenario | before flowrl s | after flowrl s | after/before | before push/flowrl | after push/flowrl |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| scenario | before flowrl s | after flowrl s | after/before | before flowrl/bound | after flowrl/bound "
+        "| before push/flowrl | after push/flowrl |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in runs["before"][0]["rows"]:
         s = row["scenario"]
         b, a = rows("before", s, "flowrl"), rows("after", s, "flowrl")
         ratio = statistics.median(a) / statistics.median(b)
         pb, pa = rows("before", s, "push_over_flowrl"), rows("after", s, "push_over_flowrl")
+        bb, ba = rows("before", s, "flowrl_over_bound"), rows("after", s, "flowrl_over_bound")
         fmt = " / ".join
         lines.append(
-            f"| {s} | {fmt(f'{x:.3f}' for x in b)} | {fmt(f'{x:.3f}' for x in a)} | {ratio:.2f} | "
+            f"| {s} | {fmt(f'{x:.3f}' for x in b)} | {fmt(f'{x:.3f}' for x in a)} | {ratio:.3f} | "
+            f"{fmt(f'{x:.3f}' for x in bb)} | {fmt(f'{x:.3f}' for x in ba)} | "
             f"{fmt(f'{x:.2f}' for x in pb)} | {fmt(f'{x:.2f}' for x in pa)} |"
         )
     shards = {side: " / ".join(f"{r['raw']['flowrl_shards_per_s']:.0f}" for r in runs[side]) for side in runs}
