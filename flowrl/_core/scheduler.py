@@ -333,6 +333,8 @@ class PoolScheduler:
     def _size(self, q: StageQueue, replica: int) -> int:
         if self.deterministic:  # the block at the head of the queue, whole
             return q.lengths[q.heap[0][0]]
+        if q.batch_size == 1:  # every policy cuts one (the driver's hottest path with one-sample shards)
+            return 1
         if self.policy == "cost" and (n := self._drain(q, replica)) is not None:
             return n
         held = self._held.get((replica, q.name), 0)
