@@ -159,32 +159,36 @@ class CallCost:
         return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))
 
 
+def finish_together(frees: Sequence[float], samples: int, fixed: float, per: float, batch: int) -> float:
+    """The soonest ``samples`` finish over replicas free at ``frees``, each running at most one
+    more call of ``fixed + per * n`` seconds and ``n <= batch`` (split continuously): where the
+    shares ``clip((T - free - fixed) / per, 0, batch)`` add up to ``samples``, walked over the
+    breakpoints of that piecewise-linear sum. Infinite when one call each cannot hold them."""
+    # the share of a replica rises from 0 at free + fixed, at a rate 1/per, to batch
+    # ``batch * per`` later: breakpoints where the slope of the total changes
+    points = sorted([(t + fixed, 1) for t in frees] + [(t + fixed + batch * per, -1) for t in frees])
+    total, rising, at = 0.0, 0, points[0][0]
+    for t, step in points:
+        gained = rising * (t - at) / per
+        if total + gained >= samples:
+            return at + (samples - total) * per / rising
+        total, at, rising = total + gained, t, rising + step
+    return math.inf
+
+
 def drain_share(mine: float, others: Sequence[float], samples: int, fixed: float, per: float, batch: int) -> int:
     """How many of the last ``samples`` the asking replica's call takes, so that they finish
-    soonest: each replica (the asking one free at ``mine``, the others at ``others``: now, or
-    when their calls in flight should end) runs at most one more call of ``fixed + per * n``
-    seconds and ``n <= batch``. The finish ``T`` is where the replicas' shares
-    ``clip((T - free - fixed) / per, 0, batch)`` add up to ``samples`` (piecewise linear in
-    ``T``: walked over its breakpoints); the asking replica takes its share, rounded up. 0 when
-    the others finish them all before its call could: a busy replica then queues nothing.
+    soonest (``finish_together``; the asking replica free at ``mine``, the others at
+    ``others``: now, or when their calls in flight should end): its share at that finish,
+    rounded up. 0 when the others finish them all before its call could: a busy replica then
+    queues nothing.
 
     Guided self-scheduling spreads what is left over the replicas free *now*; where the others
     free up a moment later, that hands the free ones a shard longer than the wait for the rest.
     """
     if samples <= 0 or per <= 0:
         return 0
-    starts = sorted([mine, *others])
-    # the share of replica i rises from 0 at starts[i] + fixed, at a rate 1/per, to batch
-    # ``batch * per`` later: breakpoints where the slope of the total changes
-    points = sorted([(t + fixed, 1) for t in starts] + [(t + fixed + batch * per, -1) for t in starts])
-    total, rising, at = 0.0, 0, points[0][0]
-    finish = math.inf
-    for t, step in points:
-        gained = rising * (t - at) / per
-        if total + gained >= samples:
-            finish = at + (samples - total) * per / rising
-            break
-        total, at, rising = total + gained, t, rising + step
+    finish = finish_together([mine, *others], samples, fixed, per, batch)
     if not math.isfinite(finish):  # more than one call each: not a drain
         return batch
     share = (finish - mine - fixed) / per
