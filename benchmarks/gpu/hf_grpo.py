@@ -54,12 +54,13 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 
 class GpuBusy:
-    """``nvidia-smi``'s utilization.gpu, sampled every 100 ms while running."""
+    """``nvidia-smi``'s utilization.gpu of every GPU, sampled every 100 ms while running."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
+        self.timed: list[tuple[float, int, float]] = []  # (wall clock, GPU index, utilization)
         self._proc = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -70,9 +71,19 @@ class GpuBusy:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             try:
-                self.samples.append(float(line.split(",")[0]))
+                index, value = (float(x) for x in line.split(",")[:2])
             except ValueError:
                 continue
+            self.samples.append(value)
+            self.timed.append((time.time(), int(index), value))
+
+    def per_gpu(self, windows: list[tuple[float, float]]) -> dict[int, dict[str, float]]:
+        """Each GPU's median and mean utilization over the samples inside ``windows``."""
+        inside: dict[int, list[float]] = {}
+        for t, index, value in self.timed:
+            if any(a <= t <= b for a, b in windows):
+                inside.setdefault(index, []).append(value)
+        return {i: {"median": statistics.median(v), "mean": statistics.fmean(v)} for i, v in sorted(inside.items())}
 
     def stop(self) -> dict[str, float]:
         self._proc.terminate()
