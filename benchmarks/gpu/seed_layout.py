@@ -132,6 +132,7 @@ def main() -> None:
                         record["episodes"][system].append(m)
                         windows[system].append((start, end))
                     print(f"episode {e} {system}: {end - start:.2f} s", flush=True)
+            record["pull shard sizes"] = {st.model: st.shard_sizes for st in pipe.stats().stages.values()}
     finally:
         push.close()
         if sampler is not None:
@@ -174,6 +175,8 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
     for system, gpus in record.get("gpu_busy", {}).items():
         cells = ", ".join(f"GPU {i}: {v['median']:.0f}% / {v['mean']:.0f}%" for i, v in gpus.items())
         lines.append(f"\nGPU busy during {system} (nvidia-smi, median / mean): {cells}")
+    sizes = "; ".join(f"{m}: {v}" for m, v in record.get("pull shard sizes", {}).items())
+    lines.append(f"\npull's shard sizes (size: calls, all episodes): {sizes}")
     return "\n".join(lines) + "\n"
 
 
