@@ -40,7 +40,8 @@ class PoolScheduler:
     """Ready samples per stage, waiting slots per replica, and the splitter between them.
 
     Every operation costs O(log replicas) (a heap of waiting replicas with lazy deletion),
-    so a pool of thousands of replicas schedules as fast as a pool of eight.
+    so a pool of thousands of replicas schedules as fast as a pool of eight; only a cut at a
+    stage's drain (``_drain``, with a clock) reads every replica's predicted free time.
     """
 
     def __init__(
