@@ -50,6 +50,7 @@ from hf_lengths import TINY, LengthPolicy, epoch_items, make_prompts, make_token
 
 import flowrl  # noqa: E402
 from flowrl import hf  # noqa: E402
+from flowrl._core.push_sim import simulate_push  # noqa: E402
 
 ROLES = list(pull_push.ROLES)  # policy, reference, value, reward
 SYSTEMS = ("pull", "push")
@@ -96,6 +97,54 @@ def episode_metrics(
     return out
 
 
+def shard_calls(spans: list[Any], items: list[dict[str, Any]]) -> list[tuple[str, int, int, float]]:
+    """Each pull call of the episode: (model, samples, its longest target, seconds)."""
+    first = min(i for s in spans for i in s.args.get("ids", ()))  # a run's ids are consecutive
+    return [
+        (s.group, len(s.args["ids"]), max(int(items[i - first]["target"]) for i in s.args["ids"]), s.end - s.start)
+        for s in spans
+        if s.args.get("ids")
+    ]
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed, slope) of seconds against ``x`` by least squares; through 0 if ``x`` never varies."""
+    x, y = np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points])
+    if len(set(x.tolist())) < 2:
+        return 0.0, float(np.mean(y / np.maximum(x, 1)))
+    slope, fixed = np.polyfit(x, y, 1)
+    return max(0.0, float(fixed)), max(0.0, float(slope))
+
+
+def predict(episodes: list[dict[str, Any]], models: dict[str, flowrl.Model]) -> list[dict[str, float]]:
+    """The simulator's makespans of each measured episode, pull and static push, from stage costs
+    fitted on every measured pull call: a scorer's call ``fixed + per * samples``, the policy's
+    ``fixed + per_token * its longest target`` (a generation runs until its longest row ends)."""
+    calls = [c for e in episodes for c in e["calls"]]
+    if not calls:
+        return []
+    costs = {}
+    for m in ROLES:
+        x = [(float(t) if m == "policy" else float(n), d) for name, n, t, d in calls if name == m]
+        costs[m] = fit(x)
+    stages = [
+        flowrl.SimStage(
+            name=m,
+            inputs=["input"] if m == "policy" else ["policy", "reference", "value"] if m == "reward" else ["policy"],
+            replicas=models[m].config.replicas,
+            batch_size=models[m].config.batch_size,
+            cost=flowrl.StageCost(call_s=costs[m][0], per_sample_s=0.0 if m == "policy" else costs[m][1]),
+        )
+        for m in ROLES
+    ]
+    out = []
+    for e in episodes:
+        tail = [costs["policy"][1] * t for t in e["targets"]]
+        w = flowrl.Workload(stages=stages, samples=len(tail), tail_s={"policy": tail})
+        out.append({"pull": flowrl.simulate(w).makespan_s, "push": simulate_push(w).makespan_s})
+    return out
+
+
 def main() -> None:
     args = parse()
     on_gpu = torch.cuda.is_available() and not args.tiny
@@ -120,7 +169,9 @@ def main() -> None:
                 tokens = sum(int(i["target"]) for i in items)
                 for system in SYSTEMS if e % 2 == 0 else SYSTEMS[::-1]:
                     if system == "pull":
+                        before = len(pipe.timeline.spans)
                         n, start, end, spans = pull_push.pull_episode(pipe, items)
+                        calls = shard_calls(pipe.timeline.spans[before:], items)
                     else:
                         start = time.time()
                         n, spans = push.run(items)
@@ -128,6 +179,9 @@ def main() -> None:
                     if n != len(items):
                         raise RuntimeError(f"{system} returned {n} of {len(items)} samples")
                     m = episode_metrics(spans, start, end, models, share) | {"tokens": tokens, "episode": e}
+                    if system == "pull":
+                        m["calls"] = calls
+                        m["targets"] = [int(i["target"]) for i in items]
                     if e:  # the first episode of each system warms up (CUDA kernels, the allocator)
                         record["episodes"][system].append(m)
                         windows[system].append((start, end))
@@ -139,6 +193,7 @@ def main() -> None:
             sampler.stop()
     if sampler is not None:
         record["gpu_busy"] = {s: sampler.per_gpu(w) for s, w in windows.items()}
+    record["predicted"] = predict(record["episodes"]["pull"], models)
     (out / "seed-layout.json").write_text(json.dumps(record, indent=1))
     (out / "seed-layout.md").write_text(markdown(record, args))
     print(markdown(record, args))
@@ -175,6 +230,17 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
     for system, gpus in record.get("gpu_busy", {}).items():
         cells = ", ".join(f"GPU {i}: {v['median']:.0f}% / {v['mean']:.0f}%" for i, v in gpus.items())
         lines.append(f"\nGPU busy during {system} (nvidia-smi, median / mean): {cells}")
+    pred, pulls = record.get("predicted", []), eps["pull"]
+    if pred and eps["push"]:
+        lines += [
+            "",
+            "The simulator (stage costs fitted on every measured pull call), per episode: measured / predicted s",
+            "",
+            "| episode | pull | push |",
+            "| --- | --- | --- |",
+        ]
+        for p, a, b in zip(pred, pulls, eps["push"], strict=True):
+            lines.append(f"| {a['episode']} | {a['s']:.2f} / {p['pull']:.2f} | {b['s']:.2f} / {p['push']:.2f} |")
     sizes = "; ".join(f"{m}: {v}" for m, v in record.get("pull shard sizes", {}).items())
     lines.append(f"\npull's shard sizes (size: calls, all episodes): {sizes}")
     return "\n".join(lines) + "\n"

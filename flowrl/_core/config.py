@@ -94,9 +94,9 @@ def _holds_float(annotation: Any) -> bool:
 def _check_numbers(where: str, value: Any, *, ints: bool = True) -> None:
     # NaN passes every comparison check (``nan <= 0`` is False; a Decimal NaN raises instead) and
     # inf means "never" only by accident: both are refused wherever a number is set, nested
-    # sequences included. An int beyond INT_LIMIT overflows the runtime's 64-bit counters later.
-    if isinstance(value, (list, tuple)):
-        for item in value:
+    # sequences and mappings included. An int beyond INT_LIMIT overflows the runtime's 64-bit counters later.
+    if isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
             _check_numbers(where, item, ints=ints)
     elif isinstance(value, bool):
         return

@@ -108,6 +108,10 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ``cost_hint_sigma``: when set, every sample carries an estimate of its cost (as with
     ``PipelineConfig.cost_field``): the first stage's tail times a log-normal error of that
     shape (0: exact estimates).
+
+    ``tail_s``: per stage, each sample's tail seconds as measured (a generation's time beyond
+    the call's fixed and per-sample cost), in place of the ones drawn from the stage's cost:
+    to predict a run whose samples are known.
     """
 
     stages: list[SimStage]
@@ -120,6 +124,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     group: int = 1
     epoch: int = 0
     epoch_noise: float = 0.0
+    tail_s: dict[str, list[float]] | None = None
 
     def __post_init__(self) -> None:
         items = self.stages if isinstance(self.stages, list) else []
@@ -158,6 +163,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         negative = {k: v for k, v in (("overhead_s", self.overhead_s), ("dispatch_s", self.dispatch_s)) if v < 0}
         if negative:
             raise ConfigError(f"Workload: {', '.join(negative)} must be >= 0, got {negative}")
+        _given_tails(self)
         if self.cost_hint_sigma is not None and self.cost_hint_sigma < 0:
             raise ConfigError(
                 f"Workload.cost_hint_sigma must be >= 0 (or None: no estimates), got {self.cost_hint_sigma}"
@@ -184,6 +190,21 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
         return 1.0 - sum(busy) / (len(busy) * self.makespan_s) if self.makespan_s else 0.0
 
 
+def _given_tails(w: Workload) -> None:
+    """``tail_s`` names stages of the workload, one finite time >= 0 per sample."""
+    names = {st.name for st in w.stages}
+    for name, times in (w.tail_s or {}).items():
+        if name not in names:
+            raise ConfigError(f"Workload.tail_s names stage {name!r}; the stages are {sorted(names)}")
+        if len(times) != w.samples:
+            raise ConfigError(
+                f"Workload.tail_s[{name!r}]: expected one time per sample ({w.samples}), got {len(times)}"
+            )
+        bad = [t for t in times if not 0.0 <= t <= MAX_SECONDS]
+        if bad:
+            raise ConfigError(f"Workload.tail_s[{name!r}]: times must be seconds in [0, {MAX_SECONDS:g}], got {bad[0]}")
+
+
 def tails(workload: Workload) -> dict[str, np.ndarray]:
     """Each stage's per-sample tail times in ``workload.epoch``, deterministic from the seed: a
     prompt's own time (shared by the ``group`` samples of a prompt, the same every epoch),
@@ -202,6 +223,8 @@ def tails(workload: Workload) -> dict[str, np.ndarray]:
         if w.epoch_noise > 0 and c.tail_median_s > 0:
             tail = tail * np.random.default_rng([w.seed, k, 1 << 16, w.epoch]).lognormal(0.0, w.epoch_noise, w.samples)
         out[st.name] = tail
+    for name, given in (w.tail_s or {}).items():
+        out[name] = np.asarray(given, dtype=np.float64)
     return out
 
 

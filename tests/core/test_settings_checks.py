@@ -68,7 +68,10 @@ BAD = [math.nan, math.inf, -math.inf]
 
 
 def _bad_value(field: msgspec.structs.FieldInfo, bad: Any) -> Any:
-    # a sequence (Optim.betas, Sampling.stop_token_ids) gets the bad number as its first item
+    # a sequence (Optim.betas, Sampling.stop_token_ids) gets the bad number as its first item,
+    # a mapping of lists (Workload.tail_s) as its one value's
+    if "dict[" in str(field.type):
+        return {"a": [bad]}
     return (bad, *field.default[1:]) if isinstance(field.default, tuple) else bad
 
 

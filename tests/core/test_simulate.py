@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 
 import flowrl
-from flowrl._core.simulate import SimStage, StageCost, Workload, simulate
+from flowrl._core.errors import ConfigError
+from flowrl._core.simulate import SimStage, StageCost, Workload, simulate, tails
+from flowrl._tools.scenarios import scenarios
 
 
 def seed_209(splitter: str = "guided", rounds: int = 1) -> Workload:
@@ -163,3 +166,30 @@ def test_when_calls_cost_more_than_they_carry_shards_stay_full_and_every_replica
     for stage in ("reference", "value", "reward"):
         assert costly.shard_sizes[stage] == {2: 16}
         assert costly.replicas_used[stage] == 8
+
+
+def test_measured_tails_replace_the_drawn_ones_and_a_longer_one_lengthens_the_run():
+    w = scenarios()["chatlearn-209"]
+    drawn = tails(w)["policy"]
+    given = msgspec.structs.replace(w, tail_s={"policy": drawn.tolist()})
+    assert simulate(given).makespan_s == simulate(w).makespan_s
+    longer = drawn.copy()
+    longer[3] += 1.0  # one sample's generation a second longer: no run is shorter than its path
+    slow = simulate(msgspec.structs.replace(w, tail_s={"policy": longer.tolist()}))
+    assert slow.lower_bound_s > simulate(w).lower_bound_s + 0.9
+    assert slow.makespan_s >= slow.lower_bound_s > longer[3]
+    assert list(tails(msgspec.structs.replace(w, tail_s={"policy": longer.tolist()}))["policy"]) == list(longer)
+
+
+@pytest.mark.parametrize(
+    "tail_s, match",
+    [
+        ({"nope": [0.1] * 16}, "names stage 'nope'"),
+        ({"policy": [0.1] * 3}, "one time per sample"),
+        ({"policy": [-1.0] * 16}, "must be seconds"),
+    ],
+)
+def test_measured_tails_are_checked(tail_s, match):
+    w = scenarios()["chatlearn-209"]
+    with pytest.raises(ConfigError, match=match):
+        msgspec.structs.replace(w, tail_s=tail_s)
