@@ -145,15 +145,21 @@ def predict(episodes: list[dict[str, Any]], models: dict[str, flowrl.Model]) -> 
     return out
 
 
-def main() -> None:
-    args = parse()
-    on_gpu = torch.cuda.is_available() and not args.tiny
+def begin(args: argparse.Namespace) -> tuple[Path, dict[str, Any], str]:
+    """The output folder (made), the architecture, a tokenizer folder; Ray started."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     arch = TINY if args.tiny else ARCHS[args.arch]
     tokenizer = args.tokenizer or make_tokenizer(Path(tempfile.mkdtemp(prefix="flowrl-tok-")), arch["vocab_size"])
     if not ray.is_initialized():
         ray.init(num_cpus=max(64, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    return out, arch, tokenizer
+
+
+def main() -> None:
+    args = parse()
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    out, arch, tokenizer = begin(args)
     models, share = build(args, on_gpu, tokenizer)
     texts, targets = make_prompts(args, arch["vocab_size"])
     rng = np.random.default_rng(args.seed)
@@ -246,11 +252,10 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def layout_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """The layout's and the workload's options (seed_ppo.py takes them too)."""
     p.add_argument("--arch", choices=sorted(ARCHS), default="qwen2.5-0.5b")
     p.add_argument("--tokenizer", help="a tokenizer folder (default: a word-level one built here)")
-    p.add_argument("--episodes", type=int, default=4, help="per system; the first warms up")
     p.add_argument("--samples", type=int, default=128, help="samples an episode")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--tokens", type=int, default=256, help="the longest response")
@@ -264,7 +269,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small Llama on the CPU (a check)")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/flowrl-seed-layout"))
+    p.add_argument("--out", default=os.environ.get("OUT", out))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    layout_arguments(p, "/tmp/flowrl-seed-layout")
+    p.add_argument("--episodes", type=int, default=4, help="per system; the first warms up")
     args = p.parse_args()
     if args.samples % args.n or args.tokens < 2:
         p.error(f"--samples ({args.samples}) must be a multiple of --n ({args.n}), and --tokens at least 2")

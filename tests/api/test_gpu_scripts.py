@@ -88,3 +88,22 @@ def test_partial_rollouts_write_every_response_to_its_target_with_less_padding(t
     assert rollouts["whole"]["tokens"] == rollouts["partial"]["tokens"]
     assert rollouts["partial"]["segments"] > rollouts["whole"]["segments"] == 32
     assert rollouts["partial"]["waste"] < rollouts["whole"]["waste"]  # no call decodes past 8 tokens
+
+
+@pytest.mark.slow  # two minutes: two engines of six HF models on a Ray cluster (python -m pytest -q -m slow)
+def test_seed_ppo_runs_both_modes_on_every_replica_with_the_staleness_each_allows(tmp_path):
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, str(GPU / "seed_ppo.py"), "--tiny", "--episodes", "2", "--samples", "16", "--n", "2"]
+    cmd += ["--tokens", "8", "--policy-batch", "8", "--scorer-batch", "4", "--scorer-replicas", "2"]
+    subprocess.run([*cmd, "--out", str(tmp_path)], check=True, capture_output=True, timeout=600, cwd=GPU)
+    record = json.loads((tmp_path / "seed-ppo.json").read_text())
+    assert set(record["modes"]) == {"sync", "async"}
+    for mode, lag in (("sync", "0"), ("async", "1")):
+        rec = record["modes"][mode]
+        assert [r["episode"] for r in rec["episodes"]] == [0, 1]
+        for row in rec["episodes"]:  # 16 samples in shards of 8 and 4: every replica has work
+            assert [row[f"{m} replicas"] for m in ("policy", "reference", "value", "reward")] == [2, 2, 2, 2]
+            assert row["ppo_policy busy"] > 0 and row["ppo_value busy"] > 0
+        # episode 1 trains on samples of the weights before episode 0's step when asynchronous
+        assert rec["staleness"][1] == {"policy": {lag: 16}, "value": {lag: 16}}
+    assert "| sync |" in (tmp_path / "seed-ppo.md").read_text()
