@@ -140,6 +140,10 @@ def summarize(
                 mine = [s for s in spans if s.group == m and roll.start <= s.start < roll.end]
                 row[f"{m} busy"] = covered([(s.start, s.end) for s in mine], roll.start, roll.end)
                 row[f"{m} replicas"] = len({s.lane for s in mine})
+                # each call: replica, start and end from the rollout's start, samples
+                row[f"{m} calls"] = [
+                    (s.lane, s.start - roll.start, s.end - roll.start, len(s.args.get("ids", ()))) for s in mine
+                ]
         for t in TRAINERS:
             row[f"{t} busy"] = covered(
                 [(s.start, s.end) for s in spans if s.group == t and s.args.get("episode") == e], 0, 1e12
