@@ -232,7 +232,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     args = p.parse_args()
     if args.samples % args.n or args.samples % args.steps or args.tokens < 2:
-        p.error(f"--samples ({args.samples}) must be a multiple of --n and --steps, and --tokens at least 2")
+        p.error(
+            f"--samples ({args.samples}) must be a multiple of --n ({args.n}) and of --steps ({args.steps}), "
+            f"and --tokens ({args.tokens}) at least 2"
+        )
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         p.error(f"--modes: unknown {sorted(unknown)}; choose among {sorted(MODES)}")
