@@ -24,7 +24,7 @@ import tempfile
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, TypeVarTuple, cast
 
 from .._core.errors import PipelineClosedError
 
@@ -173,6 +173,15 @@ def _reply(sock: socket.socket, answer: Callable[[int, Any], bytes], seq: int, p
         sock.sendall(_header(len(data)) + data)
 
 
+class _Writer(Protocol):
+    """What the driver's end uses of its transport: asyncio's and uvloop's both have it (uvloop's
+    transports do not subclass asyncio's, so an ``isinstance`` check would refuse them)."""
+
+    def writelines(self, data: Any, /) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class DriverEnd(asyncio.Protocol):
     """The driver's end of one replica's channel, bound to the event loop that accepted it.
 
@@ -183,7 +192,7 @@ class DriverEnd(asyncio.Protocol):
     def __init__(self, server: ChannelServer) -> None:
         self.loop = asyncio.get_running_loop()
         self._server = server
-        self._transport: asyncio.WriteTransport | None = None
+        self._transport: _Writer | None = None
         self._buffer = bytearray()
         self._named = False
         self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
@@ -204,8 +213,7 @@ class DriverEnd(asyncio.Protocol):
         return self._sent - 1, future
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)  # a Unix stream socket's is one
-        self._transport = transport
+        self._transport = cast("_Writer", transport)  # a Unix stream socket's writes, on any loop
 
     def data_received(self, data: bytes) -> None:
         for frame in _frames(self._buffer, data):

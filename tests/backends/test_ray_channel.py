@@ -197,6 +197,25 @@ async def test_setup_state_of_the_replica_thread_holds_in_every_step(ray_cluster
     assert flowrl_actor_names() == []
 
 
+def test_a_pipeline_runs_its_shards_over_the_channel_inside_uvloop(ray_cluster, monkeypatch):
+    """uvloop's transports do not subclass asyncio's: a driver end that checked for them refused
+    every replica, and the pipeline waited for its channels until ``setup_timeout_s``."""
+    uvloop = pytest.importorskip("uvloop")
+    count = _count_channel_calls(monkeypatch)
+    model = ThreadState("t", {"num_replicas": 2, "batch_size": 2, **CPU})
+
+    async def run() -> list[flowrl.Sample]:
+        assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        config = {"local_channels": True, "setup_timeout_s": 60.0}
+        async with flowrl.open_pipeline(lambda x: model.forward_step(x), config) as pipe:
+            return await pipe.run([{"x": [i]} for i in range(12)])
+
+    out = uvloop.run(run())
+    assert sorted(s["x"][0] for s in out) == list(range(12))
+    assert count[0] == 6  # every shard went over the channel
+    assert flowrl_actor_names() == []
+
+
 async def test_outputs_too_big_for_the_socket_are_taken_into_shared_memory(ray_cluster, monkeypatch):
     from flowrl._backends.ray_wire import SMALL_BYTES
 
