@@ -14,8 +14,13 @@ Each ``--modes`` entry is one engine run of ``--episodes`` episodes on the same 
 ``sync`` (``max_staleness`` 0) and ``async`` (``max_staleness`` 1). Per mode, over the episodes
 after the first (CUDA's warm-up): seconds per episode (the run's wall time over its episodes),
 per phase (rollout, generation, each scorer, each trainer, weight sync) the median seconds, the
-rollout's generated tokens/s, each model's replicas used per episode, and each GPU's
-utilization by nvidia-smi (median and mean).
+rollout's generated tokens/s, each model's replicas used per episode, each GPU's
+utilization by nvidia-smi (median and mean), and the GPU memory of the run's processes by
+nvidia-smi (each process's peak and the peak of their sum, sampled every 0.5 s).
+
+``--empty-cache on`` sets both trainers' ``Train.empty_cache``: each hands its allocator's unused
+blocks back to the GPU after a step, for the rollout's replicas sharing it (off by default, as in
+the runs docs/gpu.md reports for SmolLM2-135M; meant for Qwen2.5-0.5B on one GPU, not yet run).
 
     python3 benchmarks/gpu/seed_ppo.py --arch smollm2-135m --out OUT     # on the GPU machine
     python benchmarks/gpu/seed_ppo.py --tiny --episodes 2 --samples 16 --n 2 --tokens 8 \\
@@ -30,7 +35,9 @@ import argparse
 import json
 import shlex
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +84,7 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
     sampling = {"max_new_tokens": args.tokens, "temperature": 1.0, "chat_template": False}
     ppo = {"kl_coef": 0.05}
     optim = {"lr": 1e-6}
-    train = {"micro_batch_tokens": args.micro_batch_tokens}
+    train = {"micro_batch_tokens": args.micro_batch_tokens, "empty_cache": empty_cache(args)}
     trainer_lm = hf.LM(config=arch, tokenizer=tokenizer)  # fp32 weights, bf16 autocast on a GPU
     return [
         LengthPolicy("policy", config("policy", args.policy_batch), lm=lm, sampling=sampling),
@@ -87,6 +94,46 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
         hf.PPOTrainer("ppo_policy", config("trainer") | transport, lm=trainer_lm, ppo=ppo, optim=optim, train=train),
         hf.ValueTrainer("ppo_value", config("trainer") | transport, lm=trainer_lm, ppo=ppo, optim=optim, train=train),
     ]
+
+
+def empty_cache(args: argparse.Namespace) -> bool:
+    """Whether the trainers release their cached memory after each step (``--empty-cache``)."""
+    return bool(args.empty_cache == "on")
+
+
+class GpuMemory:
+    """The GPU memory of every process by nvidia-smi, polled every ``every`` seconds: each
+    process's peak MiB and the peak of their sum (what the GPU held for all of them at once)."""
+
+    def __init__(self, every: float = 0.5) -> None:
+        self.every, self.total_peak_mib, self.polls = every, 0.0, 0
+        self.peak: dict[str, float] = {}  # pid: MiB
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        while not self._stop.wait(self.every):
+            try:
+                lines = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.splitlines()
+            except (OSError, subprocess.SubprocessError):
+                continue
+            now: dict[str, float] = {}
+            for line in lines:
+                parts = [x.strip() for x in line.split(",")]
+                if len(parts) == 2 and parts[1].replace(".", "", 1).isdigit():
+                    now[parts[0]] = float(parts[1])
+            self.polls += 1
+            for pid, mib in now.items():
+                self.peak[pid] = max(mib, self.peak.get(pid, 0.0))
+            self.total_peak_mib = max(self.total_peak_mib, sum(now.values()))
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        per = sorted(self.peak.values(), reverse=True)
+        return {"total_peak_gib": self.total_peak_mib / 1024, "peak_gib": [p / 1024 for p in per], "polls": self.polls}
 
 
 def run_mode(
@@ -106,13 +153,15 @@ def run_mode(
     engine = flowrl.RLHFEngine(*models, config)
     engine.set_dataset(data)
     sampler = GpuBusy() if gpus else None
+    memory = GpuMemory() if gpus else None
     try:
         with engine:
             stats = engine.learn()
             spans = engine.spans()
     finally:
         util = sampler.stop() if sampler is not None else {}
-    return summarize(spans, stats, data, sampler, util)
+        held = memory.stop() if memory is not None else {}
+    return summarize(spans, stats, data, sampler, util) | {"memory": held, "empty_cache": empty_cache(args)}
 
 
 def summarize(
@@ -169,7 +218,8 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.samples} samples an episode, responses of at most {args.tokens} tokens ({record['tokens']} in all); "
         f"policy {args.policy_replicas} x batch {args.policy_batch}, reference / value / reward {args.scorer_replicas} "
         f"x batch {args.scorer_batch} each, trainers {record['ranks']} rank(s), weights by {record['transport']}; "
-        f"{record['gpus']} GPU(s); medians of episodes 1..{args.episodes - 1} (episode 0 warms up)",
+        f"{record['gpus']} GPU(s); medians of episodes 1..{args.episodes - 1} (episode 0 warms up); "
+        f"trainers' Train.empty_cache: {empty_cache(args)}",
         "",
         "| mode | s / episode | rollout s | generation s | reference / value / reward busy s "
         "| ppo_policy / ppo_value s | sync s | training waited s | tokens/s (rollout) "
@@ -200,6 +250,14 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
         cells = ", ".join(f"GPU {i}: {v['median']:.0f}% / {v['mean']:.0f}%" for i, v in rec.get("gpu_busy", {}).items())
         if cells:
             lines.append(f"\nGPU busy during {mode}'s measured episodes (nvidia-smi, median / mean): {cells}")
+        held = rec.get("memory", {})
+        if held.get("polls"):
+            top = ", ".join(f"{g:.1f}" for g in held["peak_gib"][:6])
+            lines.append(
+                f"\nGPU memory during {mode} (nvidia-smi): the processes' sum peaked at "
+                f"{held['total_peak_gib']:.1f} GiB; the largest processes' peaks {top} GiB "
+                f"(of {len(held['peak_gib'])} processes)"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -230,6 +288,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--episodes", type=int, default=4, help="per mode; the first warms up")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps an episode (per trainer)")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument(
+        "--empty-cache",
+        choices=("on", "off"),
+        default="off",
+        help="the trainers' Train.empty_cache: release the allocator's cache after each step",
+    )
     args = p.parse_args()
     if args.samples % args.n or args.samples % args.steps or args.tokens < 2:
         p.error(

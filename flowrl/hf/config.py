@@ -146,13 +146,18 @@ class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     ``autocast``: bf16 autocast on a GPU ("auto") or never; ``gradient_checkpointing``:
     recompute activations in the backward pass (less memory, ~1/3 more compute);
     ``temperature``: the log-probs' temperature, the policy's sampling temperature (an engine
-    checks that they agree)."""
+    checks that they agree); ``empty_cache``: after each optimizer step on a CUDA device, hand
+    the blocks PyTorch's caching allocator holds unused back to the GPU
+    (``torch.cuda.empty_cache()``), so that models colocated on it can use them between steps
+    (otherwise the memory of a step's activations stays with the trainer's process); the next
+    step allocates it again. Off by default; it does nothing on a CPU."""
 
     micro_batch_tokens: int = 0
     fsdp: Literal["auto", "never"] = "auto"
     autocast: Literal["auto", "never"] = "auto"
     gradient_checkpointing: bool = False
     temperature: float = 1.0
+    empty_cache: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)

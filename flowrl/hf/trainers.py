@@ -103,6 +103,8 @@ class HFTrainer(HFModel):
         norm = self.clip_grads()
         self.optimizer.step()
         self.lr_scheduler.step()
+        if self.train_config.empty_cache and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the step's cached activations, for the models sharing the GPU
         metrics = {k: (v if k == "loss" else v / max(1, len(batch))) for k, v in totals.items()}
         metrics["loss"] = self.summed(totals.get("loss", 0.0))  # each rank holds a part of the global loss
         if "score" in batch and len(batch):  # the rollout's mean reward: the learning curve

@@ -95,11 +95,13 @@ def test_seed_ppo_runs_both_modes_on_every_replica_with_the_staleness_each_allow
     pytest.importorskip("transformers")
     cmd = [sys.executable, str(GPU / "seed_ppo.py"), "--tiny", "--episodes", "2", "--samples", "16", "--n", "2"]
     cmd += ["--tokens", "8", "--policy-batch", "8", "--scorer-batch", "4", "--scorer-replicas", "2"]
+    cmd += ["--empty-cache", "on"]  # the trainers' Train.empty_cache: nothing to release on a CPU
     subprocess.run([*cmd, "--out", str(tmp_path)], check=True, capture_output=True, timeout=600, cwd=GPU)
     record = json.loads((tmp_path / "seed-ppo.json").read_text())
     assert set(record["modes"]) == {"sync", "async"}
     for mode, lag in (("sync", "0"), ("async", "1")):
         rec = record["modes"][mode]
+        assert rec["empty_cache"] is True and rec["memory"] == {}  # no GPU: no nvidia-smi memory
         assert [r["episode"] for r in rec["episodes"]] == [0, 1]
         for row in rec["episodes"]:  # 16 samples in shards of 8 and 4: every replica has work
             assert [row[f"{m} replicas"] for m in ("policy", "reference", "value", "reward")] == [2, 2, 2, 2]
