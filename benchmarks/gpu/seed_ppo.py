@@ -20,7 +20,8 @@ nvidia-smi (each process's peak and the peak of their sum, sampled every 0.5 s).
 
 ``--empty-cache on`` sets both trainers' ``Train.empty_cache``: each hands its allocator's unused
 blocks back to the GPU after a step, for the rollout's replicas sharing it (off by default, as in
-the runs docs/gpu.md reports for SmolLM2-135M; meant for Qwen2.5-0.5B on one GPU, not yet run).
+the runs docs/gpu.md reports for SmolLM2-135M; with it Qwen2.5-0.5B on one GPU got through
+episode 0 and ran out of memory in episode 1's value step: docs/gpu.md).
 
     python3 benchmarks/gpu/seed_ppo.py --arch smollm2-135m --out OUT     # on the GPU machine
     python benchmarks/gpu/seed_ppo.py --tiny --episodes 2 --samples 16 --n 2 --tokens 8 \\
