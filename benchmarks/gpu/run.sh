@@ -18,7 +18,7 @@ export RAY_DEDUP_LOGS=0
   python3 -c "import sys, torch, ray; print('python', sys.version.split()[0], '| torch', torch.__version__, '| ray', ray.__version__, '|', torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$out/device.txt"
 status=0
-python3 -m pytest -q -m gpu tests/engine/test_gpu.py -p no:cacheprovider -o strict_config=false -o addopts="-p no:anyio -ra" 2>&1 | tail -40 | tee "$out/gpu-tests.txt" || status=1
+python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/hf/test_hf_empty_cache.py -p no:cacheprovider -o strict_config=false -o addopts="-p no:anyio -ra" 2>&1 | tail -40 | tee "$out/gpu-tests.txt" || status=1
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout 300 python3 examples/ppo_tiny.py 2>&1 | grep -v "WARNING\|INFO" | tail -40 | tee "$out/ppo-tiny.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
