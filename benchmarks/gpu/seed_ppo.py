@@ -16,7 +16,9 @@ after the first (CUDA's warm-up): seconds per episode (the run's wall time over 
 per phase (rollout, generation, each scorer, each trainer, weight sync) the median seconds, the
 rollout's generated tokens/s, each model's replicas used per episode, each GPU's
 utilization by nvidia-smi (median and mean), and the GPU memory of the run's processes by
-nvidia-smi (each process's peak and the peak of their sum, sampled every 0.5 s).
+nvidia-smi (each process's peak and the peak of their sum, sampled every 0.5 s). A mode that
+fails (out of GPU memory, say) is recorded with its error and that memory, the next mode still
+runs, and the script exits 1 after writing the record.
 
 ``--empty-cache on`` sets both trainers' ``Train.empty_cache``: each hands its allocator's unused
 blocks back to the GPU after a step, for the rollout's replicas sharing it (off by default, as in
@@ -155,14 +157,20 @@ def run_mode(
     engine.set_dataset(data)
     sampler = GpuBusy() if gpus else None
     memory = GpuMemory() if gpus else None
+    failed = None
     try:
         with engine:
             stats = engine.learn()
             spans = engine.spans()
+    except flowrl.FlowError as err:  # out of GPU memory, say: what the GPU held still tells why
+        failed = f"{type(err).__name__}: {err}"
     finally:
         util = sampler.stop() if sampler is not None else {}
         held = memory.stop() if memory is not None else {}
-    return summarize(spans, stats, data, sampler, util) | {"memory": held, "empty_cache": empty_cache(args)}
+    done = {"memory": held, "empty_cache": empty_cache(args)}
+    if failed is not None:
+        return done | {"error": failed[:4000], "gpu_busy_run": util}
+    return summarize(spans, stats, data, sampler, util) | done
 
 
 def summarize(
@@ -228,7 +236,7 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, rec in record["modes"].items():
-        rows = [r for r in rec["episodes"] if r["episode"] >= 1]
+        rows = [r for r in rec.get("episodes", []) if r["episode"] >= 1]
         if not rows:
             continue
 
@@ -244,10 +252,12 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
             f"| {mode} | {per:.2f} | {med('rollout'):.2f} | {med('policy busy'):.2f} | {scorers} | {trainers} | "
             f"{med('sync'):.3f} | {med('wait'):.2f} | {record['tokens'] / med('rollout'):.0f} | {used} |"
         )
-    if {"sync", "async"} <= set(record["modes"]):
+    if all("window" in record["modes"].get(m, {}) for m in ("sync", "async")):
         per = {m: (r["window"][1] - r["window"][0]) for m, r in record["modes"].items()}
         lines += ["", f"async / sync wall time of the measured episodes: {per['async'] / per['sync']:.2f}"]
     for mode, rec in record["modes"].items():
+        if "error" in rec:
+            lines.append(f"\n{mode} failed: {rec['error'].splitlines()[0][:300]}")
         cells = ", ".join(f"GPU {i}: {v['median']:.0f}% / {v['mean']:.0f}%" for i, v in rec.get("gpu_busy", {}).items())
         if cells:
             lines.append(f"\nGPU busy during {mode}'s measured episodes (nvidia-smi, median / mean): {cells}")
@@ -274,12 +284,14 @@ def main() -> None:
     for mode in args.modes.split(","):
         started = time.time()
         rec = run_mode(args, mode, gpus, tokenizer, data)
-        record["tokens"] = rec["tokens"]
+        record["tokens"] = rec.get("tokens", record["tokens"])
         record["modes"][mode] = rec
         print(f"{mode}: {time.time() - started:.1f} s (start-up included)", flush=True)
         (out / "seed-ppo.json").write_text(json.dumps(record, indent=1))  # what ran, should a later mode fail
     (out / "seed-ppo.md").write_text(markdown(record, args))
     print(markdown(record, args))
+    if any("error" in rec for rec in record["modes"].values()):
+        sys.exit(1)  # after the record: a failed mode's error and GPU memory are in it
 
 
 def parse() -> argparse.Namespace:

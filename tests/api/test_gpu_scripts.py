@@ -3,6 +3,7 @@ models before GPU time is spent on them."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -109,3 +110,23 @@ def test_seed_ppo_runs_both_modes_on_every_replica_with_the_staleness_each_allow
         # episode 1 trains on samples of the weights before episode 0's step when asynchronous
         assert rec["staleness"][1] == {"policy": {lag: 16}, "value": {lag: 16}}
     assert "| sync |" in (tmp_path / "seed-ppo.md").read_text()
+
+
+def test_seed_ppo_reports_a_failed_mode_with_its_error_beside_the_modes_that_ran(monkeypatch):
+    """A mode that fails (out of GPU memory on one GPU) keeps its error and the GPU memory in the
+    record, and the table still shows the modes that ran."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(GPU))
+    import seed_ppo
+
+    args = argparse.Namespace(
+        samples=16, tokens=8, policy_replicas=2, policy_batch=8, scorer_replicas=2, scorer_batch=4, episodes=2
+    )
+    args.empty_cache = "on"
+    held = {"total_peak_gib": 139.6, "peak_gib": [35.7, 19.8], "polls": 3}
+    record = {"command": "seed_ppo.py", "gpus": 1, "ranks": 1, "transport": "CUDA IPC", "tokens": 29}
+    record["modes"] = {"sync": {"error": "StageError: CUDA out of memory\nmore", "memory": held}}
+    text = seed_ppo.markdown(record, args)
+    assert "sync failed: StageError: CUDA out of memory" in text and "more" not in text
+    assert "the processes' sum peaked at 139.6 GiB" in text
+    assert "async / sync" not in text  # no ratio without both modes' windows
