@@ -31,7 +31,7 @@ def test_empty_cache_is_off_by_default_and_takes_only_a_bool(tmp_path: Path) -> 
 
 
 def trainer(tokenizer: str, empty_cache: bool, gpu: bool = False, wide: bool = False) -> hf.GRPOTrainer:
-    # wide: ~33M parameters, so that the optimizer's temporaries leave blocks of tens of MiB
+    # wide: ~33M parameters, so that the optimizer's temporaries should leave tens of MiB
     # cached after a step (a tiny model's step leaves only the allocator's 2 MiB segments)
     config = hf_tiny.llama(hidden_size=1024, intermediate_size=4096) if wide else hf_tiny.llama()
     out = hf.GRPOTrainer(
