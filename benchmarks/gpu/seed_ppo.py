@@ -101,7 +101,7 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
 
 def empty_cache(args: argparse.Namespace) -> bool:
     """Whether the trainers release their cached memory after each step (``--empty-cache``)."""
-    return bool(args.empty_cache == "on")
+    return args.empty_cache == "on"
 
 
 class GpuMemory:

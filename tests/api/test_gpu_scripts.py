@@ -125,8 +125,15 @@ def test_seed_ppo_reports_a_failed_mode_with_its_error_beside_the_modes_that_ran
     args.empty_cache = "on"
     held = {"total_peak_gib": 139.6, "peak_gib": [35.7, 19.8], "polls": 3}
     record = {"command": "seed_ppo.py", "gpus": 1, "ranks": 1, "transport": "CUDA IPC", "tokens": 29}
-    record["modes"] = {"sync": {"error": "StageError: CUDA out of memory\nmore", "memory": held}}
+    ran = {"episode": 1, "rollout": 2.0, "sync": 0.1, "wait": 1.0}
+    ran |= {f"{m} busy": 0.5 for m in (*seed_ppo.ROLLOUT, *seed_ppo.TRAINERS)}
+    ran |= {f"{m} replicas": 2 for m in seed_ppo.ROLLOUT}
+    record["modes"] = {
+        "sync": {"error": "StageError: CUDA out of memory\nmore", "memory": held},
+        "async": {"episodes": [{"episode": 0}, ran], "window": (10.0, 13.0)},
+    }
     text = seed_ppo.markdown(record, args)
     assert "sync failed: StageError: CUDA out of memory" in text and "more" not in text
+    assert "| async | 3.00 | 2.00 | 0.50 |" in text and "| sync |" not in text
     assert "the processes' sum peaked at 139.6 GiB" in text
     assert "async / sync" not in text  # no ratio without both modes' windows

@@ -206,8 +206,7 @@ def test_a_pipeline_runs_its_shards_over_the_channel_inside_uvloop(ray_cluster, 
 
     async def run() -> list[flowrl.Sample]:
         assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
-        config = {"local_channels": True, "setup_timeout_s": 60.0}
-        async with flowrl.open_pipeline(lambda x: model.forward_step(x), config) as pipe:
+        async with flowrl.open_pipeline(lambda x: model.forward_step(x), {"local_channels": True}) as pipe:
             return await pipe.run([{"x": [i]} for i in range(12)])
 
     out = uvloop.run(run())
