@@ -23,7 +23,9 @@ runs, and the script exits 1 after writing the record.
 ``--empty-cache on`` sets both trainers' ``Train.empty_cache``: each hands its allocator's unused
 blocks back to the GPU after a step, for the rollout's replicas sharing it (off by default, as in
 the runs docs/gpu.md reports for SmolLM2-135M; with it Qwen2.5-0.5B on one GPU got through
-episode 0 and ran out of memory in episode 1's value step: docs/gpu.md).
+episode 0 and ran out of memory in episode 1's value step: docs/gpu.md). ``--gradient-checkpointing
+on`` sets their ``Train.gradient_checkpointing`` (off by default): less live memory a step, for a
+recomputed forward pass.
 
     python3 benchmarks/gpu/seed_ppo.py --arch smollm2-135m --out OUT     # on the GPU machine
     python benchmarks/gpu/seed_ppo.py --tiny --episodes 2 --samples 16 --n 2 --tokens 8 \\
@@ -87,7 +89,7 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
     sampling = {"max_new_tokens": args.tokens, "temperature": 1.0, "chat_template": False}
     ppo = {"kl_coef": 0.05}
     optim = {"lr": 1e-6}
-    train = {"micro_batch_tokens": args.micro_batch_tokens, "empty_cache": empty_cache(args)}
+    train = {"micro_batch_tokens": args.micro_batch_tokens} | switches(args)
     trainer_lm = hf.LM(config=arch, tokenizer=tokenizer)  # fp32 weights, bf16 autocast on a GPU
     return [
         LengthPolicy("policy", config("policy", args.policy_batch), lm=lm, sampling=sampling),
@@ -99,9 +101,10 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
     ]
 
 
-def empty_cache(args: argparse.Namespace) -> bool:
-    """Whether the trainers release their cached memory after each step (``--empty-cache``)."""
-    return args.empty_cache == "on"
+def switches(args: argparse.Namespace) -> dict[str, bool]:
+    """The trainers' memory switches: ``Train.empty_cache`` (``--empty-cache``) and
+    ``Train.gradient_checkpointing`` (``--gradient-checkpointing``)."""
+    return {"empty_cache": args.empty_cache == "on", "gradient_checkpointing": args.gradient_checkpointing == "on"}
 
 
 class GpuMemory:
@@ -167,7 +170,7 @@ def run_mode(
     finally:
         util = sampler.stop() if sampler is not None else {}
         held = memory.stop() if memory is not None else {}
-    done = {"memory": held, "empty_cache": empty_cache(args)}
+    done = {"memory": held} | switches(args)
     if failed is not None:
         return done | {"error": failed[:4000], "gpu_busy_run": util}
     return summarize(spans, stats, data, sampler, util) | done
@@ -228,7 +231,7 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
         f"policy {args.policy_replicas} x batch {args.policy_batch}, reference / value / reward {args.scorer_replicas} "
         f"x batch {args.scorer_batch} each, trainers {record['ranks']} rank(s), weights by {record['transport']}; "
         f"{record['gpus']} GPU(s); medians of episodes 1..{args.episodes - 1} (episode 0 warms up); "
-        f"trainers' Train.empty_cache: {empty_cache(args)}",
+        "trainers' Train: " + ", ".join(f"{key} {value}" for key, value in switches(args).items()),
         "",
         "| mode | s / episode | rollout s | generation s | reference / value / reward busy s "
         "| ppo_policy / ppo_value s | sync s | training waited s | tokens/s (rollout) "
@@ -306,6 +309,12 @@ def parse() -> argparse.Namespace:
         choices=("on", "off"),
         default="off",
         help="the trainers' Train.empty_cache: release the allocator's cache after each step",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        choices=("on", "off"),
+        default="off",
+        help="the trainers' Train.gradient_checkpointing: recompute activations in the backward pass",
     )
     args = p.parse_args()
     if args.samples % args.n or args.samples % args.steps or args.tokens < 2:

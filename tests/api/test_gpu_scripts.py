@@ -96,13 +96,14 @@ def test_seed_ppo_runs_both_modes_on_every_replica_with_the_staleness_each_allow
     pytest.importorskip("transformers")
     cmd = [sys.executable, str(GPU / "seed_ppo.py"), "--tiny", "--episodes", "2", "--samples", "16", "--n", "2"]
     cmd += ["--tokens", "8", "--policy-batch", "8", "--scorer-batch", "4", "--scorer-replicas", "2"]
-    cmd += ["--empty-cache", "on"]  # the trainers' Train.empty_cache: nothing to release on a CPU
+    cmd += ["--empty-cache", "on", "--gradient-checkpointing", "on"]  # the trainers' memory switches, on a CPU
     subprocess.run([*cmd, "--out", str(tmp_path)], check=True, capture_output=True, timeout=600, cwd=GPU)
     record = json.loads((tmp_path / "seed-ppo.json").read_text())
     assert set(record["modes"]) == {"sync", "async"}
     for mode, lag in (("sync", "0"), ("async", "1")):
         rec = record["modes"][mode]
-        assert rec["empty_cache"] is True and rec["memory"] == {}  # no GPU: no nvidia-smi memory
+        assert rec["empty_cache"] is rec["gradient_checkpointing"] is True
+        assert rec["memory"] == {}  # no GPU: no nvidia-smi memory
         assert [r["episode"] for r in rec["episodes"]] == [0, 1]
         for row in rec["episodes"]:  # 16 samples in shards of 8 and 4: every replica has work
             assert [row[f"{m} replicas"] for m in ("policy", "reference", "value", "reward")] == [2, 2, 2, 2]
@@ -122,7 +123,7 @@ def test_seed_ppo_reports_a_failed_mode_with_its_error_beside_the_modes_that_ran
     args = argparse.Namespace(
         samples=16, tokens=8, policy_replicas=2, policy_batch=8, scorer_replicas=2, scorer_batch=4, episodes=2
     )
-    args.empty_cache = "on"
+    args.empty_cache, args.gradient_checkpointing = "on", "off"
     held = {"total_peak_gib": 139.6, "peak_gib": [35.7, 19.8], "polls": 3}
     record = {"command": "seed_ppo.py", "gpus": 1, "ranks": 1, "transport": "CUDA IPC", "tokens": 29}
     ran = {"episode": 1, "rollout": 2.0, "sync": 0.1, "wait": 1.0}
@@ -136,4 +137,5 @@ def test_seed_ppo_reports_a_failed_mode_with_its_error_beside_the_modes_that_ran
     assert "sync failed: StageError: CUDA out of memory" in text and "more" not in text
     assert "| async | 3.00 | 2.00 | 0.50 |" in text and "| sync |" not in text
     assert "the processes' sum peaked at 139.6 GiB" in text
+    assert "empty_cache True, gradient_checkpointing False" in text
     assert "async / sync" not in text  # no ratio without both modes' windows
