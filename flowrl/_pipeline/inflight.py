@@ -10,6 +10,8 @@ import anyio
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from .._core.batch import Sample
+
 Loc = tuple[Any, int]  # (object reference, row)
 
 
@@ -63,7 +65,9 @@ class Run:
         self.abandoned = False
         self.send, self.recv = anyio.create_memory_object_stream[tuple[int, dict[str, Loc] | None]](limit)
         self.drained = anyio.Event()
-        self.held: dict[int, dict[str, Loc] | None] = {}  # None: a dropped sample
+        # finished, waiting for their turn: where the fields are, the sample read already, or
+        # None for a dropped sample
+        self.held: dict[int, dict[str, Loc] | Sample | None] = {}
         self.states: dict[int, SampleState] = {}  # finished samples not yet delivered: their whole state
         self.started = time.perf_counter()
         self.active_closed = False

@@ -41,8 +41,8 @@ def _relocate(run: Run, cache: dict[Any, list[Any]]) -> int:
     how many changed."""
     changed = 0
     for sid, old in run.held.items():
-        if old is None:
-            continue  # dropped
+        if not isinstance(old, dict):
+            continue  # dropped, or read already
         new = {p: run.states[sid].loc[p] for p in old}
         if new == old:
             continue
@@ -211,6 +211,8 @@ class Runs:
                 for ref, _ in loc.values() if loc is not None else ():
                     cache.setdefault(ref, [None, 0])[1] += 1
                 held[sid] = loc
+                if run.ordered and loc is not None and sid != run.id_at(position):
+                    await self._early(sid, run, cache)
                 while held:
                     sid = run.id_at(position) if run.ordered else next(iter(held))
                     if sid not in held:
@@ -225,7 +227,10 @@ class Runs:
                     # already in the driver and nothing below would wait.
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     try:
-                        sample = await self._materialize(sid, where, cache, run.fields)
+                        if isinstance(where, Sample):
+                            sample = where
+                        else:
+                            sample = await self._materialize(sid, where, cache, run.fields)
                     except InputLostError:
                         redone = await self._recovery.recompute_lost(run.states)
                         if not _relocate(run, cache) and not redone:
@@ -241,6 +246,17 @@ class Runs:
         if self._supervisor.error is not None:
             raise self._supervisor.error  # the failure that stopped the run, as it was raised
         self._supervisor.raise_if_failed()
+
+    async def _early(self, sid: int, run: Run, cache: dict[Any, list[Any]]) -> None:
+        """Read a sample that finished ahead of its turn while the consumer waits for the one
+        before it, where its fields are in the driver already: with estimates the longest
+        samples run first and finish last, and reading every held sample only once the last
+        arrived added ~14 ms to a 0.68 s run (2 cores, 256 samples). Outputs in an object
+        store are read in their turn, as before (the driver does not hold them sooner, and
+        one lost with its node is computed again)."""
+        loc = run.held[sid]
+        if isinstance(loc, dict) and not any(self._store.stored(ref) for ref, _ in loc.values()):
+            run.held[sid] = await self._materialize(sid, loc, cache, run.fields)
 
     async def _materialize(
         self, sid: int, loc: dict[str, Loc], cache: dict[Any, list[Any]], wanted: frozenset[str] | None

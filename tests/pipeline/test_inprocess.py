@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import flowrl
+from flowrl._pipeline.runs import Runs
 from flowrl.testing import Fail, Scale
 
 INPROC = {"backend": "inprocess"}
@@ -228,6 +231,42 @@ async def test_costs_given_to_a_run_order_it_and_replace_the_cost_field():
     assert [s.id for s in out] == list(range(70))
     ran = [s.id for s in sorted(out, key=lambda s: s["one_consumed"])]
     assert ran == sorted(range(70), key=lambda i: (-costs[i], i))
+
+
+READ = threading.Event()  # a model's replicas are copies: what they share lives here
+
+
+class WaitsForReads(Scale):
+    """Holds its step for sample 0 until ``READ`` is set (or 30 s pass); says which as
+    ``released``."""
+
+    def forward_step(self, batch: Any, iteration: int) -> dict[str, Any]:
+        released = READ.wait(timeout=30) if 0 in batch.ids.tolist() else None
+        return {**super().forward_step(batch, iteration), "released": [released] * len(batch)}
+
+
+async def test_samples_done_ahead_of_their_turn_are_read_while_the_consumer_waits(monkeypatch):
+    """With estimates the costliest samples run first, so the sample delivered first may
+    finish last; the ones done before it are read (made Samples) while the consumer waits for
+    it, not all at once after it, which put their reading on the run's critical path."""
+    reads: list[int] = []
+    READ.clear()
+    materialize = Runs._materialize
+
+    async def counted(self: Runs, sid: int, *args: Any) -> Any:
+        reads.append(sid)
+        if len(reads) == 5:
+            READ.set()
+        return await materialize(self, sid, *args)
+
+    monkeypatch.setattr(Runs, "_materialize", counted)
+    one = WaitsForReads("one", {"num_replicas": 1, "batch_size": 1, "prefetch": 1}, srcs=["x"], dst="y")
+    config = {**INPROC, "inprocess_threads": True}
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), config) as pipe:
+        out = await pipe.run([{"x": np.full(2, float(i))} for i in range(6)], costs=[0.0, 5, 4, 3, 2, 1])
+    assert out[0]["released"] is True  # samples 1-5 were read while sample 0 ran
+    assert reads == [1, 2, 3, 4, 5, 0]  # each once, in the order they finished
+    assert [s.id for s in out] == list(range(6)) and [float(s["y"][0]) for s in out] == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 
 from flowrl._tools.baselines import run_push
 from flowrl._tools.cli import main as cli
-from flowrl._tools.loadtest import run_flowrl, scenarios
+from flowrl._tools.loadtest import median_row, run_flowrl, scenarios
 from flowrl.testing import flowrl_actor_names
 
 
@@ -22,6 +22,18 @@ def test_on_the_209_scenario_flowrl_uses_every_replica_and_static_push_half(ray_
         assert push["replicas_used"][stage] == 4  # each 4-sample batch whole to one replica
     assert flow["makespan_s"] > 0 and push["makespan_s"] > 0
     assert flowrl_actor_names() == []
+
+
+def test_the_median_row_is_the_median_run_and_keeps_every_repeat():
+    runs = [
+        {"flowrl": {"makespan_s": t}, "flowrl_over_sim": t / 2, "flowrl_over_bound": t / 4, "push": {"run": t}}
+        for t in (0.3, 0.1, 0.2)
+    ]
+    row = median_row(runs)
+    assert row["flowrl"] == {"makespan_s": 0.2} and row["push"] == {"run": 0.2}  # one run's own figures
+    assert [r["makespan_s"] for r in row["flowrl_repeats"]] == [0.1, 0.2, 0.3]
+    assert row["flowrl_repeats"][2] == {"makespan_s": 0.3, "over_sim": 0.15, "over_bound": 0.075}
+    assert "flowrl_repeats" not in runs[0]  # the runs themselves are left as they were
 
 
 def test_cli_lists_the_scenarios(capsys):
