@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import flowrl
+from flowrl._backends.inprocess import InProcessBackend
 from flowrl._pipeline.runs import Runs
 from flowrl.testing import Fail, Scale
 
@@ -267,6 +268,25 @@ async def test_samples_done_ahead_of_their_turn_are_read_while_the_consumer_wait
     assert out[0]["released"] is True  # samples 1-5 were read while sample 0 ran
     assert reads == [1, 2, 3, 4, 5, 0]  # each once, in the order they finished
     assert [s.id for s in out] == list(range(6)) and [float(s["y"][0]) for s in out] == [0, 1, 2, 3, 4, 5]
+
+
+async def test_samples_of_one_reply_read_ahead_of_their_turn_read_it_once(monkeypatch):
+    fetched: list[int] = []
+    fetch = InProcessBackend.fetch
+
+    async def counted(self: InProcessBackend, refs: list[Any]) -> Any:
+        fetched.append(len(refs))
+        return await fetch(self, refs)
+
+    monkeypatch.setattr(InProcessBackend, "fetch", counted)
+    one = Scale("one", {"num_replicas": 1, "batch_size": 4, "prefetch": 1}, srcs=["x"], dst="y")
+    costs = [0.0] * 4 + [1.0] * 4  # samples 4-7 run first, in one shard, ahead of their turn
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "input_chunk": 8}) as pipe:
+        out = await pipe.run([{"x": np.full(2, float(i))} for i in range(8)], costs=costs)
+    assert [s.id for s in out] == list(range(8)) and [float(s["y"][0]) for s in out] == list(range(8))
+    assert [s["one_round"] for s in out] == [0] * 8
+    assert sorted(s["one_consumed"] for s in out[4:]) == [4] * 4  # 4-7 were the first shard
+    assert fetched == [2, 2]  # per shard one read of its reply and the input chunk, for its four samples
 
 
 @pytest.mark.parametrize(
