@@ -22,10 +22,10 @@ runs, and the script exits 1 after writing the record.
 
 ``--empty-cache on`` sets both trainers' ``Train.empty_cache``: each hands its allocator's unused
 blocks back to the GPU after a step, for the rollout's replicas sharing it (off by default, as in
-the runs docs/gpu.md reports for SmolLM2-135M; with it Qwen2.5-0.5B on one GPU got through
-episode 0 and ran out of memory in episode 1's value step: docs/gpu.md). ``--gradient-checkpointing
-on`` sets their ``Train.gradient_checkpointing`` (off by default): less live memory a step, for a
-recomputed forward pass.
+the runs docs/gpu.md reports for SmolLM2-135M). Qwen2.5-0.5B fits on one GPU with it and
+``--micro-batch-tokens 2048``; at the default 8,192 its value step ran out of memory (docs/gpu.md).
+``--gradient-checkpointing on`` sets their ``Train.gradient_checkpointing`` (off by default): less
+live memory a step, for a recomputed forward pass.
 
     python3 benchmarks/gpu/seed_ppo.py --arch smollm2-135m --out OUT     # on the GPU machine
     python benchmarks/gpu/seed_ppo.py --tiny --episodes 2 --samples 16 --n 2 --tokens 8 \\
