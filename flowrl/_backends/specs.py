@@ -77,19 +77,30 @@ def default_spec(model: Model, replica: int) -> ReplicaSpec:
     return ReplicaSpec(model, replica, model.config.cpus_per_replica, model.config.replica_gpus)
 
 
+def _asks(specs: list[ReplicaSpec]) -> dict[str, dict[str, float]]:
+    """Per resource, what each model (its replicas placed by their resources) or placement group
+    (every bundle, reserved whole however little of it its replicas use) asks of the cluster."""
+    asks: dict[str, dict[str, float]] = {"CPU": {}, "GPU": {}}
+    groups: dict[str, tuple[Bundle, dict[str, None]]] = {}  # its bundle shape, its models in order
+    for s in specs:
+        if s.bundle is not None:
+            groups.setdefault(s.bundle.group, (s.bundle, {}))[1][s.model.name] = None
+            continue
+        for resource, amount in (("CPU", s.num_cpus), ("GPU", s.num_gpus)):
+            asks[resource][s.model.name] = asks[resource].get(s.model.name, 0.0) + amount
+    for name, (bundle, models) in groups.items():
+        who = f"placement group {name} of {', '.join(models)}"
+        asks["CPU"][who], asks["GPU"][who] = bundle.size * bundle.cpus, bundle.size * bundle.gpus
+    return asks
+
+
 def check_capacity(specs: list[ReplicaSpec], total: dict[str, float], nodes: list[dict[str, float]]) -> None:
     """The replicas fit the cluster (``total`` resources) and each replica, or its placement
     bundle, fits one of ``nodes``; else Ray would wait for room until setup_timeout_s."""
-    need = {"CPU": sum(s.num_cpus for s in specs), "GPU": sum(s.num_gpus for s in specs)}
-    for resource, amount in need.items():
-        have = total.get(resource, 0.0)
+    for resource, asked in _asks(specs).items():
+        amount, have = sum(asked.values()), total.get(resource, 0.0)
         if amount > have + 1e-9:
-            per_model: dict[str, float] = {}
-            for s in specs:
-                per_model[s.model.name] = per_model.get(s.model.name, 0.0) + (
-                    s.num_cpus if resource == "CPU" else s.num_gpus
-                )
-            detail = ", ".join(f"{m}: {v:g}" for m, v in per_model.items())
+            detail = ", ".join(f"{m}: {v:g}" for m, v in asked.items())
             key = "cpus_per_replica" if resource == "CPU" else "gpus_per_replica / num_gpu"
             raise ClusterError(
                 f"the pools need {amount:g} {resource} ({detail}) but the cluster has {have:g}; "

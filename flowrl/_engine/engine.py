@@ -124,7 +124,8 @@ class Engine:
         _check_trainer_configs(self.trainers, self.rollout_graph, self.eval_graph)
         check(self.config, models, self.trainers, self.sync_pairs, self.rollout_graph, self.eval_graph)
         check_schedule_settings(self.config, [t.name for _, t in self.sync_pairs], self.rollout_graph)
-        self.placement = Placement(self.config, models)
+        evaluated = self.eval_graph.models if self.eval_graph is not None else {}
+        self.placement = Placement(self.config, models, evaluated)
         for _, target in self.sync_pairs:
             target.track_version = True
         self._learning = LearningState(self.config, [m.name for m in self.trainers])

@@ -9,7 +9,7 @@ from .._backends.specs import Bundle, ReplicaSpec, default_spec
 from .._core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Collection, Mapping
 
     from .._core.model import Model
     from .._core.run_config import RunConfig
@@ -18,11 +18,14 @@ if TYPE_CHECKING:
 class Placement:
     """Where each replica goes. GPU replicas are placed through placement groups: a colocation
     group's (one GPU per bundle, shared by the group's models through fractional GPUs) or
-    their own pool's (one bundle per replica)."""
+    their own pool's (one bundle per replica). ``evaluated``: the models that also have an
+    evaluation pool; a colocated one's evaluation replicas share the group's GPUs too (a group
+    of their own would need as many GPUs again, and wait for them forever on a full machine)."""
 
-    def __init__(self, config: RunConfig, models: Mapping[str, Model]) -> None:
+    def __init__(self, config: RunConfig, models: Mapping[str, Model], evaluated: Collection[str] = ()) -> None:
         self.groups = config.colocation
         self.models = models
+        self.evaluated = frozenset(evaluated)
         for gi, group in enumerate(self.groups):
             for name in group:
                 self._check_colocated(gi, group, models[name])
@@ -58,10 +61,11 @@ class Placement:
         for gi, group in enumerate(self.groups):
             if model.name in group:
                 size = self._size(group)
-                configs = [self.models[n].config for n in group]
+                # the pools on each GPU of the group: its models' and their evaluation pools
+                configs = [self.models[n].config for n in [*group, *(n for n in group if n in self.evaluated)]]
                 cpus = round(sum(x.cpus_per_replica * math.ceil(x.replicas / size) for x in configs), 4)
-                bundle = Bundle(f"colocate-{gi}{pool}", replica % size, size, cpus)
-                share = math.floor(c.replica_gpus / len(group) * 10_000) / 10_000  # Ray counts 1e-4 steps
+                bundle = Bundle(f"colocate-{gi}", replica % size, size, cpus)
+                share = math.floor(c.replica_gpus / len(configs) * 10_000) / 10_000  # Ray counts 1e-4 steps
                 return ReplicaSpec(model, replica, c.cpus_per_replica, share, bundle)
         bundle = Bundle(f"model-{model.name}{pool}", replica, c.replicas, c.cpus_per_replica, c.replica_gpus)
         return ReplicaSpec(model, replica, c.cpus_per_replica, c.replica_gpus, bundle)

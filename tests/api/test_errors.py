@@ -201,10 +201,10 @@ def test_dataset_items_may_not_carry_the_group_fields_the_engine_adds():
         engine.set_dataset([{"x": [0.0]}, {"x": [1.0], "copy_index": 3}])  # not only the first item is checked
 
 
-def _spec(gpus: float, cpus: float = 0.5, bundle: tuple[float, float] | None = None):
+def _spec(gpus: float, cpus: float = 0.5, bundle: tuple[float, float] | None = None, group: str = "g"):
     from flowrl._backends.specs import Bundle, ReplicaSpec
 
-    placed = None if bundle is None else Bundle(group="g", index=0, size=1, cpus=bundle[0], gpus=bundle[1])
+    placed = None if bundle is None else Bundle(group=group, index=0, size=1, cpus=bundle[0], gpus=bundle[1])
     return ReplicaSpec(Scale("m", {}, srcs=["x"]), 0, cpus, gpus, placed)
 
 
@@ -221,8 +221,15 @@ TWO_NODES = [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
         ),
         ([_spec(3)], r"model 'm' needs 0.5 CPU and 3 GPU on one node, but the largest node has 2 CPU and 2 GPU"),
         ([_spec(1, bundle=(1.0, 3.0))], r"needs a placement bundle of 1 CPU and 3 GPU on one node"),
+        # a placement group is reserved whole: three of 2 GPUs do not fit 4, whatever their replicas' shares
+        (
+            [_spec(0.25, bundle=(1.0, 2.0), group=g) for g in ("a", "b", "c")],
+            r"the pools need 6 GPU \(placement group a of m: 2, placement group b of m: 2, placement group c of m: 2\) "
+            r"but the cluster has 4",
+        ),
+        ([_spec(0.5, bundle=(1.0, 2.0)), _spec(0.5, bundle=(1.0, 2.0)), _spec(2)], None),  # one group, reserved once
     ],
-    ids=["fits", "total", "one-node", "bundle"],
+    ids=["fits", "total", "one-node", "bundle", "placement-groups", "one-group"],
 )
 def test_replicas_that_cannot_fit_the_cluster_or_one_node_are_refused_before_any_starts(specs, message):
     from flowrl._backends.specs import check_capacity
