@@ -9,7 +9,7 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import ConfigError
 
@@ -47,21 +47,24 @@ MAX_NESTING = 64
 # otherwise expand to 10**9 nodes when the mapping is checked or copied.
 MAX_YAML_NODES = 50_000
 SUFFIXES = (".yaml", ".yml", ".toml")
+# PyYAML's two parsers: libyaml's (C), the default where PyYAML was built with it, or its own (Python)
+YamlParser = Literal["libyaml", "python"]
 # what reads as a number: the strict parse below refuses a malformed one instead of keeping it as text
 _NUMBER = re.compile(
     r"[+-]?(0[xob][0-9a-f_]*|(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(e[+-]?[\d_]*)?|\.?nan|\.?inf|infinity)", re.I
 )
 
 
-def read_config_file(path: Path, expected: str) -> dict[str, Any]:
-    """The mapping a ``.yaml``/``.yml``/``.toml`` file holds; every failure a ConfigError naming ``path``."""
+def read_config_file(path: Path, expected: str, *, parser: YamlParser | None = None) -> dict[str, Any]:
+    """The mapping a ``.yaml``/``.yml``/``.toml`` file holds; every failure a ConfigError naming ``path``.
+    ``parser`` is for tests, as in ``parse_yaml``."""
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"{path}: expected a .yaml, .yml or .toml file")
     text = _read_text(path)
     if path.suffix == ".toml":
         data = _parse_toml(text, path)
     else:
-        data = parse_yaml(text, str(path))
+        data = parse_yaml(text, str(path), parser=parser)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -113,13 +116,13 @@ def _depth(data: Any) -> int:
     return deepest
 
 
-def parse_yaml(text: str, where: str) -> Any:
-    """``text`` as YAML by a safe loader with bounded nesting, no alias cycles and a bounded expanded size."""
+def parse_yaml(text: str, where: str, *, parser: YamlParser | None = None) -> Any:
+    """``text`` as YAML by a safe loader with bounded nesting, no alias cycles and a bounded expanded size.
+    ``parser`` picks PyYAML's parser (None: libyaml's where PyYAML has it); tests check the bounds under both."""
     import yaml
 
-    loader = _bounded_loader()(text)
     try:
-        return loader.get_single_data()
+        return _load_yaml(text, parser or ("libyaml" if getattr(yaml, "__with_libyaml__", False) else "python"))
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -132,12 +135,31 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(
             f"{where}: not valid YAML: a value that does not fit its type ({type(err).__name__}: {err})"
         ) from err
+
+
+def _load_yaml(text: str, parser: YamlParser) -> Any:
+    from yaml.parser import ParserError
+    from yaml.reader import ReaderError
+    from yaml.scanner import ScannerError
+
+    loader = _bounded_loader(parser)(text)
+    try:
+        return loader.get_single_data()
+    except (ReaderError, ScannerError, ParserError):
+        # libyaml 0.2.6 (PyYAML 6.0.4's wheels) has a nesting bound of its own, 1000, that its look-ahead
+        # (1024 characters, for a key) meets in a run of brackets before flowrl's composer meets MAX_NESTING;
+        # PyYAML's parser has none. So a refusal is asked of PyYAML's parser again and reads in flowrl's
+        # words on every install. Where libyaml alone refuses (it is stricter here and there), that parser
+        # loads the text and libyaml's refusal stands: what loads is what libyaml loads. Only refusals pay.
+        if parser == "libyaml":
+            _load_yaml(text, "python")
+        raise
     finally:
         loader.dispose()
 
 
 @functools.cache
-def _bounded_loader() -> type[Any]:
+def _bounded_loader(parser: YamlParser) -> type[Any]:
     import yaml
     from yaml.composer import Composer
     from yaml.constructor import SafeConstructor
@@ -167,7 +189,7 @@ def _bounded_loader() -> type[Any]:
             _check_expansion(node)
             return self.construct_document(node)  # type: ignore[attr-defined]
 
-    if not getattr(yaml, "__with_libyaml__", False):
+    if parser == "python":
         return type("BoundedLoader", (Bounded, yaml.SafeLoader), {})
     from yaml.cyaml import CParser  # type: ignore[attr-defined]  # not in the stubs
 

@@ -6,6 +6,7 @@ trace files."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,6 @@ def one_error_line(capsys, command: str) -> str:
         (b"models: {}\ndataset: x\nname: caf\xe9\n", "run.yaml: not UTF-8 text (byte 31: invalid continuation byte)"),
         (alias_bomb().encode(), "run.yaml: not valid YAML: line 5, column 5: aliases expand to more than 50000 nodes"),
         (b"a: &x [*x]\n", "run.yaml: not valid YAML: line 1, column 4: an alias refers to a node that contains it"),
-        (b"a: " + b"[" * 5000, f"run.yaml: not valid YAML: line 1, column 67: nested deeper than {MAX_NESTING} levels"),
         (
             b"a: 2001-13-01\n",
             "run.yaml: not valid YAML: a value that does not fit its type (ValueError: month must be in 1..12)",
@@ -52,7 +52,7 @@ def one_error_line(capsys, command: str) -> str:
         (b"a: !!python/object:os.system ls\n", "could not determine a constructor for the tag"),
         (b"x" * (MAX_CONFIG_BYTES + 1), f"run.yaml: larger than {MAX_CONFIG_BYTES} bytes"),
     ],
-    ids=["encoding", "alias-bomb", "alias-cycle", "deep", "bad-date", "not-a-mapping", "python-tag", "huge"],
+    ids=["encoding", "alias-bomb", "alias-cycle", "bad-date", "not-a-mapping", "python-tag", "huge"],
 )
 def test_a_bad_run_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     path = tmp_path / "run.yaml"
@@ -60,6 +60,18 @@ def test_a_bad_run_file_is_one_line_and_exit_2(tmp_path, capsys, content, messag
     assert main(["run", str(path)]) == 2
     line = one_error_line(capsys, "run")
     assert line.startswith("flowrl run: ConfigError: ") and message in line, line
+
+
+@pytest.mark.parametrize("depth", [MAX_NESTING + 1, 5000], ids=["just-past-the-bound", "past-libyamls-own-bound"])
+def test_a_deep_run_file_is_refused_for_depth_in_flowrls_words(tmp_path, capsys, depth):
+    # 5000 brackets: libyaml 0.2.6 (PyYAML 6.0.4) meets its own bound of 1000 before flowrl's composer
+    # meets MAX_NESTING; the refusal must read the same whichever PyYAML and libyaml are installed
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"a: " + b"[" * depth)
+    assert main(["run", str(path)]) == 2
+    line = one_error_line(capsys, "run")
+    expected = rf"flowrl run: ConfigError: {re.escape(str(path))}: not valid YAML: line 1, column \d+: "
+    assert re.fullmatch(expected + f"nested deeper than {MAX_NESTING} levels", line), line
 
 
 def test_a_folder_or_a_deep_toml_file_is_a_config_error(tmp_path, capsys):
