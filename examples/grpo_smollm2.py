@@ -215,10 +215,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out accuracy: {before:.3f} -> {after[-1]:.3f} in {wall:.0f} s")
     if args.summary:
         figures = {"seed": args.seed, "gpu": args.gpu, "before": before, "after": after, "reward": curve}
-        Path(args.summary).write_text(json.dumps({**figures, "eval_every": args.eval_every, "wall_s": wall}))
+        runs = {"eval_every": args.eval_every, "wall_s": wall, "episodes": episode_figures(engine, stats)}
+        Path(args.summary).write_text(json.dumps({**figures, **runs}))
     if args.plot:
         plot(curve, args.plot)
     return 0 if after[-1] > before else 1
+
+
+def episode_figures(engine: flowrl.Engine, stats: flowrl.EngineStats) -> list[dict[str, Any]]:
+    """Per episode: its phases' seconds, the tokens it generated, and its rollout's wall-clock
+    window (Unix seconds, from the engine's trace: benchmarks/gpu/smollm2_report.py matches it
+    with nvidia-smi's samples)."""
+    phases = [s for s in engine.spans() if s.group == "engine"]
+    windows = {s.args["episode"]: (s.start, s.end) for s in phases if s.name == "rollout"}
+    out = []
+    for e in stats.episodes:
+        tokens = round(e.metrics["grpo"]["response_length"] * e.samples)  # the trainer's mean over the episode
+        phases = {f"{p}_s": getattr(e, f"{p}_s") for p in ("rollout", "train", "sync", "eval")}
+        out.append({"episode": e.episode, **phases, "tokens": tokens, "rollout_window": windows.get(e.episode)})
+    return out
 
 
 def plot(curve: list[float], path: str) -> None:

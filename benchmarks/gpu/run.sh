@@ -8,17 +8,12 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-${OUT:-/tmp/flowrl-gpu}}
 mkdir -p "$out"
-if ! python3 -c "import ray, msgspec" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export RAY_DEDUP_LOGS=0
+source benchmarks/gpu/wheels_env.sh
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import sys, torch, ray; print('python', sys.version.split()[0], '| torch', torch.__version__, '| ray', ray.__version__, '|', torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$out/device.txt"
 status=0
-python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/hf/test_hf_empty_cache.py -p no:cacheprovider -o strict_config=false -o addopts="-p no:anyio -ra" 2>&1 | tail -40 | tee "$out/gpu-tests.txt" || status=1
+python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/hf/test_hf_empty_cache.py tests/hf/test_smollm2_layout_gpu.py -p no:cacheprovider -o strict_config=false -o addopts="-p no:anyio -ra" 2>&1 | tail -40 | tee "$out/gpu-tests.txt" || status=1
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout 300 python3 examples/ppo_tiny.py 2>&1 | grep -v "WARNING\|INFO" | tail -40 | tee "$out/ppo-tiny.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
