@@ -8,6 +8,7 @@ call about a quarter of its throughput, and closing needs none (a killed actor f
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,11 @@ from .replica import ReplicaRuntime, TrainerRuntime
 if TYPE_CHECKING:
     from .._core.batch import Batch
     from .._core.model import Model
+
+
+def _where() -> tuple[int, list[int]]:
+    """This actor's process and GPUs: its answer says it was scheduled (the start-up report)."""
+    return os.getpid(), [int(g) for g in ray.get_gpu_ids()]
 
 
 def _node_ip() -> str:
@@ -36,6 +42,9 @@ class ReplicaActor:
         # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
         self.worker = ReplicaWorker()
         self.held: dict[int, Batch] = {}  # channel calls' outputs too big for the socket
+
+    def where(self) -> tuple[int, list[int]]:
+        return _where()
 
     def setup(self) -> str:
         gpu_ids = [int(g) for g in ray.get_gpu_ids()]
@@ -87,6 +96,9 @@ class ReplicaActor:
 class TrainerActor:
     def __init__(self, model: Model, rank: int, world_size: int, deterministic: bool = False) -> None:
         self.runtime = TrainerRuntime(model, rank, world_size, deterministic)
+
+    def where(self) -> tuple[int, list[int]]:
+        return _where()
 
     def rendezvous(self) -> str:
         with socket.socket() as sock:  # a free port on this node, for the process group

@@ -25,10 +25,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .._core.batch import Batch, approx_nbytes
 from .._core.config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
-from .._core.errors import ClusterError, FlowError, InputLostError, ReplicaDiedError, StageError, _shorten
+from .._core.errors import ClusterError, InputLostError, ReplicaDiedError
 from .local_channel import ERR, ChannelLost, ChannelServer, DriverEnd
 from .ray_actors import ReplicaActor, TrainerActor
 from .ray_shipping import check_picklable, ship_by_value
+from .ray_startup import StartupWatch, retrieved, set_up
 from .ray_wire import (
     INLINE_BYTES,
     Inline,
@@ -40,29 +41,13 @@ from .ray_wire import (
     local,
     open_stored,
     raise_remote,
+    translate,
     unframe,
 )
 from .specs import ActorCounts, Bundle, ReplicaHandle, ReplicaSpec, check_capacity
 
 if TYPE_CHECKING:
     from .weight_share import Group
-
-
-def _translate(err: Exception, stage: str, replica: int, ids: list[int]) -> FlowError:
-    """A Ray failure as a FlowError naming the stage, replica and samples; Ray's error chained."""
-    if isinstance(err, ObjectLostError):  # Ray's error for a lost argument is both kinds
-        return InputLostError(
-            f"stage {stage!r}, replica {replica}, samples {_shorten(ids)}: an input of the shard was lost with the "
-            f"node that stored it ({type(err).__name__})"
-        )
-    if isinstance(err, RayTaskError):
-        cause = err.cause if isinstance(err.cause, BaseException) else None
-        if isinstance(cause, StageError):
-            return type(cause)(cause.message, cause.stage, cause.replica, cause.sample_ids)
-        return StageError(f"{type(cause or err).__name__}: {cause or err}", stage, replica, ids)
-    if isinstance(err, RayActorError):
-        return ReplicaDiedError(f"the replica's process died: {err}", stage, replica, ids)
-    return StageError(f"{type(err).__name__}: {err}", stage, replica, ids)
 
 
 # Pipelines of this process that use a cluster flowrl started; the last one to close stops it.
@@ -88,7 +73,7 @@ async def _ask(handle: ReplicaHandle, method: str, stage: str, *args: Any) -> An
     try:
         return await getattr(handle.ref, method).remote(*args)
     except (RayTaskError, RayActorError) as err:
-        raise _translate(err, f"{handle.model}.{stage}", handle.replica_id, []) from err
+        raise translate(err, f"{handle.model}.{stage}", handle.replica_id, []) from err
 
 
 async def _kill(actors: list[Any]) -> None:
@@ -102,21 +87,6 @@ async def _kill(actors: list[Any]) -> None:
                 await actor.ping.remote()
             except (RayActorError, GetTimeoutError):
                 pass
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    """Take a future's outcome so that asyncio does not log it as never retrieved."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-async def _setup(spec: ReplicaSpec, actor: Any, counts: ActorCounts, *args: Any) -> ReplicaHandle:
-    try:
-        node = await actor.setup.remote(*args)
-    except (RayTaskError, RayActorError) as err:
-        raise _translate(err, f"{spec.model.name}.setup", spec.replica_id, []) from err
-    counts.started(spec.model.name)
-    return ReplicaHandle(spec.model.name, spec.replica_id, node, actor)
 
 
 class RayBackend:
@@ -168,24 +138,24 @@ class RayBackend:
 
     async def start(self, specs: list[ReplicaSpec]) -> list[ReplicaHandle]:
         await self.prepare(specs)
+        watch = StartupWatch(self.config.startup_report_s, self._groups)
         waits, actors = {}, {}
         for s in specs:
             actor = self._create(ReplicaActor, s, s.model, s.replica_id, self.config.deterministic)
-            future = asyncio.ensure_future(_setup(s, actor, self.counts))
+            watch.asked(actor, s)
+            future = asyncio.ensure_future(set_up(s, actor, self.counts, watch))
             waits[future], actors[future] = s, actor
         try:
-            done, pending = await asyncio.wait(
-                waits, timeout=self.config.setup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
-            )
+            pending = await watch.wait(list(waits), self.config.setup_timeout_s)
         except BaseException:  # cancelled (the pipeline closes while they start): they stop, quietly
             for fut in waits:
                 fut.cancel()
-                fut.add_done_callback(_retrieved)
+                fut.add_done_callback(retrieved)
             raise
+        failed = [err for f in waits if f not in pending and (err := f.exception()) is not None]
         for fut in pending:
             fut.cancel()
         self._forget_reserving()
-        failed = [err for f in done if (err := f.exception()) is not None]
         if failed or pending:  # none of this call's actors is left holding resources
             await self.stop([ReplicaHandle(s.model.name, s.replica_id, "", actors[f]) for f, s in waits.items()])
         if failed:
@@ -198,10 +168,11 @@ class RayBackend:
             )
         handles = [f.result() for f in waits]
         self.counts.reserved.update(s.bundle.group for s in specs if s.bundle is not None)  # their actors run
-        await self._open_channels(handles)
+        await self._open_channels(handles, watch)
+        watch.finish()
         return handles
 
-    async def _open_channels(self, handles: list[ReplicaHandle]) -> None:
+    async def _open_channels(self, handles: list[ReplicaHandle], watch: StartupWatch) -> None:
         here = ray.get_runtime_context().get_node_id()
         near = [h for h in handles if h.node_id == here] if self.config.local_channels else []
         if not near:
@@ -209,22 +180,36 @@ class RayBackend:
         if self._server is None:
             self._server = ChannelServer()
             await self._server.start()
-        tokens = [uuid.uuid4().hex for _ in near]
-        ends = [self._server.expect(t) for t in tokens]
+        server = self._server
+
+        async def connect(handle: ReplicaHandle) -> None:
+            token = uuid.uuid4().hex
+            end = server.expect(token)
+            # A replica connects before its call returns; its end is ready once the loop accepts.
+            await handle.ref.open_channel.remote(server.path, token)
+            self._channels[handle.ref] = await end
+            watch.connected(handle.ref)
+
+        for h in near:
+            watch.opening(h.ref)
+        connecting = [asyncio.ensure_future(connect(h)) for h in near]
         try:
-            with anyio.fail_after(self.config.setup_timeout_s):
-                # A replica connects before its call returns; its end is ready once the loop accepts.
-                await asyncio.gather(
-                    *(h.ref.open_channel.remote(self._server.path, t) for h, t in zip(near, tokens, strict=True))
+            if await watch.wait(connecting, self.config.setup_timeout_s):
+                raise TimeoutError(
+                    f"not all connected within PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s"
                 )
-                for h, end in zip(near, ends, strict=True):
-                    self._channels[h.ref] = await end
+            for fut in connecting:
+                fut.result()  # the first failure
         except (TimeoutError, OSError, RayTaskError, RayActorError) as err:
             reason = err.cause if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException) else err
             raise ClusterError(
                 f"could not open the local channels of the replicas on the driver's node ({type(reason).__name__}: "
                 f"{reason}); PipelineConfig.local_channels=False sends every shard as a Ray call instead"
             ) from err
+        finally:
+            for fut in connecting:
+                fut.cancel()
+                fut.add_done_callback(retrieved)
 
     def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
         ship_by_value(spec.model)
@@ -266,24 +251,36 @@ class RayBackend:
 
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
         await self.prepare(specs)
+        watch = StartupWatch(self.config.startup_report_s, self._groups)
         ranks = [
             self._create(TrainerActor, s, s.model, s.replica_id, len(specs), self.config.deterministic) for s in specs
         ]
-        try:
-            with anyio.fail_after(self.config.setup_timeout_s):
+        for s, r in zip(specs, ranks, strict=True):
+            watch.asked(r, s)
+
+        async def start_ranks() -> list[ReplicaHandle]:
+            try:
                 init = await ranks[0].rendezvous.remote() if len(ranks) > 1 else None
-                setups = (_setup(s, r, self.counts, init, timeout_s) for s, r in zip(specs, ranks, strict=True))
-                return list(await asyncio.gather(*setups))
-        except TimeoutError as err:
-            raise ClusterError(
-                f"trainer {specs[0].model.name!r}: its {len(specs)} ranks did not start within "
-                f"PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s (the cluster may lack a "
-                "resource they ask for, or setup() hangs)"
-            ) from err
-        except (RayTaskError, RayActorError) as err:  # the rendezvous itself failed
-            raise _translate(err, f"{specs[0].model.name}.setup", 0, []) from err
+            except (RayTaskError, RayActorError) as err:  # the rendezvous itself failed
+                raise translate(err, f"{specs[0].model.name}.setup", 0, []) from err
+            setups = (set_up(s, r, self.counts, watch, init, timeout_s) for s, r in zip(specs, ranks, strict=True))
+            return list(await asyncio.gather(*setups))
+
+        starting = asyncio.ensure_future(start_ranks())
+        try:
+            if await watch.wait([starting], self.config.setup_timeout_s):
+                raise ClusterError(
+                    f"trainer {specs[0].model.name!r}: its {len(specs)} ranks did not start within "
+                    f"PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s (the cluster may lack a "
+                    "resource they ask for, or setup() hangs)"
+                )
+            handles = starting.result()
         finally:
+            starting.cancel()
+            starting.add_done_callback(retrieved)
             self._forget_reserving()
+        watch.finish()
+        return handles
 
     async def train(
         self, rank: ReplicaHandle, shard: Any, ids: list[int], step_size: int, micro_batch: int, iteration: int
@@ -293,7 +290,7 @@ class RayBackend:
             metrics: dict[str, Any] = await rank.ref.train.remote(by_value(shard), step_size, micro_batch, iteration)
             return metrics
         except (RayTaskError, RayActorError) as err:
-            raise _translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
+            raise translate(err, f"{rank.model}.train_step", rank.replica_id, ids) from err
         finally:
             self.counts.training_ended(rank.model)
 
@@ -370,7 +367,7 @@ class RayBackend:
         except (RayTaskError, RayActorError, ObjectLostError) as err:
             with contextlib.suppress(Exception):  # consume the twin error, or Ray logs it as unhandled
                 await big_ref
-            raise _translate(err, call.stage, replica.replica_id, call.ids) from err
+            raise translate(err, call.stage, replica.replica_id, call.ids) from err
         head, rows = unframe(reply)
         return decode_meta(head), Reply(head_ref, reply) if len(rows) else big_ref
 

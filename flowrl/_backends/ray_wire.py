@@ -22,10 +22,18 @@ import msgspec
 import ray
 import ray.cloudpickle
 from ray.cloudpickle import cloudpickle as _cloudpickle
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 from .._core.batch import approx_nbytes
 from .._core.config import CallMeta, Piece, ShardCall, decode_call, encode_message
-from .._core.errors import PipelineClosedError, StageError
+from .._core.errors import (
+    FlowError,
+    InputLostError,
+    PipelineClosedError,
+    ReplicaDiedError,
+    StageError,
+    _shorten,
+)
 from .local_channel import RemoteTraceback
 
 if TYPE_CHECKING:
@@ -302,3 +310,20 @@ def _set_all(settled: list[_Settled]) -> None:
             future.set_result(value)
         else:
             future.set_exception(error)
+
+
+def translate(err: Exception, stage: str, replica: int, ids: list[int]) -> FlowError:
+    """A Ray failure as a FlowError naming the stage, replica and samples; Ray's error chained."""
+    if isinstance(err, ObjectLostError):  # Ray's error for a lost argument is both kinds
+        return InputLostError(
+            f"stage {stage!r}, replica {replica}, samples {_shorten(ids)}: an input of the shard was lost with the "
+            f"node that stored it ({type(err).__name__})"
+        )
+    if isinstance(err, RayTaskError):
+        cause = err.cause if isinstance(err.cause, BaseException) else None
+        if isinstance(cause, StageError):
+            return type(cause)(cause.message, cause.stage, cause.replica, cause.sample_ids)
+        return StageError(f"{type(cause or err).__name__}: {cause or err}", stage, replica, ids)
+    if isinstance(err, RayActorError):
+        return ReplicaDiedError(f"the replica's process died: {err}", stage, replica, ids)
+    return StageError(f"{type(err).__name__}: {err}", stage, replica, ids)

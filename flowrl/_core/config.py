@@ -323,6 +323,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     input_chunk: int = 64
     ordered: bool = True
     setup_timeout_s: float = 300.0
+    startup_report_s: float = 15.0
     inprocess_threads: bool = False
     cost_field: str | None = None
     local_channels: bool = True
@@ -345,6 +346,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _non_negative(
             "PipelineConfig",
             ray_init_gpus=self.ray_init_gpus,
+            startup_report_s=self.startup_report_s,
             max_retries=self.max_retries,
             trace_spans=self.trace_spans,
         )

@@ -273,7 +273,8 @@ def startup_table(counts: ActorCounts, elapsed: float) -> Any:
 def startup_line(counts: ActorCounts) -> str:
     expected = sum(counts.expected.values())
     models = ", ".join(f"{name} {n}" for name, n in counts.expected.items())
-    groups = f", {len(counts.groups)} placement groups" if counts.groups else ""
+    n = len(counts.groups)
+    groups = f", {n} placement group{'s' * (n != 1)}" if n else ""
     return f"starting {expected} actors for {len(counts.expected)} models ({models}{groups}) ..."
 
 

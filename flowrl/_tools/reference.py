@@ -57,6 +57,9 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "hold at most about 1 MiB, else stored as one object)",
         "ordered": "default of `ordered=` for `run` and `stream`: deliver in input order",
         "setup_timeout_s": "time for all replicas to start and finish `setup` before `ClusterError`",
+        "startup_report_s": "Ray: while actors start, every this many seconds a warning per actor not ready: "
+        "not scheduled (and what it waits for), in `setup()` for how long, or connecting its channel; "
+        "0: none",
         "inprocess_threads": "in-process: run calls in worker threads so replicas overlap",
         "cost_field": "an input field with a number estimating each sample's cost: costliest pending first",
         "local_channels": "Ray: replicas on the driver's node get shards over a Unix socket, not actor calls",

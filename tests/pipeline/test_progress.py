@@ -109,7 +109,7 @@ def test_the_startup_view_counts_actors_ready_per_model_and_placement_groups():
     counts.expect(
         [ReplicaSpec(trainer, 0, 1, 0), ReplicaSpec(policy, 0, 1, 1, bundle), ReplicaSpec(policy, 1, 1, 1, bundle)]
     )
-    assert startup_line(counts) == "starting 3 actors for 2 models (t 1, policy 2, 1 placement groups) ..."
+    assert startup_line(counts) == "starting 3 actors for 2 models (t 1, policy 2, 1 placement group) ..."
     counts.started("policy")
     text = _text(startup_table(counts, 12.3))
     assert "starting actors: 1/3 ready · 12 s · placement groups reserved 0/1" in text
