@@ -7,11 +7,7 @@ cd "$(dirname "$0")/../.."
 out=${1:-${OUT:-/tmp/flowrl-cpu16}}
 shift || true
 mkdir -p "$out"
-if ! python3 -c "import ray, msgspec" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-ray stop --force >/dev/null 2>&1
+source benchmarks/gpu/wheels_env.sh
+ray stop --force >/dev/null || exit 1
 python3 -m flowrl loadtest --no-ray-data --out "$out/benchmarks-16-cores.md" "$@" 2>&1 | grep -v "WARNING\|INFO" | tail -60 >"$out/loadtest.log"
 exit "${PIPESTATUS[0]}"
