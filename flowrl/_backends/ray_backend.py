@@ -194,12 +194,13 @@ class RayBackend:
             watch.opening(h.ref)
         connecting = [asyncio.ensure_future(connect(h)) for h in near]
         try:
-            if await watch.wait(connecting, self.config.setup_timeout_s):
-                raise TimeoutError(
-                    f"not all connected within PipelineConfig.setup_timeout_s={self.config.setup_timeout_s}s"
-                )
+            pending = await watch.wait(connecting, self.config.setup_timeout_s)
             for fut in connecting:
-                fut.result()  # the first failure
+                if fut.done():
+                    fut.result()  # a failure, before the others' wait
+            if pending:
+                limit = self.config.setup_timeout_s
+                raise TimeoutError(f"not all connected within PipelineConfig.setup_timeout_s={limit}s")
         except (TimeoutError, OSError, RayTaskError, RayActorError) as err:
             reason = err.cause if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException) else err
             raise ClusterError(

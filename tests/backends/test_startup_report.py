@@ -111,6 +111,22 @@ def test_a_replica_not_scheduled_says_what_it_waits_for(ray_cluster, said) -> No
     assert flowrl_actor_names() == []
 
 
+def test_a_replica_that_never_comes_up_is_reported_then_refused_by_name(ray_cluster, said) -> None:
+    @ray_cluster.remote
+    class Shut:
+        async def wait(self) -> None:
+            await asyncio.Event().wait()  # never opens
+
+    gate = Shut.options(name="startup-gate", namespace="tests").remote()
+    heard = said("stuck[0] ")
+    stuck = GatedSetup("stuck", {"batch_size": 2, "cpus_per_replica": 0.1})
+    with pytest.raises(flowrl.ClusterError, match=r"replicas stuck\[0\] did not start within .*setup_timeout_s=5.0s"):
+        run_in_thread(stuck, {**REPORT, "setup_timeout_s": 5.0}).result(timeout=120)
+    assert heard.seen.is_set(), heard.messages  # said so before the timeout
+    ray_cluster.kill(gate)
+    assert flowrl_actor_names() == []
+
+
 def test_the_report_interval_is_checked() -> None:
     with pytest.raises(flowrl.ConfigError, match="startup_report_s"):
         flowrl.PipelineConfig(startup_report_s=-1)
