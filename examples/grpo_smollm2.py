@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,14 +66,20 @@ def held_out(n: int = 64) -> list[dict[str, Any]]:
 def lm_at(model: str | None, tokenizer: str | None = None) -> hf.LM:
     """SmolLM2 from the package's GGUF, or ``--model``: a Hugging Face model folder or a GGUF
     file; ``--tokenizer``: a tokenizer folder instead of the model's (transformers versions
-    read a GGUF's tokenizer differently)."""
+    read a GGUF's tokenizer differently). A GGUF file is de-quantised once into a model folder
+    under ~/.cache/flowrl (or $XDG_CACHE_HOME/flowrl), which every replica and trainer loads
+    in about a second instead of de-quantising the file again."""
     if model is None:
         lm = smollm2()
     elif model.endswith(".gguf"):
         lm = hf.LM(path=str(Path(model).parent), gguf_file=Path(model).name)
     else:
         lm = hf.LM(path=model)
-    return msgspec.structs.replace(lm, tokenizer=tokenizer)
+    lm = msgspec.structs.replace(lm, tokenizer=tokenizer)
+    if lm.gguf_file is None:
+        return lm
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowrl"
+    return hf.convert_gguf(lm, cache / Path(lm.gguf_file).stem)
 
 
 class Policy(hf.HFPolicy):

@@ -6,12 +6,14 @@ responses with a KV cache and records their log-probs, ``HFReference`` scores gi
 runs a Python function over the decoded text (verifiable rewards). ``GRPOTrainer``,
 ``PPOTrainer`` and ``ValueTrainer`` train the same networks on data-parallel ranks, with the
 losses of ``flowrl.rl``. ``LM`` says where a model comes from; ``Sampling``, ``Optim``,
-``Train``, ``GRPO`` and ``PPO`` how it samples and trains. See docs/hf.md.
+``Train``, ``GRPO`` and ``PPO`` how it samples and trains; ``convert_gguf`` turns a GGUF
+checkpoint into a plain model folder once. See docs/hf.md.
 """
 
 from __future__ import annotations
 
 from .config import GRPO, LM, PPO, Optim, Sampling, Train
+from .convert import convert_gguf
 from .models import HFModel, HFPolicy, HFReference, HFRewardModel, HFValue, RuleReward
 from .tokens import Padded, join, left_pad, right_pad, sequence_logprobs, token_logprobs
 from .trainers import GRPOTrainer, HFTrainer, PPOTrainer, ValueTrainer
@@ -34,6 +36,7 @@ __all__ = [
     "Sampling",
     "Train",
     "ValueTrainer",
+    "convert_gguf",
     "join",
     "left_pad",
     "right_pad",
