@@ -7,7 +7,9 @@ and per-sample advantages are ``[n]``.
 - advantages: :func:`group_advantages` (GRPO, Dr. GRPO), :func:`rloo_advantages`,
   :func:`reinforce_advantages` (REINFORCE, REINFORCE++), :func:`token_rewards` and :func:`gae`
   (PPO), :func:`expand_to_tokens`;
-- losses: :func:`policy_loss` (PPO clip, clip-higher, dual clip), :func:`kl_loss`,
+- losses: :func:`policy_loss` (PPO clip, clip-higher, dual clip; per-token importance weights
+  such as :func:`tis_weights`, the truncated correction between an inference engine's
+  log-probs and the trainer's), :func:`kl_loss`,
   :func:`value_loss`, :func:`kl_estimate`, :func:`entropy_from_logits`, all reduced by
   :func:`aggregate`;
 - sampling: :func:`sample_rows` (a token per row, each row from its sample's own generator,
@@ -38,6 +40,7 @@ from .losses import (
     kl_estimate,
     kl_loss,
     policy_loss,
+    tis_weights,
     value_loss,
 )
 from .sampling import sample_rows
@@ -58,6 +61,7 @@ __all__ = [
     "reinforce_advantages",
     "rloo_advantages",
     "sample_rows",
+    "tis_weights",
     "token_rewards",
     "value_loss",
 ]

@@ -124,6 +124,7 @@ def policy_loss(
     num_tokens: int | None = None,
     num_sequences: int | None = None,
     max_tokens: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate, as a loss to minimise, and statistics of the update.
 
@@ -133,8 +134,9 @@ def policy_loss(
     token with ``A < 0`` is further capped at ``-c * A``: however large ``r`` grows, such a token
     contributes at most ``c * |A|`` and, once capped, no gradient (dual-clip PPO). ``advantages``
     is ``[n, T]`` or per sample ``[n]`` (broadcast over tokens); it and ``old_logprobs`` are
-    treated as constants. The loss is reduced by :func:`aggregate` with ``aggregation`` and the
-    given counts.
+    treated as constants. ``is_weights`` (``[n, T]``, constants; e.g. :func:`tis_weights`)
+    multiply each token's loss, and so its gradient, before the reduction. The loss is reduced
+    by :func:`aggregate` with ``aggregation`` and the given counts.
 
     ``stats`` (floats, detached, token means over this tensor's valid tokens): ``clip_fraction``
     (share of tokens on the clipped branch, whose gradient is zero), ``dual_clip_fraction``
@@ -159,6 +161,8 @@ def policy_loss(
     capped = per_token
     if dual_clip is not None:
         capped = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    if is_weights is not None:
+        capped = capped * same_shape(fn, "is_weights", is_weights, logp, "logprobs").detach().to(logp.dtype)
     loss = aggregate(
         capped, weights, aggregation, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
     )
@@ -169,6 +173,29 @@ def policy_loss(
         "approx_kl": ratio - 1 - log_ratio,
     }
     return loss, _token_means(shares, weights)
+
+
+def tis_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *, cap: float = 2.0
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance-sampling weights for tokens sampled by an inference engine whose
+    numbers differ from the trainer's: ``min(exp(old_logprobs - rollout_logprobs), cap)`` per
+    token, where ``old_logprobs`` are the sampled tokens' log-probabilities recomputed by the
+    trainer's weights that generated them and ``rollout_logprobs`` the engine's own. Pass them as
+    ``policy_loss(..., is_weights=)``: each token's gradient is scaled by its weight, so that the
+    update follows the trainer's distribution rather than the engine's; the cap bounds the
+    variance. Detached; 0 at padded positions.
+
+    ``stats``: ``tis_mean`` (the mean weight over valid tokens) and ``tis_clip_fraction`` (the
+    share of valid tokens whose ratio exceeded ``cap``)."""
+    fn = "tis_weights"
+    old = floats(fn, "old_logprobs", old_logprobs, 2).detach()
+    rollout = same_shape(fn, "rollout_logprobs", rollout_logprobs, old, "old_logprobs").detach()
+    valid = mask_like(fn, mask, old, "old_logprobs") > 0
+    positive(fn, "cap", number(fn, "cap", cap))
+    ratio = torch.exp(torch.where(valid, old - rollout, 0.0))
+    out = torch.where(valid, ratio.clamp(max=cap), 0.0)
+    return out, _token_means({"tis_mean": out, "tis_clip_fraction": ratio > cap}, valid.to(old.dtype))
 
 
 def _token_advantages(fn: str, advantages: object, logp: torch.Tensor) -> torch.Tensor:
