@@ -233,8 +233,8 @@ def episode_figures(engine: flowrl.Engine, stats: flowrl.EngineStats) -> list[di
     """Per episode: its phases' seconds, the tokens it generated, and its rollout's wall-clock
     window (Unix seconds, from the engine's trace: benchmarks/gpu/smollm2_report.py matches it
     with nvidia-smi's samples)."""
-    phases = [s for s in engine.spans() if s.group == "engine"]
-    windows = {s.args["episode"]: (s.start, s.end) for s in phases if s.name == "rollout"}
+    spans = [s for s in engine.spans() if s.group == "engine"]
+    windows = {s.args["episode"]: (s.start, s.end) for s in spans if s.name == "rollout"}
     out = []
     for e in stats.episodes:
         tokens = round(e.metrics["grpo"]["response_length"] * e.samples)  # the trainer's mean over the episode
