@@ -43,7 +43,7 @@ for seed in "$@"; do
   timeout "${SEED_TIMEOUT_S:-170}" python3 examples/grpo_smollm2.py --gpu --seed "$seed" --model "$gguf" \
     --tokenizer "$PWD/.hf/smollm2-tokenizer" --run-dir "/tmp/runs/$seed" --summary "$runs/seed-$seed.json" \
     > "$runs/seed-$seed.log" 2>&1 || rc=$?
-  kill "$smi"
+  kill "$smi" 2>/dev/null || true  # nvidia-smi may have stopped on its own
   echo "seed $seed: rc=$rc $(tail -1 "$runs/seed-$seed.log")"
   [ "$rc" = 0 ] || status=1
 done

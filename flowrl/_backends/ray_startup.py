@@ -21,7 +21,7 @@ from .ray_wire import translate
 from .specs import ActorCounts, ReplicaHandle
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Collection
+    from collections.abc import Awaitable, Collection
 
     from .specs import ReplicaSpec
 
@@ -65,10 +65,9 @@ class Starting:
     def took(self) -> str:
         """How long each step took, once ready."""
         assert self.scheduled is not None and self.set_up is not None
-        end = self.connected if self.connected is not None else self.set_up
         channel = f", channel {self.connected - self.set_up:.1f} s" if self.connected is not None else ""
         return (
-            f"{self.label} ready in {end - self.asked:.1f} s: scheduled after {self.scheduled - self.asked:.1f} s, "
+            f"{self.label} ready in {self.took_s():.1f} s: scheduled after {self.scheduled - self.asked:.1f} s, "
             f"setup() {self.set_up - self.scheduled:.1f} s{channel} (pid {self.pid}, GPUs {self.gpus})"
         )
 
@@ -77,11 +76,11 @@ class StartupWatch:
     """The actors of one start call, and the reports on those not ready (``every`` seconds; 0:
     none). ``groups``: the backend's placement groups by name, to say what one waits for."""
 
-    def __init__(self, every: float, groups: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, every: float, groups: dict[str, Any]) -> None:
         self.every = every
         self.groups = groups
-        self.clock = clock
-        self.started = clock()
+        self.clock = time.monotonic
+        self.started = self.clock()
         self.actors: dict[Any, Starting] = {}  # by actor handle
 
     def asked(self, actor: Any, spec: ReplicaSpec) -> None:
@@ -127,21 +126,27 @@ class StartupWatch:
 
     async def report(self) -> None:
         now = self.clock()
-        waiting = [s for s in self.actors.values() if not s.ready]
+        # (label, step, its spec if not scheduled): taken before the await below, which others may change
+        waiting = [
+            (s.label, s.step(now), s.spec if s.scheduled is None else None) for s in self.actors.values() if not s.ready
+        ]
+        unscheduled = [spec for _, _, spec in waiting if spec is not None]
+        reasons = iter(await anyio.to_thread.run_sync(self._waits_for, unscheduled) if unscheduled else [])
         ready = len(self.actors) - len(waiting)
-        for s in waiting:
-            line = s.step(now)
-            if s.scheduled is None:
-                line += f": {await anyio.to_thread.run_sync(self._waits_for, s.spec)}"
+        for label, step, spec in waiting:
+            line = step if spec is None else f"{step}: {next(reasons)}"
             log.warning(
-                "start-up, %.0f s, %d of %d ready: %s %s", now - self.started, ready, len(self.actors), s.label, line
+                "start-up, %.0f s, %d of %d ready: %s %s", now - self.started, ready, len(self.actors), label, line
             )
 
-    def _waits_for(self, spec: ReplicaSpec) -> str:
-        """What an actor not yet scheduled waits for (Ray's calls: on a thread)."""
+    def _waits_for(self, specs: list[ReplicaSpec]) -> list[str]:
+        """What each actor not yet scheduled waits for (Ray's calls: on a thread)."""
         free: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]  # ray leaves it unannotated
         total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
         have = ", ".join(f"{free.get(r, 0.0):g} of {total.get(r, 0.0):g} {r}" for r in ("GPU", "CPU")) + " free"
+        return [self._wait_of(spec, have) for spec in specs]
+
+    def _wait_of(self, spec: ReplicaSpec, have: str) -> str:
         bundle = spec.bundle
         if bundle is None:
             return f"it asks for {spec.num_gpus:g} GPU and {spec.num_cpus:g} CPU; the cluster has {have}"

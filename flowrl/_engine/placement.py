@@ -54,7 +54,8 @@ class Placement:
         )
 
     def spec(self, model: Model, replica: int, pool: str = "") -> ReplicaSpec:
-        """The spec of ``model``'s replica; ``pool`` keeps a second pool (evaluation) apart."""
+        """The spec of ``model``'s replica; ``pool`` gives a second pool (evaluation) placement groups
+        of its own, except where ``model`` is colocated: its group's are shared by both pools."""
         c = model.config
         if c.replica_gpus <= 0:
             return ReplicaSpec(model, replica, c.cpus_per_replica, 0.0)

@@ -1,7 +1,7 @@
 """While Ray actors start, each one not ready says which step it is in and what it waits for,
-every ``PipelineConfig.startup_report_s`` (issue 40: a replica that never came up said nothing
-for five minutes). Real actors on the session's cluster: one held in ``setup()`` by a gate, one
-that cannot be scheduled while a placement group holds every GPU."""
+every ``PipelineConfig.startup_report_s``, long before ``setup_timeout_s``. Real actors on the
+session's cluster: one held in ``setup()`` by a gate, one that cannot be scheduled while a
+placement group holds every GPU, one whose gate never opens."""
 
 from __future__ import annotations
 
@@ -61,14 +61,11 @@ class GatedSetup(Scale):
         ray.get(ray.get_actor("startup-gate", namespace="tests").wait.remote())
 
 
-def run_in_thread(model: Scale, config: dict[str, Any]) -> Any:
-    items = [{"x": np.zeros(1)} for _ in range(4)]
-    return ThreadPoolExecutor(1).submit(flowrl.run_flow, model.forward_step, items, config)
+@pytest.fixture
+def gate(ray_cluster):
+    """The named actor GatedSetup waits on (shut until ``open``); gone after the test, however it ends."""
 
-
-def test_a_replica_in_setup_says_for_how_long_and_where_it_runs(ray_cluster, said) -> None:
-    @ray_cluster.remote
-    class Gate:
+    class Gate:  # defined here, so that Ray ships it by value
         def __init__(self) -> None:
             self.opened = asyncio.Event()
 
@@ -78,7 +75,17 @@ def test_a_replica_in_setup_says_for_how_long_and_where_it_runs(ray_cluster, sai
         async def open(self) -> None:
             self.opened.set()
 
-    gate = Gate.options(name="startup-gate", namespace="tests").remote()
+    actor = ray_cluster.remote(Gate).options(name="startup-gate", namespace="tests").remote()
+    yield actor
+    ray_cluster.kill(actor)
+
+
+def run_in_thread(model: Scale, config: dict[str, Any]) -> Any:
+    items = [{"x": np.zeros(1)} for _ in range(4)]
+    return ThreadPoolExecutor(1).submit(flowrl.run_flow, model.forward_step, items, config)
+
+
+def test_a_replica_in_setup_says_for_how_long_and_where_it_runs(ray_cluster, said, gate) -> None:
     heard = said("slow[0] setup() running for")
     run = run_in_thread(GatedSetup("slow", {"batch_size": 2, "cpus_per_replica": 0.1}), REPORT)
     assert heard.seen.wait(120), heard.messages  # reported while setup() still waits on the gate
@@ -89,7 +96,6 @@ def test_a_replica_in_setup_says_for_how_long_and_where_it_runs(ray_cluster, sai
     assert "0 of 1 ready" in report and "(pid " in report and "GPUs []" in report, report
     # once ready, where its start's time went
     assert any(m.startswith("start-up: slow[0] ready in ") and "setup() " in m for m in heard.messages)
-    ray_cluster.kill(gate)
     assert flowrl_actor_names() == []
 
 
@@ -111,19 +117,12 @@ def test_a_replica_not_scheduled_says_what_it_waits_for(ray_cluster, said) -> No
     assert flowrl_actor_names() == []
 
 
-def test_a_replica_that_never_comes_up_is_reported_then_refused_by_name(ray_cluster, said) -> None:
-    @ray_cluster.remote
-    class Shut:
-        async def wait(self) -> None:
-            await asyncio.Event().wait()  # never opens
-
-    gate = Shut.options(name="startup-gate", namespace="tests").remote()
+def test_a_replica_that_never_comes_up_is_reported_then_refused_by_name(ray_cluster, said, gate) -> None:
     heard = said("stuck[0] ")
     stuck = GatedSetup("stuck", {"batch_size": 2, "cpus_per_replica": 0.1})
     with pytest.raises(flowrl.ClusterError, match=r"replicas stuck\[0\] did not start within .*setup_timeout_s=5.0s"):
         run_in_thread(stuck, {**REPORT, "setup_timeout_s": 5.0}).result(timeout=120)
-    assert heard.seen.is_set(), heard.messages  # said so before the timeout
-    ray_cluster.kill(gate)
+    assert heard.seen.is_set(), heard.messages  # said so before the timeout (the gate never opens)
     assert flowrl_actor_names() == []
 
 

@@ -1,7 +1,7 @@
 """``examples/grpo_smollm2.py --gpu``'s layout on Ray with one GPU free, as on a one-GPU machine:
-the policy, its evaluation pool and the trainer share that GPU (issue 40: the evaluation pool
-asked for a placement group of its own, which never came, and the start hung until
-``setup_timeout_s``). tests/hf/test_smollm2_layout_gpu.py runs the same on a real GPU."""
+the policy, its evaluation pool and the trainer share that GPU (an evaluation pool with a
+placement group of its own would wait for a second GPU until ``setup_timeout_s``).
+tests/hf/test_smollm2_layout_gpu.py runs the same on a real GPU."""
 
 from __future__ import annotations
 

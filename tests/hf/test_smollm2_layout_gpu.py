@@ -1,7 +1,7 @@
 """``examples/grpo_smollm2.py --gpu``'s layout on a real GPU (marked ``gpu``, skipped without
 one): a Hugging Face Llama of SmolLM2-135M's shape with random weights, the policy, its
 evaluation pool and the GRPO trainer on one GPU, weights by CUDA IPC; an episode and an
-evaluation end to end. On a one-GPU machine the start hung until issue 40's fix.
+evaluation end to end, on a machine of one GPU or more.
 
     python -m pytest -q -m gpu tests/hf/test_smollm2_layout_gpu.py    # benchmarks/gpu/run.sh runs it
 
