@@ -14,6 +14,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Schedule = Literal["constant", "linear", "cosine"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "abs"]
+OldLogprobs = Literal["rollout", "recompute"]
 
 
 def _within(owner: str, low: float, high: float, why: str, *, high_open: bool = False, **values: float) -> None:
@@ -22,6 +23,16 @@ def _within(owner: str, low: float, high: float, why: str, *, high_open: bool = 
         if not (low <= value < high if high_open else low <= value <= high):
             shown = f"[{low:g}, {high:g}{')' if high_open else ']'}"
             raise ConfigError(f"{owner}.{key} must be in {shown} ({why}), got {value!r}")
+
+
+def _old_logprobs(owner: str, old: str, tis_cap: float | None) -> None:
+    _one_of(owner, "old_logprobs", old, OldLogprobs)
+    _positive(owner, tis_cap=tis_cap)
+    if tis_cap is not None and old != "recompute":
+        raise ConfigError(
+            f"{owner}.tis_cap weighs each token by the trainer's probability over the rollout's: it needs "
+            f"{owner}.old_logprobs='recompute', got {old!r}"
+        )
 
 
 def _constant_length(owner: str, aggregation: str, max_tokens: int | None) -> None:
@@ -180,6 +191,8 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     scale: Literal["std", "none"] = "std"
     aggregation: Aggregation = "token-mean"
     max_tokens: int | None = None
+    old_logprobs: OldLogprobs = "rollout"
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -189,12 +202,18 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         _positive("GRPO", clip=self.clip, clip_high=self.clip_high, max_tokens=self.max_tokens)
         _non_negative("GRPO", kl_coef=self.kl_coef)
         _constant_length("GRPO", self.aggregation, self.max_tokens)
+        _old_logprobs("GRPO", self.old_logprobs, self.tis_cap)
 
 
 class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """The PPO objective with GAE: per-token rewards are the KL penalty (``kl_coef``, estimator
     ``kl``) plus the score at the last token; advantages by GAE(``gamma``, ``lam``) over the
-    value model's estimates; clipped ratio; value loss clipped by ``value_clip``."""
+    value model's estimates; clipped ratio; value loss clipped by ``value_clip``.
+    ``old_logprobs``: the log-probs the ratio is taken against: ``"rollout"`` (the policy's
+    ``logprobs`` field) or ``"recompute"`` (the trainer's own, in the same forward pass, before
+    its step: for a policy on an inference engine, whose numbers differ from the trainer's);
+    ``tis_cap``: with ``"recompute"``, each token's loss is weighted by
+    ``min(exp(trainer - rollout), tis_cap)`` (``flowrl.rl.tis_weights``), None: no weights."""
 
     clip: float = 0.2
     clip_high: float | None = None
@@ -205,6 +224,8 @@ class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
     value_clip: float | None = 0.2
     aggregation: Aggregation = "token-mean"
     max_tokens: int | None = None
+    old_logprobs: OldLogprobs = "rollout"
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -215,3 +236,4 @@ class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
         _within("PPO", 0.0, 1.0, "a discount of GAE", gamma=self.gamma, lam=self.lam)
         _positive("PPO", max_tokens=self.max_tokens)
         _constant_length("PPO", self.aggregation, self.max_tokens)
+        _old_logprobs("PPO", self.old_logprobs, self.tis_cap)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .config import LM
 
 MARK = "flowrl-gguf.json"  # in a converted folder: which file it came from
+FORMAT = 2  # 2: the config no longer names the GGUF quantization (vLLM refused such a folder)
 
 
 def convert_gguf(lm: LM, folder: str | Path) -> LM:
@@ -33,15 +34,68 @@ def convert_gguf(lm: LM, folder: str | Path) -> LM:
     if not source.is_file():
         raise ConfigError(f"convert_gguf: LM.gguf_file={lm.gguf_file!r}: no file {source}")
     info = source.stat()
-    stamp = {"gguf": str(source), "size": info.st_size, "mtime_ns": info.st_mtime_ns, "tokenizer": lm.tokenizer is None}
+    stamp = {
+        "gguf": str(source),
+        "size": info.st_size,
+        "mtime_ns": info.st_mtime_ns,
+        "tokenizer": lm.tokenizer is None,
+        "format": FORMAT,
+    }
     out = Path(folder).expanduser().resolve()
     if _stamp(out) != stamp:
-        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and _stamp(out) is None)):
-            raise ConfigError(
-                f"convert_gguf: {out} holds something else than a converted model; give a new or empty folder"
-            )
-        _convert(lm, source, out, stamp)
+        _check_free(out)
+        _write(out, stamp, lambda part: _convert(lm, source, part))
     return msgspec.structs.replace(lm, path=str(out), gguf_file=None)
+
+
+def saved_random(lm: LM, folder: str | Path) -> LM:
+    """``lm`` built from ``config=`` (random weights from ``seed``, as every replica and trainer
+    builds them) and read from ``folder`` instead: saved there in float32 with its tokenizer on
+    the first call, reused while the config, seed and tokenizer are the same. For loaders that
+    read only folders (vLLM). An ``lm`` with ``path`` is returned as it is."""
+    if lm.config is None:
+        return lm
+    stamp = {"config": lm.config, "seed": lm.seed, "tokenizer": lm.tokenizer, "format": FORMAT}
+    out = Path(folder).expanduser().resolve()
+    if _stamp(out) != json.loads(json.dumps(stamp)):
+        _check_free(out)
+        _write(out, stamp, lambda part: _save_random(lm, part))
+    return msgspec.structs.replace(lm, path=str(out), config=None, tokenizer=lm.tokenizer)
+
+
+def _save_random(lm: LM, part: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .loading import load_tokenizer, random_model
+
+    tokenizer = load_tokenizer(lm, "saved_random")
+    random_model(AutoModelForCausalLM, lm, torch.float32, tokenizer).save_pretrained(part)
+    tokenizer.save_pretrained(part)
+
+
+def _check_free(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and _stamp(out) is None)):
+        raise ConfigError(f"{out} holds something else than a converted model; give a new or empty folder")
+
+
+def _write(out: Path, stamp: dict[str, Any], save: Any) -> None:
+    """``save(folder)`` into a folder beside ``out``, then renamed to it with ``stamp``: a
+    reader never sees half a folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        save(part)
+        (part / MARK).write_text(json.dumps(stamp))
+        if out.exists():  # an older conversion, or an empty folder (checked by the caller)
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            part.rename(out)
+        except OSError:
+            if _stamp(out) != json.loads(json.dumps(stamp)):  # else another process wrote the same meanwhile
+                raise
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
 
 
 def _stamp(folder: Path) -> dict[str, Any] | None:
@@ -52,32 +106,20 @@ def _stamp(folder: Path) -> dict[str, Any] | None:
     return found
 
 
-def _convert(lm: LM, source: Path, out: Path, stamp: dict[str, Any]) -> None:
+def _convert(lm: LM, source: Path, part: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # written beside it, then renamed: a reader never sees half a folder
-    part = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": lm.trust_remote_code}
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(source.parent), gguf_file=source.name, dtype=torch.float32, **kwargs
-        )
-        # transformers refuses to save a model it read from a GGUF file; a model of the same
-        # config holding the same tensors saves as any other
-        model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
-        model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(part)
-        if lm.tokenizer is None:
-            AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, **kwargs).save_pretrained(part)
-        (part / MARK).write_text(json.dumps(stamp))
-        if out.exists():  # an older conversion, or an empty folder (checked by the caller)
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            part.rename(out)
-        except OSError:
-            if _stamp(out) != stamp:  # else another process converted the same file meanwhile
-                raise
-    finally:
-        shutil.rmtree(part, ignore_errors=True)
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": lm.trust_remote_code}
+    folder, name = str(source.parent), source.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **kwargs)
+    # transformers refuses to save a model it read from a GGUF file; a model of the same
+    # config holding the same tensors saves as any other. The tensors are de-quantised: a
+    # config still naming the GGUF quantization would send other loaders (vLLM) to the file
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(part)
+    if lm.tokenizer is None:
+        AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs).save_pretrained(part)

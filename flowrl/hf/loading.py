@@ -66,12 +66,12 @@ def load_module(lm: LM, head: Head, device: torch.device, tokenizer: PreTrainedT
 
     dtype = dtype_of(lm, device)
     if head == "value":
-        body = _pretrained(tf.AutoModel, lm, dtype) if lm.path else _random(tf.AutoModel, lm, dtype, tokenizer)
+        body = _pretrained(tf.AutoModel, lm, dtype) if lm.path else random_model(tf.AutoModel, lm, dtype, tokenizer)
         module: torch.nn.Module = ValueModel(body)
     else:
         auto = tf.AutoModelForCausalLM if head == "causal" else tf.AutoModelForSequenceClassification
         extra = {"num_labels": 1} if head == "reward" else {}
-        module = _pretrained(auto, lm, dtype, **extra) if lm.path else _random(auto, lm, dtype, tokenizer, **extra)
+        module = _pretrained(auto, lm, dtype, **extra) if lm.path else random_model(auto, lm, dtype, tokenizer, **extra)
         if head == "reward":
             module.config.pad_token_id = tokenizer.pad_token_id
     return module.to(device=device, dtype=dtype)
@@ -86,7 +86,9 @@ def _pretrained(auto: Any, lm: LM, dtype: torch.dtype, **extra: Any) -> PreTrain
     return model
 
 
-def _random(auto: Any, lm: LM, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase, **extra: Any) -> PreTrainedModel:
+def random_model(
+    auto: Any, lm: LM, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase, **extra: Any
+) -> PreTrainedModel:
     from transformers import AutoConfig
 
     assert lm.config is not None

@@ -122,9 +122,14 @@ class HFPolicy(HFModel):
 
     def setup(self) -> None:
         super().setup()
+        generation = getattr(self.module, "generation_config", None)
+        self.limits(context_length(self.module), getattr(generation, "eos_token_id", None))
+
+    def limits(self, context: int | None, eos: int | list[int] | None) -> None:
+        """The stop tokens and the prompt budgets, from the model's context length and its
+        generation config's eos token(s) (after ``self.tokenizer`` is loaded)."""
         s, tok = self.sampling, self.tokenizer
-        self.stop_ids = sorted({*s.stop_token_ids, *_eos_ids(tok, self.module)})
-        context = context_length(self.module)
+        self.stop_ids = sorted({*s.stop_token_ids, *eos_ids(tok, eos)})
         self.max_prompt = s.max_prompt_tokens or (context - s.max_new_tokens if context else None)
         total = s.max_response_tokens or s.max_new_tokens
         self.max_prompt_total = s.max_prompt_tokens or (context - total if context else None)  # continue_step's
@@ -195,12 +200,11 @@ class HFPolicy(HFModel):
 
     def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:
         prompts = self.prompts(batch, self.max_prompt, "max_new_tokens")
-        responses, reasons = cut_at_stop(self.generate(prompts, sampling, batch), self.stop_ids)
-        temperature = sampling.temperature or 1.0  # greedy: the log-probs of the model itself
+        responses, reasons, logprobs = self.sample(prompts, sampling, batch)
         return {
             "prompt_ids": prompts,
             "response_ids": responses,
-            "logprobs": self.response_logprobs(prompts, responses, temperature),
+            "logprobs": logprobs,
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
             "finish_reason": reasons,
             "weight_version": torch.full((len(prompts),), self.weight_version, dtype=torch.long),
@@ -225,12 +229,11 @@ class HFPolicy(HFModel):
         budget = min(s.max_new_tokens, max(1, total - min(len(r) for r in done)))
         step = msgspec.structs.replace(s, max_new_tokens=budget)
         prefixes = [torch.cat([p, r]) for p, r in zip(prompts, done, strict=True)]
-        new, reasons = cut_at_stop(self.generate(prefixes, step, batch), self.stop_ids)
+        new, reasons, more = self.sample(prefixes, step, batch)
         room = [max(0, total - len(r)) for r in done]  # never past the total: a cut row ends by length
         reasons = [why if len(n) <= k else "length" for why, n, k in zip(reasons, new, room, strict=True)]
         new = [n[:k] for n, k in zip(new, room, strict=True)]
-        temperature = s.temperature or 1.0
-        more = self.response_logprobs(prefixes, new, temperature)
+        more = [lp[:k] for lp, k in zip(more, room, strict=True)]
         responses = [torch.cat([r, n]) for r, n in zip(done, new, strict=True)]
         finished = [why == "stop" or len(r) >= total for why, r in zip(reasons, responses, strict=True)]
         out: dict[str, Any] = {}
@@ -250,6 +253,15 @@ class HFPolicy(HFModel):
             "finish_reason": ["stop" if why == "stop" else "length" for why in reasons],
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
         }
+
+    def sample(
+        self, prompts: list[torch.Tensor], s: Sampling, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+        """Each prompt's response (up to and including its first stop token), why it ended
+        (``"stop"`` or ``"length"``) and the log-probs of its tokens at the sampling
+        temperature (greedy: the model's own)."""
+        responses, reasons = cut_at_stop(self.generate(prompts, s, batch), self.stop_ids)
+        return responses, reasons, self.response_logprobs(prompts, responses, s.temperature or 1.0)
 
     def generate(self, prompts: list[torch.Tensor], s: Sampling, batch: Batch) -> torch.Tensor:
         """Generated tokens ``[n, R]``, KV-cached; rows that stopped early are padded. Each
@@ -280,11 +292,9 @@ class HFPolicy(HFModel):
         return tokens
 
 
-def _eos_ids(tokenizer: PreTrainedTokenizerBase, module: torch.nn.Module) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    generation = getattr(module, "generation_config", None)
-    extra = getattr(generation, "eos_token_id", None)
-    ids.update(extra if isinstance(extra, list) else [extra])
+def eos_ids(tokenizer: PreTrainedTokenizerBase, extra: int | list[int] | None) -> set[int]:
+    """The tokenizer's eos token and the generation config's (one id or several)."""
+    ids = {tokenizer.eos_token_id, *(extra if isinstance(extra, list) else [extra])}
     return {int(i) for i in ids if i is not None}
 
 

@@ -236,17 +236,44 @@ class GRPOTrainer(HFTrainer):
     def objective(self, mb: Batch, extra: Mapping[str, Any], counts: Counts) -> tuple[torch.Tensor, dict[str, float]]:
         g = self.grpo
         lp, mask = self.logprobs(mb)
-        old = right_pad(mb["logprobs"]).to(lp)
+        old, weights, stats = old_logprobs(g, lp, right_pad(mb["logprobs"]).to(lp), mask)
         adv = extra["advantage"].to(lp)
-        loss, stats = rl.policy_loss(
-            lp, old, adv, mask, clip=g.clip, clip_high=g.clip_high, aggregation=g.aggregation, **counts.kwargs()
+        loss, more = rl.policy_loss(
+            lp,
+            old,
+            adv,
+            mask,
+            clip=g.clip,
+            clip_high=g.clip_high,
+            aggregation=g.aggregation,
+            is_weights=weights,
+            **counts.kwargs(),
         )
+        stats = {**stats, **more}
         if g.kl_coef > 0:
             ref = right_pad(need(mb, "ref_logprobs", "GRPO.kl_coef > 0")).to(lp)
             kl = rl.kl_loss(lp, ref, mask, kind=g.kl, aggregation=g.aggregation, **counts.kwargs())
             loss = loss + g.kl_coef * kl
             stats = {**stats, "kl": float(kl.detach())}
         return loss, stats
+
+
+def old_logprobs(
+    g: GRPO, lp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """The log-probs the ratio is taken against, the tokens' importance weights and what they
+    say: with ``old_logprobs="recompute"`` the trainer's own (the weights before this step,
+    which one step per batch leaves unchanged over its micro-batches), and the mean gap to the
+    rollout's (``logprob_gap``: how far the engine's numbers are from the trainer's)."""
+    if g.old_logprobs == "rollout":
+        return rollout, None, {}
+    old = lp.detach()
+    valid = mask > 0
+    gap = float((old - rollout).abs()[valid].mean()) if bool(valid.any()) else 0.0
+    if g.tis_cap is None:
+        return old, None, {"logprob_gap": gap}
+    weights, stats = rl.tis_weights(old, rollout, mask, cap=g.tis_cap)
+    return old, weights, {"logprob_gap": gap, **stats}
 
 
 def ppo_targets(batch: Batch, ppo: PPO) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -278,7 +305,14 @@ class PPOTrainer(GRPOTrainer):
     ) -> None:
         super().__init__(name, config, lm=lm, optim=optim, train=train)
         self.ppo = _to(PPO, ppo, name, "ppo")
-        self.grpo = GRPO(clip=self.ppo.clip, clip_high=self.ppo.clip_high, aggregation=self.ppo.aggregation)
+        p = self.ppo
+        self.grpo = GRPO(
+            clip=p.clip,
+            clip_high=p.clip_high,
+            aggregation=p.aggregation,
+            old_logprobs=p.old_logprobs,
+            tis_cap=p.tis_cap,
+        )
 
     def objective_config(self) -> object:
         return self.ppo

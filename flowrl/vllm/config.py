@@ -1,0 +1,59 @@
+"""How a policy's vLLM engine is built (a frozen Struct; a run file gives it as a mapping
+under the model's ``args``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .._core.config import Settings, _check_types, _positive
+from .._core.errors import ConfigError
+
+
+class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
+    """The engine inside each replica of a ``VLLMPolicy``.
+
+    ``gpu_memory_utilization``: the share of the GPU's memory the engine may take for its
+    weights, activations and KV cache (leave room for the models sharing the GPU).
+    ``max_model_len``: the longest prompt plus response (None: the prompt budget plus
+    ``Sampling.max_response_tokens``, capped by the model's context). ``max_num_seqs``: the
+    requests the engine runs at once. ``enforce_eager``: no CUDA graphs (faster start, slower
+    decoding). ``sleep``: release the KV cache (level 1; level 2 also the weights) between
+    rollouts, so that trainers on the same GPU can use the memory; the engine wakes before its
+    next call. ``batch_invariant``: vLLM's batch-invariant kernels, where the installed
+    version has them (the same tokens for a request whatever its batch). ``cpu_kv_cache_gb``:
+    the KV cache of an engine on the CPU. ``engine_args``: further ``vllm.LLM`` arguments, as
+    they are (e.g. ``{"enable_prefix_caching": false}``).
+    """
+
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    sleep: int = 0
+    batch_invariant: bool = False
+    cpu_kv_cache_gb: float = 1.0
+    engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive(
+            "VLLMConfig",
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            cpu_kv_cache_gb=self.cpu_kv_cache_gb,
+        )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"VLLMConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.sleep not in (0, 1, 2):
+            raise ConfigError(
+                f"VLLMConfig.sleep must be 0 (never), 1 (release the KV cache) or 2 (and the weights), got {self.sleep}"
+            )
+        owned = {"model", "tokenizer", "seed", "dtype", "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode"}
+        taken = sorted(owned & set(self.engine_args))
+        if taken:
+            raise ConfigError(
+                f"VLLMConfig.engine_args: {taken} are set by flowrl.vllm (from the LM, the sampling seed and "
+                "VLLMConfig.sleep); leave them out"
+            )

@@ -1,0 +1,211 @@
+"""A policy whose replicas each hold a vLLM engine, returning what ``flowrl.hf.HFPolicy``
+returns, so that the rest of a flow (references, value and reward models, losses, trainers)
+does not change.
+
+The engine runs inside the replica's own process (vLLM's in-process mode), so that weights
+from a trainer, which flowrl's transports (host memory, CUDA IPC, NCCL) bring to the replica
+as tensors, load into the engine's model in place, with no copy through a file or a socket.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from .._core.config import to_config
+from .._core.errors import ConfigError
+from ..hf import LM, HFPolicy, Sampling, convert_gguf
+from ..hf.convert import saved_random
+from ..hf.loading import load_tokenizer
+from .config import VLLMConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .._core.batch import Batch
+    from .._core.model import Model
+    from ..hf.models import Config
+
+SEED_STEP = 0x9E3779B97F4A7C15  # Sampling.seed moves every stream by this much (as HFPolicy's)
+
+
+def cache_folder() -> Path:
+    """Where converted and saved models go: ``$XDG_CACHE_HOME/flowrl`` or ``~/.cache/flowrl``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowrl"
+
+
+def engine_folder(lm: LM) -> LM:
+    """``lm`` as a plain model folder, which is all vLLM reads: a GGUF file de-quantised once, a
+    model built from ``config=`` saved once (both cached under ``cache_folder()``)."""
+    if lm.gguf_file is not None:
+        return convert_gguf(lm, cache_folder() / Path(lm.gguf_file).stem)
+    if lm.config is not None:
+        key = msgspec.json.encode([lm.config, lm.seed, lm.tokenizer]).hex()[-24:]
+        return saved_random(lm, cache_folder() / f"random-{lm.config.get('model_type')}-{key}")
+    return lm
+
+
+class VLLMPolicy(HFPolicy):
+    """Samples one response per sample with a vLLM engine (continuous batching, paged KV cache)
+    and records the engine's log-probs of the sampled tokens (the logits over the temperature;
+    with ``top_p``/``top_k`` the engine's are of the truncated distribution, and the trainer must
+    recompute its own: ``GRPO.old_logprobs="recompute"``).
+
+    Each sample's request carries a seed from its own stream (moved by ``Sampling.seed``): a
+    sample draws the same tokens on any replica and in any shard, as far as the engine's kernels
+    are independent of the batch (``VLLMConfig.batch_invariant``). ``forward_step``,
+    ``eval_step`` (greedy) and ``continue_step`` (partial rollouts) work as ``HFPolicy``'s.
+    ``lm`` is converted on the driver when it is a GGUF file or a config (``engine_folder``)."""
+
+    def __init__(
+        self,
+        name: str,
+        config: Config = None,
+        *,
+        lm: LM | Mapping[str, Any],
+        sampling: Sampling | Mapping[str, Any] | None = None,
+        engine: VLLMConfig | Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(name, config, lm=lm, sampling=sampling)
+        self.engine_config = to_config(VLLMConfig, engine, f"model {name!r} engine")
+        self.served = engine_folder(self.lm)  # once, here: every replica reads the same folder
+
+    def setup(self) -> None:
+        from transformers import AutoConfig, GenerationConfig
+
+        self.tokenizer = load_tokenizer(self.served, self.name)
+        folder = str(self.served.path)  # engine_folder always gives one
+        context = getattr(AutoConfig.from_pretrained(folder, local_files_only=True), "max_position_embeddings", None)
+        try:
+            eos = GenerationConfig.from_pretrained(folder, local_files_only=True).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's eos alone
+            eos = None
+        self.limits(int(context) if context else None, eos)
+        self.llm = start_engine(self.served, self.engine_config, self.longest(), self.device)
+        self.asleep = 0  # the engine's sleep level now (0: awake)
+        self.weights_lost = False  # a level-2 sleep dropped the weights and none came since
+
+    def longest(self) -> int | None:
+        """The engine's ``max_model_len``: prompt and whole response (None: the model's own)."""
+        s = self.sampling
+        if self.engine_config.max_model_len is not None:
+            return self.engine_config.max_model_len
+        if self.max_prompt_total is None:
+            return None
+        return self.max_prompt_total + (s.max_response_tokens or s.max_new_tokens)
+
+    def check_weights_from(self, trainer: Model) -> None:
+        """Also: with ``top_p`` or ``top_k`` the engine's log-probs are not the trainer's kind,
+        so the trainer must recompute them (``old_logprobs="recompute"``)."""
+        super().check_weights_from(trainer)
+        s = self.sampling
+        objective = getattr(trainer, "grpo", None)
+        if (s.top_p < 1 or s.top_k) and getattr(objective, "old_logprobs", "recompute") != "recompute":
+            raise ConfigError(
+                f"sync pair ({trainer.name!r} -> {self.name!r}): with Sampling.top_p={s.top_p}, top_k={s.top_k} "
+                "the engine's log-probs are of the truncated distribution, not the trainer's; set "
+                "old_logprobs='recompute' in the trainer's GRPO/PPO settings"
+            )
+
+    def sample(
+        self, prompts: list[torch.Tensor], s: Sampling, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+        from vllm import SamplingParams
+
+        self.wake()
+        seeds = [(int(seed) + s.seed * SEED_STEP) % (1 << 63) for seed in batch.seeds()]
+        common: dict[str, Any] = {
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k or -1,
+            "stop_token_ids": self.stop_ids,
+            "logprobs": 0,  # the sampled token's
+            "detokenize": False,
+        }
+        params = [SamplingParams(seed=seed, **common) for seed in seeds]
+        requests: list[Any] = [{"prompt_token_ids": p.tolist()} for p in prompts]
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        self.rest()
+        responses, reasons, logprobs = [], [], []
+        for out in outs:
+            done = out.outputs[0]
+            ids = list(done.token_ids)
+            responses.append(torch.tensor(ids, dtype=torch.long))
+            reasons.append("stop" if done.finish_reason == "stop" else "length")
+            logprobs.append(torch.tensor([step[t].logprob for t, step in zip(ids, done.logprobs, strict=True)]))
+        return responses, reasons, logprobs
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Weights from a trainer, loaded into the engine's model in place (vLLM's own loader
+        maps the Hugging Face names); the prefix cache, computed with the old weights, is
+        dropped."""
+        if self.asleep == 2:
+            self.llm.wake_up(tags=["weights"])
+        items = [(k, torch.as_tensor(v)) for k, v in weights.items()]
+        self.llm.collective_rpc(load_in_place, args=(items,))
+        self.llm.reset_prefix_cache()
+        self.weights_lost = False
+
+    def get_weights(self) -> Mapping[str, Any]:
+        raise ConfigError(f"model {self.name!r}: a VLLMPolicy receives weights from a trainer; it sends none")
+
+    def wake(self) -> None:
+        if self.weights_lost:
+            raise ConfigError(
+                f"model {self.name!r}: VLLMConfig.sleep=2 dropped the engine's weights and no trainer sent new ones "
+                "before this call; use sleep=1, or sync weights into this model after every training step"
+            )
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = 0
+
+    def rest(self) -> None:
+        """Release what ``VLLMConfig.sleep`` says until the next call (no-op on the CPU)."""
+        level = self.engine_config.sleep
+        if level and self.device.type == "cuda":
+            self.llm.sleep(level=level)
+            self.asleep, self.weights_lost = level, level == 2
+
+
+def load_in_place(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs on the engine's worker (``collective_rpc``): the weights into its model. vLLM's
+    in-place reload where the version has it (it also redoes the CPU backend's repacking of
+    linear weights), else the model's own ``load_weights``."""
+    runner = worker.model_runner
+    if hasattr(runner, "reload_weights"):
+        runner.reload_weights(weights_iterator=iter(items))
+    else:
+        runner.model.load_weights(iter(items))
+
+
+def start_engine(lm: LM, config: VLLMConfig, max_len: int | None, device: torch.device) -> Any:
+    """A ``vllm.LLM`` in this process, from a plain model folder."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights arrive as tensors
+    if config.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    if device.type == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{max(1, round(config.cpu_kv_cache_gb))}"
+    from vllm import LLM
+
+    dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32"}.get(lm.dtype, lm.dtype)
+    args: dict[str, Any] = {
+        "model": lm.path,
+        "tokenizer": lm.tokenizer or lm.path,
+        "skip_tokenizer_init": True,  # the policy tokenizes and decodes itself (flowrl.hf's)
+        "dtype": dtype,
+        "seed": 0,
+        "max_model_len": max_len,
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": config.enforce_eager,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "enable_sleep_mode": bool(config.sleep) and device.type == "cuda",
+        "logprobs_mode": "processed_logprobs",  # after the temperature, as the trainer computes them
+        "trust_remote_code": lm.trust_remote_code,
+        **config.engine_args,
+    }
+    return LLM(**args)
