@@ -10,6 +10,7 @@ after every few episodes.
     python examples/grpo_smollm2.py                        # prints held-out accuracy and the reward curve
     python examples/grpo_smollm2.py --plot reward.png      # and draws the curve (needs matplotlib)
     python examples/grpo_smollm2.py --seed 1 --gpu         # another seed; on a GPU (Ray, CUDA IPC)
+    python examples/grpo_smollm2.py --engine vllm          # the policy samples with vLLM (flowrl.vllm)
     flowrl run examples/grpo_smollm2.yaml                  # the same engine from a run file
 """
 
@@ -91,17 +92,38 @@ class Policy(hf.HFPolicy):
         super().__init__(name, config, lm=lm_at(model, tokenizer), sampling={**SAMPLING, "seed": seed})
 
 
+def make_policy(engine: str, name: str, config: Any, seed: int, model: str | None, tokenizer: str | None) -> Any:
+    """SmolLM2 sampling with Hugging Face ``generate`` or with a vLLM engine (the same fields)."""
+    sampling = {**SAMPLING, "seed": seed}
+    if engine == "hf":
+        return Policy(name, config, seed=seed, model=model, tokenizer=tokenizer)
+    from flowrl.vllm import VLLMPolicy
+
+    return VLLMPolicy(
+        name, config, lm=lm_at(model, tokenizer), sampling=sampling, engine={"gpu_memory_utilization": 0.2}
+    )
+
+
 class Trainer(hf.GRPOTrainer):
-    """GRPO on SmolLM2: one optimizer step per episode, no KL term (no reference needed)."""
+    """GRPO on SmolLM2: one optimizer step per episode, no KL term (no reference needed). With
+    ``recompute`` (a vLLM policy) the ratio is taken against the trainer's own log-probs and
+    each token weighted by truncated importance sampling against the engine's."""
 
     def __init__(
-        self, name: str, config: Any = None, lr: float = LR, model: str | None = None, tokenizer: str | None = None
+        self,
+        name: str,
+        config: Any = None,
+        lr: float = LR,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        recompute: bool = False,
     ) -> None:
+        correction = {"old_logprobs": "recompute", "tis_cap": 2.0} if recompute else {}
         super().__init__(
             name,
             config,
             lm=lm_at(model, tokenizer),
-            grpo={"clip": 0.2, "aggregation": "token-mean"},
+            grpo={"clip": 0.2, "aggregation": "token-mean", **correction},
             optim={"lr": lr, "max_grad_norm": 1.0},
             train={"micro_batch_tokens": 2048},
         )
@@ -130,6 +152,7 @@ class Setup(argparse.Namespace):
     eval_every: int = 4
     seed: int = 0
     gpu: bool = False
+    engine: str = "hf"
     model: str | None = None
     tokenizer: str | None = None
     run_dir: str | None = None
@@ -155,10 +178,11 @@ def make_engine(setup: Setup) -> flowrl.Engine:
     gpu: dict[str, Any] = {"gpus_per_replica": 0.5, "cpus_per_replica": 1} if setup.gpu else {}
     batch = PROMPTS_PER_EPISODE * GROUP
     weights = {"model": setup.model, "tokenizer": setup.tokenizer}
-    policy = Policy("policy", {"num_replicas": 1, "batch_size": batch, **gpu}, seed=setup.seed, **weights)
+    policy = make_policy(setup.engine, "policy", {"num_replicas": 1, "batch_size": batch, **gpu}, setup.seed, **weights)
     reward = Reward("reward", {"batch_size": 64, "cpus_per_replica": 0.1})
     ipc = {"weight_transport": "cuda_ipc"} if setup.gpu else {}
-    trainer = Trainer("grpo", {"num_replicas": 1, **gpu, **ipc}, lr=setup.lr, **weights)
+    recompute = setup.engine == "vllm"
+    trainer = Trainer("grpo", {"num_replicas": 1, **gpu, **ipc}, lr=setup.lr, recompute=recompute, **weights)
     engine = flowrl.Engine(
         rollout=lambda p: rollout_flow(p, policy, reward),
         eval_flow=lambda p: eval_flow(p, policy, reward),
@@ -197,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=Setup.eval_every)
     parser.add_argument("--seed", type=int, default=Setup.seed, help="the sampling stream and the question order")
     parser.add_argument("--gpu", action="store_true", help="policy and trainer on one GPU (Ray, CUDA IPC)")
+    parser.add_argument(
+        "--engine", choices=["hf", "vllm"], default="hf", help="the policy's sampler (vllm: flowrl.vllm)"
+    )
     parser.add_argument("--model", help="a Hugging Face model folder or GGUF file instead of the package's")
     parser.add_argument("--tokenizer", help="a tokenizer folder instead of the model's")
     parser.add_argument("--plot", help="write the reward curve to this PNG (needs matplotlib)")
@@ -221,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     print(f"held-out accuracy: {before:.3f} -> {after[-1]:.3f} in {wall:.0f} s")
     if args.summary:
-        figures = {"seed": args.seed, "gpu": args.gpu, "before": before, "after": after, "reward": curve}
+        figures = {
+            "seed": args.seed,
+            "gpu": args.gpu,
+            "engine": args.engine,
+            "before": before,
+            "after": after,
+            "reward": curve,
+        }
         runs = {"eval_every": args.eval_every, "wall_s": wall, "episodes": episode_figures(engine, stats)}
         Path(args.summary).write_text(json.dumps({**figures, **runs}))
     if args.plot:

@@ -161,6 +161,7 @@ def policy_loss(
     capped = per_token
     if dual_clip is not None:
         capped = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    dual = capped < per_token  # before the weights, which scale every branch alike
     if is_weights is not None:
         capped = capped * same_shape(fn, "is_weights", is_weights, logp, "logprobs").detach().to(logp.dtype)
     loss = aggregate(
@@ -168,7 +169,7 @@ def policy_loss(
     )
     shares = {
         "clip_fraction": clipped > unclipped,
-        "dual_clip_fraction": capped < per_token,
+        "dual_clip_fraction": dual,
         "ratio_mean": ratio,
         "approx_kl": ratio - 1 - log_ratio,
     }

@@ -18,8 +18,8 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     weights, activations and KV cache (leave room for the models sharing the GPU).
     ``max_model_len``: the longest prompt plus response (None: the prompt budget plus
     ``Sampling.max_response_tokens``, capped by the model's context). ``max_num_seqs``: the
-    requests the engine runs at once. ``enforce_eager``: no CUDA graphs (faster start, slower
-    decoding). ``sleep``: release the KV cache (level 1; level 2 also the weights) between
+    requests the engine runs at once. ``enforce_eager``: no CUDA graphs and no compilation (a
+    faster start, slower decoding; None: on the CPU only). ``sleep``: release the KV cache (level 1; level 2 also the weights) between
     rollouts, so that trainers on the same GPU can use the memory; the engine wakes before its
     next call. ``batch_invariant``: vLLM's batch-invariant kernels, where the installed
     version has them (the same tokens for a request whatever its batch). ``cpu_kv_cache_gb``:
@@ -30,7 +30,7 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     gpu_memory_utilization: float = 0.3
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None
     sleep: int = 0
     batch_invariant: bool = False
     cpu_kv_cache_gb: float = 1.0

