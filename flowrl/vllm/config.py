@@ -19,12 +19,13 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ``max_model_len``: the longest prompt plus response (None: the prompt budget plus
     ``Sampling.max_response_tokens``, capped by the model's context). ``max_num_seqs``: the
     requests the engine runs at once. ``enforce_eager``: no CUDA graphs and no compilation (a
-    faster start, slower decoding; None: on the CPU only). ``sleep``: release the KV cache (level 1; level 2 also the weights) between
-    rollouts, so that trainers on the same GPU can use the memory; the engine wakes before its
-    next call. ``batch_invariant``: vLLM's batch-invariant kernels, where the installed
-    version has them (the same tokens for a request whatever its batch). ``cpu_kv_cache_gb``:
-    the KV cache of an engine on the CPU. ``engine_args``: further ``vllm.LLM`` arguments, as
-    they are (e.g. ``{"enable_prefix_caching": false}``).
+    faster start, slower decoding; None: on the CPU only). ``sleep``: release the KV cache
+    (level 1; level 2 also the weights) after each call, so that trainers on the same GPU can
+    use the memory; the engine wakes before its next call. ``batch_invariant``: vLLM's
+    batch-invariant kernels, where the installed version has them (the same tokens for a
+    request whatever its batch). ``cpu_kv_cache_gb``: the KV cache of an engine on the CPU.
+    ``engine_args``: further ``vllm.LLM`` arguments, as they are (e.g.
+    ``{"enable_prefix_caching": false}``).
     """
 
     gpu_memory_utilization: float = 0.3
