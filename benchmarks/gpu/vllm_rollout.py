@@ -34,13 +34,13 @@ from hf_grpo import ARCHS, GpuBusy  # noqa: E402
 import flowrl  # noqa: E402
 from flowrl import hf  # noqa: E402
 
-TINY = {  # a CPU check of the script
+TINY = {  # a CPU check of the script (vLLM's CPU attention takes a head size of 32 or more)
     "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "vocab_size": 49152,
     "max_position_embeddings": 1024,
     "tie_word_embeddings": True,

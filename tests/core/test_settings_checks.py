@@ -263,6 +263,8 @@ HF_OUT_OF_RANGE = [
     (hf_config.PPO, "lam", 1e308),
     (hf_config.PPO, "value_clip", 0.0),
     (hf_config.PPO, "max_tokens", 0),
+    (hf_config.GRPO, "tis_cap", 0.0),
+    (hf_config.PPO, "tis_cap", -1.0),
 ]
 
 
