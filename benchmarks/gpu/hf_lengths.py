@@ -51,13 +51,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 MODES = ("pull+len", "pull", "push")
-TINY = {  # a Llama a few MB in size, for the CPU check
+TINY = {  # a Llama a few MB in size, for the CPU check (heads of 32: vLLM's CPU attention takes no less)
     "model_type": "llama",
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "vocab_size": 1024,
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,

@@ -28,6 +28,7 @@ the runs docs/gpu.md reports for SmolLM2-135M). Qwen2.5-0.5B fits on one GPU wit
 live memory a step, for a recomputed forward pass.
 
     python3 benchmarks/gpu/seed_ppo.py --arch smollm2-135m --out OUT     # on the GPU machine
+    python3 benchmarks/gpu/seed_ppo.py --arch qwen2.5-0.5b --engine vllm --out OUT   # the policy on vLLM
     python benchmarks/gpu/seed_ppo.py --tiny --episodes 2 --samples 16 --n 2 --tokens 8 \\
         --policy-batch 8 --scorer-batch 4 --scorer-replicas 2 --out /tmp/seed-ppo   # a CPU check
 
@@ -87,12 +88,22 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
 
     transport = {"weight_transport": "cuda_ipc" if gpus == 1 else "nccl" if gpus else "host"}
     sampling = {"max_new_tokens": args.tokens, "temperature": 1.0, "chat_template": False}
-    ppo = {"kl_coef": 0.05}
+    ppo: dict[str, Any] = {"kl_coef": 0.05}
     optim = {"lr": 1e-6}
     train = {"micro_batch_tokens": args.micro_batch_tokens} | switches(args)
     trainer_lm = hf.LM(config=arch, tokenizer=tokenizer)  # fp32 weights, bf16 autocast on a GPU
+    if args.engine == "vllm":  # the trainer recomputes its log-probs, TIS against the engine's
+        from vllm_lengths import VLLMLengthPolicy
+
+        engine = {"gpu_memory_utilization": args.vllm_memory}
+        policy: flowrl.Model = VLLMLengthPolicy(
+            "policy", config("policy", args.policy_batch), lm=lm, sampling=sampling, engine=engine
+        )
+        ppo |= {"old_logprobs": "recompute", "tis_cap": 2.0}
+    else:
+        policy = LengthPolicy("policy", config("policy", args.policy_batch), lm=lm, sampling=sampling)
     return [
-        LengthPolicy("policy", config("policy", args.policy_batch), lm=lm, sampling=sampling),
+        policy,
         hf.HFReference("reference", config("reference", args.scorer_batch), lm=lm),
         hf.HFRewardModel("reward", config("reward", args.scorer_batch), lm=lm),
         hf.HFValue("value", config("value", args.scorer_batch), lm=lm),
@@ -301,6 +312,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     layout_arguments(p, "/tmp/flowrl-seed-ppo")
     p.add_argument("--modes", default="sync,async", help="comma-separated: sync (max_staleness 0), async (1)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="the policy samples with generate or vLLM")
+    p.add_argument("--vllm-memory", type=float, default=0.1, help="each engine's VLLMConfig.gpu_memory_utilization")
     p.add_argument("--episodes", type=int, default=4, help="per mode; the first warms up")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps an episode (per trainer)")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)

@@ -127,7 +127,8 @@ class VLLMPolicy(HFPolicy):
             "logprobs": 0,  # the sampled token's
             "detokenize": False,
         }
-        params = [SamplingParams(seed=seed, **common) for seed in seeds]
+        extra = self.request_params(s, batch)
+        params = [SamplingParams(**{**common, "seed": seed, **more}) for seed, more in zip(seeds, extra, strict=True)]
         requests: list[Any] = [{"prompt_token_ids": p.tolist()} for p in prompts]
         outs = self.llm.generate(requests, params, use_tqdm=False)
         self.rest()
@@ -139,6 +140,11 @@ class VLLMPolicy(HFPolicy):
             reasons.append("stop" if done.finish_reason == "stop" else "length")
             logprobs.append(torch.tensor([step[t].logprob for t, step in zip(ids, done.logprobs, strict=True)]))
         return responses, reasons, logprobs
+
+    def request_params(self, s: Sampling, batch: Batch) -> list[dict[str, Any]]:
+        """Per sample, ``vllm.SamplingParams`` arguments over those of ``Sampling`` (override
+        for per-sample settings, e.g. ``{"max_tokens": n}`` from a field of the batch)."""
+        return [{} for _ in range(len(batch))]
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Weights from a trainer, loaded into the engine's model in place (vLLM's own loader
