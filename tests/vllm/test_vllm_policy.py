@@ -137,6 +137,23 @@ def test_a_partial_rollout_continues_each_response_from_its_prefix(policy: VLLMP
     assert all(finished)  # at most 4 + 4 + 2 tokens: done within three turns
 
 
+class PerSample(VLLMPolicy):
+    """Each sample's own length: exactly its ``length`` field's tokens."""
+
+    def request_params(self, s: hf.Sampling, batch: flowrl.Batch) -> list[dict[str, Any]]:
+        return [{"min_tokens": int(n), "max_tokens": int(n)} for n in batch["length"]]
+
+
+def test_per_sample_request_settings_reach_the_engine(policy: VLLMPolicy) -> None:
+    lengths = [1, 7, 3, 12]
+    own = PerSample.__new__(PerSample)
+    own.__dict__.update(policy.__dict__)
+    batch = flowrl.Batch(torch.arange(4), {"prompt": QUESTIONS[:4], "length": lengths})
+    out = own.forward_step(batch, 0)
+    assert [len(r) for r in out["response_ids"]] == lengths
+    assert [len(lp) for lp in out["logprobs"]] == lengths
+
+
 def test_greedy_evaluation_is_the_same_in_any_shard(policy: VLLMPolicy) -> None:
     whole = policy.eval_step(prompts(list(range(8))), 0)
     for ids in ([7, 6], [3]):
