@@ -23,6 +23,23 @@ def e_count(prompt: str, response: str, **_: Any) -> float:
     return float(response.count("e"))
 
 
+PROMPTS = ["what is one", "the answer", "seven plus", "nine minus two"]
+
+
+def grpo_engine(
+    policy: flowrl.Model, reward: flowrl.Model, trainer: flowrl.Model, config: flowrl.RunConfig
+) -> flowrl.Engine:
+    """policy -> reward, the trainer syncing into the policy, over ``PROMPTS`` four times."""
+    engine = flowrl.Engine(
+        rollout=lambda p: reward.forward_step(policy.forward_step(p)),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config=config,
+    )
+    engine.set_dataset([{"prompt": p} for p in PROMPTS] * 4)
+    return engine
+
+
 def make_trainer(tokenizer: str, case: dict[str, Any], rank: int = 0, world_size: int = 1) -> hf.GRPOTrainer:
     """A GRPO trainer as ``TrainerRuntime`` makes one: rank and sizes set, then ``setup()`` (after
     the process group, when there is one)."""

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 CPU = {"cpus_per_replica": 0.5}
-PROMPTS = ["what is one", "the answer", "seven plus", "nine minus two"]
 
 
 def make_engine(tokenizer: str, tmp: Path, episodes: int, **run: Any) -> flowrl.Engine:
@@ -38,13 +37,7 @@ def make_engine(tokenizer: str, tmp: Path, episodes: int, **run: Any) -> flowrl.
         progress="off",
         **run,
     )
-    engine = flowrl.Engine(
-        rollout=lambda p: reward.forward_step(policy.forward_step(p)),
-        train=[trainer],
-        sync=[(trainer, policy)],
-        config=config,
-    )
-    engine.set_dataset([{"prompt": p} for p in PROMPTS] * 4)
+    engine = hf_ranks.grpo_engine(policy, reward, trainer, config)
     return engine
 
 

@@ -22,7 +22,6 @@ pytest.importorskip("vllm")
 from flowrl.vllm import VLLMPolicy  # noqa: E402  (after the skip: needs vllm)
 
 CPU = {"cpus_per_replica": 0.5}
-PROMPTS = ["what is one", "the answer", "seven plus", "nine minus two"]
 # vLLM's CPU attention takes heads of 32 or more
 ARCH = hf_tiny.llama(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 
@@ -41,13 +40,7 @@ def test_grpo_on_ray_syncs_the_trainers_weights_into_every_engine(ray_cluster, t
         progress="off",
         pipeline=flowrl.PipelineConfig(backend="ray"),
     )
-    engine = flowrl.Engine(
-        rollout=lambda p: reward.forward_step(policy.forward_step(p)),
-        train=[trainer],
-        sync=[(trainer, policy)],
-        config=config,
-    )
-    engine.set_dataset([{"prompt": p} for p in PROMPTS] * 4)
+    engine = hf_ranks.grpo_engine(policy, reward, trainer, config)
     stats = engine.learn()
     metrics = [e.metrics["grpo"] for e in stats.episodes]
     for m in metrics:  # the engines' log-probs (float32, both replicas) are the trainer's own
