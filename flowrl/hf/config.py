@@ -182,7 +182,12 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """The GRPO objective: group-normalised advantages (``scale="none"``: not divided by the
     group's std, as Dr. GRPO), the clipped ratio (``clip_high`` for an asymmetric upper
     bound), a KL term to the reference with estimator ``kl`` and weight ``kl_coef`` (0: no
-    reference needed), and the aggregation over tokens and sequences."""
+    reference needed), and the aggregation over tokens and sequences.
+    ``old_logprobs``: the log-probs the ratio is taken against: ``"rollout"`` (the policy's
+    ``logprobs`` field) or ``"recompute"`` (the trainer's own, in the same forward pass, before
+    its step: for a policy on an inference engine, whose numbers differ from the trainer's);
+    ``tis_cap``: with ``"recompute"``, each token's loss is weighted by
+    ``min(exp(trainer - rollout), tis_cap)`` (``flowrl.rl.tis_weights``), None: no weights."""
 
     clip: float = 0.2
     clip_high: float | None = None
@@ -208,12 +213,8 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """The PPO objective with GAE: per-token rewards are the KL penalty (``kl_coef``, estimator
     ``kl``) plus the score at the last token; advantages by GAE(``gamma``, ``lam``) over the
-    value model's estimates; clipped ratio; value loss clipped by ``value_clip``.
-    ``old_logprobs``: the log-probs the ratio is taken against: ``"rollout"`` (the policy's
-    ``logprobs`` field) or ``"recompute"`` (the trainer's own, in the same forward pass, before
-    its step: for a policy on an inference engine, whose numbers differ from the trainer's);
-    ``tis_cap``: with ``"recompute"``, each token's loss is weighted by
-    ``min(exp(trainer - rollout), tis_cap)`` (``flowrl.rl.tis_weights``), None: no weights."""
+    value model's estimates; clipped ratio; value loss clipped by ``value_clip``;
+    ``old_logprobs`` and ``tis_cap`` as ``GRPO``'s."""
 
     clip: float = 0.2
     clip_high: float | None = None

@@ -60,7 +60,7 @@ def saved_random(lm: LM, folder: str | Path) -> LM:
     if _stamp(out) != json.loads(json.dumps(stamp)):
         _check_free(out)
         _write(out, stamp, lambda part: _save_random(lm, part))
-    return msgspec.structs.replace(lm, path=str(out), config=None, tokenizer=lm.tokenizer)
+    return msgspec.structs.replace(lm, path=str(out), config=None)
 
 
 def _save_random(lm: LM, part: Path) -> None:

@@ -53,6 +53,35 @@ def test_a_gguf_file_is_converted_once_to_the_same_weights_and_tokenizer(tmp_pat
     assert all(torch.equal(policy.module.state_dict()[k], v) for k, v in expected.items())
 
 
+def test_a_converted_folder_names_no_gguf_quantization(tmp_path: Path) -> None:
+    """Other loaders (vLLM) read a config's quantization and would look for the GGUF file."""
+    import json
+
+    source = tmp_path / "src"
+    out = hf.convert_gguf(hf.LM(path=str(source), gguf_file=hf_tiny.write_gguf(source)), tmp_path / "converted")
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    assert out.path is not None
+
+
+def test_a_model_of_random_weights_is_saved_once_with_the_weights_every_replica_builds(tmp_path: Path) -> None:
+    from flowrl.hf.convert import saved_random
+
+    lm = hf.LM(config=hf_tiny.llama(), tokenizer=hf_tiny.make_tokenizer(tmp_path / "tok"), seed=7)
+    out = saved_random(lm, tmp_path / "random")
+    assert out.config is None and out.path == str((tmp_path / "random").resolve())
+    built = hf.HFReference("built", lm=lm)
+    built.setup()
+    got = weights(out.path)
+    assert all(torch.equal(got[k], v) for k, v in built.module.state_dict().items())
+    saved = (tmp_path / "random" / "model.safetensors").stat().st_mtime_ns
+    assert saved_random(lm, tmp_path / "random") == out  # the same config and seed: reused
+    assert (tmp_path / "random" / "model.safetensors").stat().st_mtime_ns == saved
+    other = saved_random(hf.LM(config=hf_tiny.llama(), tokenizer=lm.tokenizer, seed=8), tmp_path / "random")
+    # another seed: saved anew
+    assert not torch.equal(weights(str(other.path))["lm_head.weight"], got["lm_head.weight"])
+
+
 def test_a_changed_gguf_file_is_converted_again(tmp_path: Path) -> None:
     source = tmp_path / "src"
     lm = hf.LM(path=str(source), gguf_file=hf_tiny.write_gguf(source, seed=0))
