@@ -186,6 +186,8 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     ``old_logprobs``: the log-probs the ratio is taken against: ``"rollout"`` (the policy's
     ``logprobs`` field) or ``"recompute"`` (the trainer's own, in the same forward pass, before
     its step: for a policy on an inference engine, whose numbers differ from the trainer's);
+    with several optimizer steps over one rollout, each step takes the weights before it, so the
+    ratio is 1 at every step and only ``tis_cap`` corrects for the rollout's older weights.
     ``tis_cap``: with ``"recompute"``, each token's loss is weighted by
     ``min(exp(trainer - rollout), tis_cap)`` (``flowrl.rl.tis_weights``), None: no weights."""
 
