@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -79,8 +78,7 @@ def lm_at(model: str | None, tokenizer: str | None = None) -> hf.LM:
     lm = msgspec.structs.replace(lm, tokenizer=tokenizer)
     if lm.gguf_file is None:
         return lm
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowrl"
-    return hf.convert_gguf(lm, cache / Path(lm.gguf_file).stem)
+    return hf.convert_gguf(lm, hf.cache_folder() / Path(lm.gguf_file).stem)
 
 
 class Policy(hf.HFPolicy):

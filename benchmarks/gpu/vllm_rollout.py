@@ -49,7 +49,7 @@ TINY = {  # a CPU check of the script (vLLM's CPU attention takes a head size of
 
 def make_lm(args: argparse.Namespace) -> hf.LM:
     if args.arch == "smollm2":
-        return hf.LM(path=args.smollm2, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+        return hf.LM(path=args.smollm2)
     arch = TINY if args.arch == "tiny" else ARCHS[args.arch]
     return hf.LM(config=arch, tokenizer=args.tokenizer, dtype="auto")
 
@@ -146,7 +146,7 @@ def main() -> None:
     record["sleep"] = sleep_wake(fast)
     print(json.dumps(record), flush=True)
     if not args.skip_hf:
-        slow = hf.HFPolicy("hf", lm=fast.served if args.arch != "smollm2" else lm, sampling=sampling)
+        slow = hf.HFPolicy("hf", lm=fast.served, sampling=sampling)  # the engine's own folder: the same weights
         slow.gpu_ids = fast.gpu_ids
         slow.setup()
         record["hf"] = timed(slow, batch, 1, busy)

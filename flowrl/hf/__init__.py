@@ -13,7 +13,7 @@ checkpoint into a plain model folder once. See docs/hf.md.
 from __future__ import annotations
 
 from .config import GRPO, LM, PPO, Optim, Sampling, Train
-from .convert import convert_gguf
+from .convert import cache_folder, convert_gguf
 from .models import HFModel, HFPolicy, HFReference, HFRewardModel, HFValue, RuleReward
 from .tokens import Padded, join, left_pad, right_pad, sequence_logprobs, token_logprobs
 from .trainers import GRPOTrainer, HFTrainer, PPOTrainer, ValueTrainer
@@ -36,6 +36,7 @@ __all__ = [
     "Sampling",
     "Train",
     "ValueTrainer",
+    "cache_folder",
     "convert_gguf",
     "join",
     "left_pad",

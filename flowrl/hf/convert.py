@@ -5,6 +5,7 @@ trainer rank loads safetensors instead of de-quantising the file itself (SmolLM2
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +17,12 @@ from .._core.errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import LM
+
+
+def cache_folder() -> Path:
+    """Where converted and saved models go: ``$XDG_CACHE_HOME/flowrl`` or ``~/.cache/flowrl``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowrl"
+
 
 MARK = "flowrl-gguf.json"  # in a converted folder: which file it came from
 FORMAT = 2  # 2: the config no longer names the GGUF quantization (vLLM refused such a folder)
@@ -55,9 +62,10 @@ def saved_random(lm: LM, folder: str | Path) -> LM:
     read only folders (vLLM). An ``lm`` with ``path`` is returned as it is."""
     if lm.config is None:
         return lm
-    stamp = {"config": lm.config, "seed": lm.seed, "tokenizer": lm.tokenizer, "format": FORMAT}
+    # as the stamp file reads back (a config's tuples become lists)
+    stamp = json.loads(json.dumps({"config": lm.config, "seed": lm.seed, "tokenizer": lm.tokenizer, "format": FORMAT}))
     out = Path(folder).expanduser().resolve()
-    if _stamp(out) != json.loads(json.dumps(stamp)):
+    if _stamp(out) != stamp:
         _check_free(out)
         _write(out, stamp, lambda part: _save_random(lm, part))
     return msgspec.structs.replace(lm, path=str(out), config=None)
@@ -92,7 +100,7 @@ def _write(out: Path, stamp: dict[str, Any], save: Any) -> None:
         try:
             part.rename(out)
         except OSError:
-            if _stamp(out) != json.loads(json.dumps(stamp)):  # else another process wrote the same meanwhile
+            if _stamp(out) != stamp:  # else another process wrote the same meanwhile
                 raise
     finally:
         shutil.rmtree(part, ignore_errors=True)

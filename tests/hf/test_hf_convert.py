@@ -61,7 +61,7 @@ def test_a_converted_folder_names_no_gguf_quantization(tmp_path: Path) -> None:
     out = hf.convert_gguf(hf.LM(path=str(source), gguf_file=hf_tiny.write_gguf(source)), tmp_path / "converted")
     config = json.loads((tmp_path / "converted" / "config.json").read_text())
     assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
-    assert out.path is not None
+    assert out.gguf_file is None
 
 
 def test_a_model_of_random_weights_is_saved_once_with_the_weights_every_replica_builds(tmp_path: Path) -> None:

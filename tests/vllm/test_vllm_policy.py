@@ -33,6 +33,15 @@ def smollm2() -> hf.LM:
     return hf.LM(path=str(folder), gguf_file=gguf)
 
 
+def variant(policy: VLLMPolicy, cls: type[VLLMPolicy] = VLLMPolicy, **sampling: Any) -> VLLMPolicy:
+    """The module's policy (its engine too) as another class or with other sampling settings."""
+    other = cls.__new__(cls)
+    other.__dict__.update(policy.__dict__)
+    if sampling:
+        other.sampling = hf.Sampling(**sampling)
+    return other
+
+
 def prompts(ids: list[int]) -> flowrl.Batch:
     return flowrl.Batch(torch.tensor(ids), {"prompt": [QUESTIONS[i] for i in ids]})
 
@@ -82,10 +91,7 @@ def test_a_sample_draws_the_same_tokens_in_any_shard_and_another_seed_draws_othe
         out = policy.forward_step(prompts(ids), 0)
         for row, sample in enumerate(ids):
             assert torch.equal(out["response_ids"][row], first["response_ids"][sample]), (ids, sample)
-    moved = VLLMPolicy.__new__(VLLMPolicy)
-    moved.__dict__.update(policy.__dict__)
-    moved.sampling = hf.Sampling(**{**SAMPLING, "seed": 1})
-    other = moved.forward_step(prompts(list(range(16))), 0)
+    other = variant(policy, **SAMPLING, seed=1).forward_step(prompts(list(range(16))), 0)
     differ = sum(not torch.equal(a, b) for a, b in zip(other["response_ids"], first["response_ids"], strict=True))
     assert differ >= 8
 
@@ -118,9 +124,7 @@ def test_weights_from_a_trainer_load_into_the_engine_in_place(
 
 
 def test_a_partial_rollout_continues_each_response_from_its_prefix(policy: VLLMPolicy) -> None:
-    partial = VLLMPolicy.__new__(VLLMPolicy)
-    partial.__dict__.update(policy.__dict__)
-    partial.sampling = hf.Sampling(max_new_tokens=4, max_response_tokens=10)
+    partial = variant(policy, max_new_tokens=4, max_response_tokens=10)
     ids = [0, 1, 2, 3]
     state: dict[str, Any] = {"response_ids": [[] for _ in ids], "logprobs": [[] for _ in ids]}
     finished = [False] * len(ids)
@@ -146,8 +150,7 @@ class PerSample(VLLMPolicy):
 
 def test_per_sample_request_settings_reach_the_engine(policy: VLLMPolicy) -> None:
     lengths = [1, 7, 3, 12]
-    own = PerSample.__new__(PerSample)
-    own.__dict__.update(policy.__dict__)
+    own = variant(policy, PerSample)
     batch = flowrl.Batch(torch.arange(4), {"prompt": QUESTIONS[:4], "length": lengths})
     out = own.forward_step(batch, 0)
     assert [len(r) for r in out["response_ids"]] == lengths
@@ -167,7 +170,8 @@ def test_greedy_evaluation_is_the_same_in_any_shard(policy: VLLMPolicy) -> None:
     [
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
         ({"sleep": 3}, "VLLMConfig.sleep must be 0"),
-        ({"engine_args": {"seed": 3}}, r"\['seed'\] are set by flowrl.vllm"),
+        ({"engine_args": {"seed": 3}}, r"\['seed'\] are set elsewhere \(seed: each request's own seed\)"),
+        ({"engine_args": {"max_num_seqs": 8}}, r"max_num_seqs: VLLMConfig.max_num_seqs"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
     ],
 )
