@@ -29,6 +29,14 @@ VLLM = "vllm==0.26.0"
 PART_LIMIT = 59_900_000  # bytes a part, notes included: one call carries at most ~60 MB
 MAX_PARTS = 18  # calls the carrying session has for it
 
+# Requirements of vLLM that a text model on a Hopper GPU never imports (each is imported inside a function or by
+# a module of another model family, a Blackwell kernel, a video or image input, or a JIT path): about 550 MB, or
+# 9 of the 18 parts, left behind. install.sh installs with --no-deps, so nothing asks for them there.
+UNUSED = frozenset(canonicalize_name(n) for n in """
+tokenspeed-triton nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13 nvidia-nvvm nvidia-cuda-nvcc
+opencv-python-headless tilelang z3-solver pynvvideocodec torchcodec
+""".split())  # fmt: skip
+
 # --- The target ------------------------------------------------------------------------------------------------------
 # Source: /work/.library/device/KINDS.md, nvidia-h200 table: its 'pip list' row (2026-11; python3 there is Python
 # 3.12.3, /opt/torch/.venv/bin/python3, torch 2.11.0+cu130) and 'Python packages already there' (2026-11-17).
@@ -152,6 +160,8 @@ def requirements_on(items: list[dict]) -> dict[str, SpecifierSet]:
 
 def category(name: str, spec: SpecifierSet) -> str:
     """'missing', 'known-conflict' and 'conditional' are carried; 'skip-...' are left to the target."""
+    if name in UNUSED:
+        return "skip-unused"
     if name in STAND_INS:
         return "skip-stand-in"
     if name in TARGET_VERSIONS:
