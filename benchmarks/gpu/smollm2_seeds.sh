@@ -17,6 +17,7 @@
 #   device run 1, carry .whl:            bash benchmarks/gpu/run.sh    (the GPU tests)
 #   device run 2, carry .gga:            bash benchmarks/gpu/smollm2_seeds.sh stage
 #   device run 3, carry .ggb and .hf:    bash benchmarks/gpu/smollm2_seeds.sh 0 1 2
+# ENGINE=vllm samples with flowrl.vllm (the vLLM bundle installed first: vllm_device.sh).
 # Exit status: 0 only if every step and every seed's run succeeded.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,7 +42,7 @@ for seed in "$@"; do
   smi=$!
   rc=0
   timeout "${SEED_TIMEOUT_S:-170}" python3 examples/grpo_smollm2.py --gpu --seed "$seed" --model "$gguf" \
-    --tokenizer "$PWD/.hf/smollm2-tokenizer" --run-dir "/tmp/runs/$seed" --summary "$runs/seed-$seed.json" \
+    --tokenizer "$PWD/.hf/smollm2-tokenizer" --engine "${ENGINE:-hf}" --run-dir "/tmp/runs/$seed" --summary "$runs/seed-$seed.json" \
     > "$runs/seed-$seed.log" 2>&1 || rc=$?
   kill "$smi" 2>/dev/null || true  # nvidia-smi may have stopped on its own
   echo "seed $seed: rc=$rc $(tail -1 "$runs/seed-$seed.log")"

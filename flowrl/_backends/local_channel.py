@@ -6,9 +6,9 @@ shards is bound by Ray's task machinery. A replica on the driver's node can inst
 shards from a Unix socket: ~20,000 small round trips/s on 2 cores, 0.04 ms of CPU a side
 (``benchmarks/channel.py``). The frames carry the same bytes a Ray call would.
 
-Frames are a 4-byte little-endian length and a body. The replica answers frames in the
-order they came, so the driver matches replies to calls by order; a reply body starts with
-``OK`` or ``ERR``. A closed socket fails every call still waiting on it (``ChannelLost``).
+Frames are a 4-byte little-endian length and a body. A reply's body starts with the sequence
+number of the frame it answers (4 bytes: a model that merges shards answers out of order),
+then ``OK`` or ``ERR``. A closed socket fails every call still waiting on it (``ChannelLost``).
 """
 
 from __future__ import annotations
@@ -67,13 +67,15 @@ def _nothing() -> None:
 
 
 class _Job(Generic[T]):
-    """A submitted call and the future its submitter waits on (failed if the worker stops)."""
+    """A submitted call and the future its submitter waits on (failed if the worker stops);
+    ``shard``: a step on a shard, which a merging replica runs beside other shards."""
 
-    __slots__ = ("_call", "future")
+    __slots__ = ("_call", "future", "shard")
 
-    def __init__(self, call: Callable[[], T]) -> None:
+    def __init__(self, call: Callable[[], T], shard: bool = False) -> None:
         self._call = call
         self.future: Future[T] = Future()
+        self.shard = shard
 
     def __call__(self) -> None:
         if self.future.set_running_or_notify_cancel():
@@ -81,6 +83,19 @@ class _Job(Generic[T]):
                 self.future.set_result(self._call())
             except BaseException as err:  # the submitter raises it
                 self.future.set_exception(err)
+
+
+class _Shard:
+    """A channel frame's step and its reply: a job a merging replica runs beside other shards."""
+
+    __slots__ = ("_call",)
+    shard = True
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call = call
+
+    def __call__(self) -> None:
+        self._call()
 
 
 class ReplicaWorker:
@@ -92,20 +107,30 @@ class ReplicaWorker:
     step, 4x its time in a hot loop), while the model waits for it; so the channel's thread
     reads and unpickles the next shard (``prepare``) while the worker runs the one before. The
     worker still pickles each reply before its next step starts, as a Ray call would: a step's
-    outputs may be buffers it reuses."""
+    outputs may be buffers it reuses.
 
-    def __init__(self) -> None:
+    With ``merge`` > 1 (a model that merges shards, ``Model.merges_shards``) the worker starts
+    each shard's step on a thread of its own, up to ``merge`` at once, and every other job
+    (setup, weights) waits until no shard runs and runs alone: weights still load between
+    shards, never under a step."""
+
+    def __init__(self, merge: int = 1) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._urgent: collections.deque[Callable[[], None]] = collections.deque()  # before any job queued
         self._channel: socket.socket | None = None
         self._dead = False
+        self._merge = merge
+        self._running = 0  # shards running on threads of their own (merge > 1)
+        self._idle = threading.Condition()
+        self._sending = threading.Lock()  # replies from several threads, one frame at a time
         self.thread = threading.Thread(target=self._work, name="flowrl-replica", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[[*Ts], T], *args: *Ts, first: bool = False) -> Future[T]:
+    def submit(self, fn: Callable[[*Ts], T], *args: *Ts, first: bool = False, shard: bool = False) -> Future[T]:
         """Run ``fn(*args)`` on the worker after the jobs queued before it, or with ``first``
-        right after the job running now (weights load before the shards queued ahead)."""
-        job = _Job(functools.partial(fn, *args))
+        right after the job running now (weights load before the shards queued ahead);
+        ``shard``: a step on a shard, run beside others where the replica merges them."""
+        job = _Job(functools.partial(fn, *args), shard)
         if first:
             self._urgent.append(job)
             self._jobs.put(_nothing)  # wakes an idle worker
@@ -120,7 +145,8 @@ class ReplicaWorker:
     ) -> None:
         """Serve the driver's channel at ``path``: each frame goes ``prepare(seq, body)`` on the
         channel's thread, then ``answer(seq, prepared)`` (the reply's bytes) on the worker;
-        neither may raise. Replies go in the order the frames came."""
+        neither may raise. Replies go in the order the frames came, unless the replica merges
+        shards."""
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(path)
         sock.sendall(_header(len(token)) + token.encode())
@@ -138,12 +164,42 @@ class ReplicaWorker:
             while True:
                 job = self._jobs.get()
                 while self._urgent:
-                    self._urgent.popleft()()
-                job()
-        finally:  # a bug here must not leave anyone waiting: the driver sees the channel close,
-            self._dead = True  # and Ray calls get an error instead of a thread that never runs
-            self.close_channel()
-            self._fail_jobs()
+                    self._alone(self._urgent.popleft())
+                if self._merge > 1 and getattr(job, "shard", False):
+                    self._beside(job)
+                else:
+                    self._alone(job)
+        finally:
+            self._stop()
+
+    def _alone(self, job: Callable[[], None]) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0)
+        job()
+
+    def _beside(self, job: Callable[[], None]) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._running < self._merge)
+            self._running += 1
+        threading.Thread(target=self._shard, args=(job,), name="flowrl-shard", daemon=True).start()
+
+    def _shard(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def _stop(self) -> None:
+        """A bug here must not leave anyone waiting: the driver sees the channel close, and Ray
+        calls get an error instead of a thread that never runs."""
+        self._dead = True
+        self.close_channel()
+        self._fail_jobs()
 
     def _fail_jobs(self) -> None:
         while True:
@@ -161,16 +217,16 @@ class ReplicaWorker:
         try:
             while chunk := sock.recv(1 << 20):
                 for body in _frames(buffer, chunk):
-                    self._jobs.put(functools.partial(_reply, sock, answer, seq, prepare(seq, body)))
+                    reply = functools.partial(self._reply, sock, answer, seq, prepare(seq, body))
+                    self._jobs.put(_Shard(reply))
                     seq += 1
         except OSError:  # shut down under it (close_channel), or the driver went away
             pass
 
-
-def _reply(sock: socket.socket, answer: Callable[[int, Any], bytes], seq: int, prepared: Any) -> None:
-    data = answer(seq, prepared)
-    with contextlib.suppress(OSError):  # the driver went away: nobody waits for it
-        sock.sendall(_header(len(data)) + data)
+    def _reply(self, sock: socket.socket, answer: Callable[[int, Any], bytes], seq: int, prepared: Any) -> None:
+        data = answer(seq, prepared)
+        with self._sending, contextlib.suppress(OSError):  # the driver went away: nobody waits for it
+            sock.sendall(_header(4 + len(data)) + seq.to_bytes(4, "little") + data)
 
 
 class _Writer(Protocol):
@@ -195,7 +251,7 @@ class DriverEnd(asyncio.Protocol):
         self._transport: _Writer | None = None
         self._buffer = bytearray()
         self._named = False
-        self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self._waiting: dict[int, asyncio.Future[bytes]] = {}  # sequence number -> its reply
         self._sent = 0
         self._lost: BaseException | None = None
 
@@ -207,10 +263,10 @@ class DriverEnd(asyncio.Protocol):
         """Queue ``body``; returns its sequence number and the future of its reply."""
         assert self._transport is not None
         future = self.loop.create_future()
-        self._waiting.append(future)
+        seq, self._sent = self._sent, self._sent + 1
+        self._waiting[seq] = future
         self._transport.writelines((_header(len(body)), body))  # one system call
-        self._sent += 1
-        return self._sent - 1, future
+        return seq, future
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast("_Writer", transport)  # a Unix stream socket's writes, on any loop
@@ -220,18 +276,18 @@ class DriverEnd(asyncio.Protocol):
             if not self._named:
                 self._named = True
                 self._server.named(self, frame)
-            elif self._waiting:
-                future = self._waiting.popleft()
-                if not future.done():  # else its caller was cancelled
-                    future.set_result(frame)
+            else:
+                future = self._waiting.pop(int.from_bytes(frame[:4], "little"), None)
+                if future is not None and not future.done():  # else its caller was cancelled
+                    future.set_result(frame[4:])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ChannelLost(f"the replica's channel closed{f': {exc}' if exc else ''}"))
 
     def _fail(self, error: BaseException) -> None:
         self._lost = self._lost or error
-        while self._waiting:
-            future = self._waiting.popleft()
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
             if not future.done():
                 future.set_exception(error)
 

@@ -4,6 +4,8 @@ A replica actor runs one shard at a time on its one worker thread (a second shar
 waits, and weights load between shards, before the shards waiting), whether the shard came as a Ray call or over the
 replica's Unix socket (``local_channel``). It has no extra concurrency group: one costs every
 call about a quarter of its throughput, and closing needs none (a killed actor fails its pings).
+A model that merges shards (``Model.merges_shards``) is the exception: its actor takes
+``prefetch`` Ray calls at once (``max_concurrency``), and its worker runs their steps together.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ReplicaActor:
         # User code runs on this one thread whichever way a shard comes (a Ray call or the
         # channel): one shard at a time, weights loaded between shards, and thread-local state
         # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
-        self.worker = ReplicaWorker()
+        self.worker = ReplicaWorker(model.config.prefetch if model.merges_shards else 1)
         self.held: dict[int, Batch] = {}  # channel calls' outputs too big for the socket
 
     def where(self) -> tuple[int, list[int]]:
@@ -55,7 +57,7 @@ class ReplicaActor:
     def run(self, blob: bytes, *stored: Any) -> tuple[bytes, Batch | None]:
         # The pieces' object references came as arguments (Ray fetched them before the call
         # started, overlapping the previous shard); small input rows came inside ``blob``.
-        return self.worker.submit(run_call, self.runtime, blob, stored).result()
+        return self.worker.submit(run_call, self.runtime, blob, stored, shard=True).result()
 
     def open_channel(self, path: str, token: str) -> None:
         self.worker.connect(path, token, self._answer, self._prepare)

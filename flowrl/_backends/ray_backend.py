@@ -224,6 +224,8 @@ class RayBackend:
             "num_cpus": spec.num_cpus,
             "num_gpus": spec.num_gpus,
         }
+        if spec.model.merges_shards and cls is ReplicaActor:  # its shards' Ray calls run at once
+            options["max_concurrency"] = spec.model.config.prefetch + 1
         if spec.bundle is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement_group(spec.bundle), placement_group_bundle_index=spec.bundle.index

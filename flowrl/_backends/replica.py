@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowDefinitionError, FlowError, MissingFieldError, OutputError, StageError
 from .._core.loops import DONE, flags
 from .._core.model import Model, step_info, step_target, weight_hooks_problem
+from .._core.overlap import BusyClock
 from .._core.rng_state import rng_state, set_rng_state
 from .._core.staleness import versions_field
 from .._core.state_format import decode_state, encode_state
@@ -115,6 +117,9 @@ class ReplicaRuntime:
         self.deterministic = deterministic  # torch's deterministic algorithms, from setup() on
         self._steps: dict[str, tuple[Callable[..., Any], Any]] = {}  # method -> (callable, writes)
         self._groups = Groups()  # weight-broadcast groups it joined (weight_transport="nccl")
+        # a model that merges shards runs steps at once: each is charged the time no other was
+        self._clock = BusyClock() if model.merges_shards else None
+        self._clock_lock = threading.Lock()
 
     def _step(self, method: str) -> tuple[Callable[..., Any], Any]:
         found = self._steps.get(method)
@@ -157,7 +162,7 @@ class ReplicaRuntime:
         batch._stream = Stream(call.seed, call.stage, turns)  # each sample's random streams
         target, writes = self._step(call.method)
         try:
-            out = target(batch, call.iteration)
+            out, alone = self._timed(target, batch, call.iteration, start)
         except Exception as err:
             hint = LOOP_FIELDS if call.in_loop and isinstance(err, MissingFieldError) else ""
             raise StageError(f"{type(err).__name__}: {err}{hint}", call.stage, self.replica_id, call.ids) from err
@@ -177,7 +182,7 @@ class ReplicaRuntime:
         meta = CallMeta(
             rows=len(batch),
             fields=sorted(added),
-            busy_s=spent + took,
+            busy_s=spent + (took if alone is None else alone),
             out_bytes=approx_nbytes(result),
             node_id=self.model.node_id,
             started=started,
@@ -187,6 +192,22 @@ class ReplicaRuntime:
             version=synced,
         )
         return meta, result
+
+    def _timed(
+        self, target: Callable[..., Any], batch: Batch, iteration: int, start: float
+    ) -> tuple[Any, float | None]:
+        """The step's output, and where steps overlap (``merges_shards``) the seconds of it that
+        no other step was charged for (None: the step ran alone)."""
+        if self._clock is None:
+            return target(batch, iteration), None
+        with self._clock_lock:
+            token = self._clock.begin(start)
+        try:
+            out = target(batch, iteration)
+        finally:
+            with self._clock_lock:
+                alone = self._clock.end(token, time.perf_counter())
+        return out, alone
 
     def get_weights(self) -> dict[str, Any]:
         return weights_of(self.model, self.replica_id)

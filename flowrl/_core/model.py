@@ -111,9 +111,16 @@ class Model:
     optimizers it holds as attributes after ``setup()``, unless ``all_reduce_grads`` already
     summed them. Set it to ``False`` in a trainer that sums them itself (DDP, or its own
     collective).
+
+    ``merges_shards`` (a class attribute, ``False`` by default): a replica runs up to
+    ``ModelConfig.prefetch`` of this model's shards at once, each step on a thread of its own,
+    and takes its next shard while a step runs, for a model whose steps merge into one running
+    batch (an inference engine's continuous batching, ``flowrl.vllm.VLLMPolicy``). Weights still
+    load between steps, when none runs; thread-local state set in ``setup()`` is not there.
     """
 
     auto_reduce_grads: ClassVar[bool] = True
+    merges_shards: ClassVar[bool] = False
 
     def __init__(self, name: str, config: ModelConfig | Mapping[str, Any] | None = None) -> None:
         self.name = check_name(name, f"{type(self).__name__}(name=...)")

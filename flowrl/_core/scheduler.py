@@ -5,7 +5,8 @@ per replica). Samples become ready per stage. ``poll`` pairs waiting slots with 
 the splitter at that moment, never ahead of a request. Among waiting replicas, those with
 fewer shards in flight go first, then the least recently served, so a second slot is served
 only when every replica already has work, and work rotates over the whole pool. A second
-slot is served at all only while queueing a shard ahead pays (``CallCost.queue_ahead``).
+slot is served at all only while queueing a shard ahead pays (``CallCost.queue_ahead``), or
+always where a replica merges its shards into one running batch (``merges``).
 
 Pending samples leave in order of their cost estimate, costliest first, then oldest first
 (without estimates: oldest first). Starting the long samples first keeps them off the end of
@@ -52,11 +53,13 @@ class PoolScheduler:
         prefetch: int = 1,
         deterministic: bool = False,
         clock: Callable[[], float] | None = None,
+        merges: bool = False,
     ) -> None:
         self.replicas = replicas
         check_policy(policy)
         self.policy = policy
         self.prefetch = prefetch
+        self.merges = merges  # a replica runs its shards at once (Model.merges_shards): one never waits
         self.deterministic = deterministic
         self._sealed: dict[int, int] = {}  # deterministic: run -> its number of samples, once known
         self._blocks = itertools.count()  # deterministic: cut blocks leave in the order they filled
@@ -294,7 +297,7 @@ class PoolScheduler:
         for q in reversed(self._stages.values()):
             if not q.heap:
                 continue
-            if self.in_flight[replica] and not q.fit.queue_ahead(q.remaining, self.serving):
+            if self.in_flight[replica] and not self.merges and not q.fit.queue_ahead(q.remaining, self.serving):
                 return None
             n = self._size(q, replica)
             if n:

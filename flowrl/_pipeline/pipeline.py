@@ -68,6 +68,7 @@ def _pools(graph: FlowGraph, deterministic: bool = False) -> dict[str, AsyncPool
             prefetch=cfg.prefetch,
             deterministic=deterministic,
             clock=time.monotonic,
+            merges=model.merges_shards,
         )
         c = model.config.call_cost
         prior = None if c is None else (c.fixed_s, c.per_sample_s)

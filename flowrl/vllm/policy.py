@@ -18,11 +18,13 @@ import torch
 
 from .._core.config import to_config
 from .._core.errors import ConfigError
+from .._core.model import step
 from ..hf import LM, HFPolicy, Sampling, convert_gguf
 from ..hf.convert import cache_folder, saved_random
 from ..hf.loading import dtype_of, load_tokenizer
 from ..hf.sampling import moved
 from .config import VLLMConfig
+from .loop import EngineLoop, StepLock
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -53,7 +55,14 @@ class VLLMPolicy(HFPolicy):
     sample draws the same tokens on any replica and in any shard, as far as the engine's kernels
     are independent of the batch (``VLLMConfig.batch_invariant``). ``forward_step``,
     ``eval_step`` (greedy) and ``continue_step`` (partial rollouts) work as ``HFPolicy``'s.
-    ``lm`` is converted on the driver when it is a GGUF file or a config (``engine_folder``)."""
+    ``lm`` is converted on the driver when it is a GGUF file or a config (``engine_folder``).
+
+    A replica takes its next shard while one generates (``merges_shards``): the shard's requests
+    join the engine's running batch at its next step (``EngineLoop``), so the engine stays full
+    instead of waiting for a shard's longest answer. Up to ``ModelConfig.prefetch`` shards run at
+    once; the policy's own Python (tokenizing, decoding) still runs one step at a time."""
+
+    merges_shards = True
 
     def __init__(
         self,
@@ -82,6 +91,20 @@ class VLLMPolicy(HFPolicy):
         self.llm = start_engine(self.served, self.engine_config, self.longest(), self.device)
         self.asleep = 0  # the engine's sleep level now (0: awake)
         self.weights_lost = False  # a level-2 sleep dropped the weights and none came since
+        self.steps = StepLock()
+        self.generating = 0  # steps waiting for the engine now: it sleeps when none does
+        device = self.device
+        on_thread = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self.loop = EngineLoop(self.llm.llm_engine, on_thread)
+
+    def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:
+        with self.steps:
+            return super().respond(batch, sampling)
+
+    @step
+    def continue_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        with self.steps:
+            return super().continue_step(batch, iteration)
 
     def longest(self) -> int | None:
         """The engine's ``max_model_len``: prompt and whole response (None: the model's own)."""
@@ -109,8 +132,8 @@ class VLLMPolicy(HFPolicy):
         self, prompts: list[torch.Tensor], s: Sampling, batch: Batch
     ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        self.wake()
         seeds = [moved(seed, s.seed) % (1 << 63) for seed in batch.seeds()]  # vLLM takes a signed 64-bit seed
         common: dict[str, Any] = {
             "max_tokens": s.max_new_tokens,
@@ -120,12 +143,21 @@ class VLLMPolicy(HFPolicy):
             "stop_token_ids": self.stop_ids,
             "logprobs": 0,  # the sampled token's
             "detokenize": False,
+            "output_kind": RequestOutputKind.FINAL_ONLY,  # a request's tokens once, when it ends
         }
         extra = self.request_params(s, batch)
         params = [SamplingParams(**{**common, "seed": seed, **more}) for seed, more in zip(seeds, extra, strict=True)]
         requests: list[Any] = [{"prompt_token_ids": p.tolist()} for p in prompts]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
-        self.rest()
+        if not self.generating:
+            self.wake()
+        self.generating += 1
+        try:
+            with self.steps.waiting():  # other steps' requests join the engine's batch meanwhile
+                outs = self.loop.generate(requests, params)
+        finally:
+            self.generating -= 1
+            if not self.generating:
+                self.rest()
         responses, reasons, logprobs = [], [], []
         for out in outs:
             done = out.outputs[0]
@@ -145,10 +177,9 @@ class VLLMPolicy(HFPolicy):
         maps the Hugging Face names); the prefix cache, computed with the old weights, is
         dropped."""
         if self.asleep == 2:
-            self.llm.wake_up(tags=["weights"])
+            self.loop.use(lambda _: self.llm.wake_up(tags=["weights"]))
         items = [(k, torch.as_tensor(v)) for k, v in weights.items()]
-        self.llm.collective_rpc(load_in_place, args=(items,))
-        self.llm.reset_prefix_cache()
+        self.loop.use(lambda _: (self.llm.collective_rpc(load_in_place, args=(items,)), self.llm.reset_prefix_cache()))
         self.weights_lost = False
 
     def get_weights(self) -> Mapping[str, Any]:
@@ -161,14 +192,14 @@ class VLLMPolicy(HFPolicy):
                 "before this call; use sleep=1, or sync weights into this model after every training step"
             )
         if self.asleep:
-            self.llm.wake_up()
+            self.loop.use(lambda _: self.llm.wake_up())
             self.asleep = 0
 
     def rest(self) -> None:
         """Release what ``VLLMConfig.sleep`` says until the next call (no-op on the CPU)."""
         level = self.engine_config.sleep
         if level and self.device.type == "cuda":
-            self.llm.sleep(level=level)
+            self.loop.use(lambda _: self.llm.sleep(level=level))
             self.asleep, self.weights_lost = level, level == 2
 
 
