@@ -36,7 +36,7 @@ ppo() {
   done
 }
 export -f installed rollout ppo
-export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for what in "$@"; do
   case $what in
     stage) for part in .vp[0-9][0-9]; do [ -d "$part" ] && cp "$part"/* /tmp/vw/; done; echo "staged: $(ls /tmp/vw | wc -l) files" ;;

@@ -7,8 +7,9 @@ weights from ``--smollm2`` (a model folder)): ``--prompts`` prompts, ``--new`` n
 (random weights rarely stop early), temperature 1. Each policy runs the batch once to warm up,
 then ``--repeats`` times timed: generated tokens/s and nvidia-smi's utilization (median) during
 the timed calls. Weight sync: a float32 copy of the model on the GPU (a trainer's) loaded into
-the engine ``--repeats`` times (seconds each). Sleep: the GPU memory free before and after
-``sleep(level=1)`` and the seconds of sleep and wake-up.
+the engine ``--repeats`` times (seconds each). With ``--sleep 1`` (or 2) the engine rests after
+each call, as when it shares the GPU with trainers (the timed calls then include waking up):
+the GPU memory it frees, and the seconds of waking up and going back to sleep.
 
     python3 benchmarks/gpu/vllm_rollout.py --tokenizer T --arch qwen2.5-0.5b --out OUT   # the GPU
     python benchmarks/gpu/vllm_rollout.py --tokenizer T --arch tiny --prompts 8 --new 8 --out /tmp/v
@@ -99,20 +100,25 @@ def weight_sync(policy: Any, lm: hf.LM, repeats: int) -> dict[str, Any]:
 
 
 def sleep_wake(policy: Any) -> dict[str, Any]:
+    """With ``VLLMConfig.sleep`` on, the engine rests after each call: the GPU memory it frees
+    (free memory asleep, less awake) and the seconds of waking up and of going back to sleep."""
     if not torch.cuda.is_available():
         return {"skipped": "no GPU (sleep is a no-op on the CPU)"}
-    free_before = torch.cuda.mem_get_info()[0]
-    start = time.perf_counter()
-    policy.llm.sleep(level=1)
-    slept = time.perf_counter() - start
+    if not policy.engine_config.sleep:
+        return {"skipped": "--sleep 0: the engine has no sleep mode"}
     free_asleep = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
-    policy.llm.wake_up()
+    policy.wake()
     woke = time.perf_counter() - start
+    free_awake = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    policy.rest()
+    slept = time.perf_counter() - start
     return {
-        "freed_gib": round((free_asleep - free_before) / 2**30, 2),
-        "sleep_s": round(slept, 3),
+        "level": policy.engine_config.sleep,
+        "freed_gib": round((free_asleep - free_awake) / 2**30, 2),
         "wake_s": round(woke, 3),
+        "sleep_s": round(slept, 3),
     }
 
 
@@ -125,6 +131,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory", type=float, default=0.3, help="VLLMConfig.gpu_memory_utilization")
+    parser.add_argument("--sleep", type=int, default=0, help="VLLMConfig.sleep (1, 2: each call wakes and rests)")
+    parser.add_argument("--engine-args", default="{}", help="VLLMConfig.engine_args as JSON")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -135,15 +143,25 @@ def main() -> None:
     sampling = {"max_new_tokens": args.new, "temperature": 1.0, "chat_template": False}
     busy = GpuBusy() if cuda else None
     record: dict[str, Any] = {"arch": args.arch, "prompts": args.prompts, "new": args.new, "cuda": cuda}
+    record |= {"sleep": args.sleep, "engine_args": json.loads(args.engine_args)}
     start = time.perf_counter()
-    fast = VLLMPolicy("vllm", lm=lm, sampling=sampling, engine={"gpu_memory_utilization": args.memory})
+    fast = VLLMPolicy(
+        "vllm",
+        lm=lm,
+        sampling=sampling,
+        engine={
+            "gpu_memory_utilization": args.memory,
+            "sleep": args.sleep,
+            "engine_args": json.loads(args.engine_args),
+        },
+    )
     fast.gpu_ids = [0] if cuda else []
     fast.setup()
     record["vllm_start_s"] = round(time.perf_counter() - start, 1)
     record["vllm"] = timed(fast, batch, args.repeats, busy)
     print(json.dumps(record), flush=True)
     record["weight_sync"] = weight_sync(fast, lm, args.repeats)
-    record["sleep"] = sleep_wake(fast)
+    record["sleep_wake"] = sleep_wake(fast)
     print(json.dumps(record), flush=True)
     if not args.skip_hf:
         slow = hf.HFPolicy("hf", lm=fast.served, sampling=sampling)  # the engine's own folder: the same weights

@@ -55,6 +55,8 @@ class EngineLoop:
         if self._stopped is not None:
             raise RuntimeError("the engine's loop stopped") from self._stopped
         self._inbox.put((prompts, params, call))
+        if self._stopped is not None:  # it stopped meanwhile: nobody takes the call but us
+            self._fail([])
         return call.future.result()
 
     def use(self, fn: Callable[[Any], Any]) -> Any:
@@ -65,9 +67,9 @@ class EngineLoop:
         self._inbox.put(None)
 
     def _run(self) -> None:
-        if self._on_thread is not None:
-            self._on_thread()
         try:
+            if self._on_thread is not None:
+                self._on_thread()
             while self._take(block=not self._running):
                 self.most_calls = max(self.most_calls, self._calls)
                 with self._lock:
@@ -75,10 +77,21 @@ class EngineLoop:
                 self._finish(outputs)
         except BaseException as err:  # every waiting call fails with it; none hangs
             self._stopped = err
-            for call, _ in list(self._running.values()):
-                if not call.future.done():
-                    call.future.set_exception(err)
+            self._fail([call for call, _ in self._running.values()])
             raise
+
+    def _fail(self, calls: list[_Call]) -> None:
+        """Fails ``calls`` and those in the inbox with the loop's error."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                calls.append(item[2])
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(RuntimeError("the engine's loop stopped"))
 
     def _take(self, block: bool) -> bool:
         """Adds the calls waiting in the inbox (waits for one if ``block``); False once stopped."""

@@ -93,8 +93,8 @@ class VLLMPolicy(HFPolicy):
         self.weights_lost = False  # a level-2 sleep dropped the weights and none came since
         self.steps = StepLock()
         self.generating = 0  # steps waiting for the engine now: it sleeps when none does
-        device = self.device
-        on_thread = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        gpu = torch.cuda.current_device() if self.device.type == "cuda" else None  # the engine's, set by vLLM
+        on_thread = None if gpu is None else (lambda: torch.cuda.set_device(gpu))
         self.loop = EngineLoop(self.llm.llm_engine, on_thread)
 
     def respond(self, batch: Batch, sampling: Sampling) -> dict[str, Any]:

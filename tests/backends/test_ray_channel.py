@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -283,3 +284,99 @@ def test_weights_submitted_first_run_right_after_the_running_job_before_queued_o
     for future in (running, *queued, weights):
         future.result(timeout=10)
     assert order == ["weights", "shard 0", "shard 1"]
+
+
+@pytest.mark.parametrize("merge", [1, 2])
+def test_a_merging_worker_runs_shards_at_once_and_weights_only_when_none_runs(merge):
+    """merge=2: the second shard runs while the first still does, and weights submitted first
+    wait for both. merge=1: the second waits for the first, and the weights go between them."""
+    from flowrl._backends.local_channel import ReplicaWorker
+
+    worker, order = ReplicaWorker(merge), []
+    first_started, second_started, hold = threading.Event(), threading.Event(), threading.Event()
+
+    def first_shard():
+        first_started.set()
+        hold.wait(timeout=30)
+        order.append(f"first ends, the second ran: {second_started.is_set()}")
+
+    def second_shard():
+        second_started.set()
+        order.append("second runs")
+
+    shards = [worker.submit(first_shard, shard=True), worker.submit(second_shard, shard=True)]
+    assert (second_started if merge == 2 else first_started).wait(timeout=30)
+    weights = worker.submit(order.append, "weights", first=True)
+    hold.set()
+    for future in (*shards, weights):
+        future.result(timeout=30)
+    if merge == 2:
+        assert order == ["second runs", "first ends, the second ran: True", "weights"]
+    else:
+        assert order == ["first ends, the second ran: False", "weights", "second runs"]
+
+
+async def test_replies_that_come_out_of_order_settle_their_own_calls():
+    """A merging replica answers a short shard sent second before a long one sent first."""
+    from flowrl._backends.local_channel import ChannelServer, ReplicaWorker
+
+    server = ChannelServer()
+    await server.start()
+    expected = server.expect("t")
+    worker, release = ReplicaWorker(merge=2), threading.Event()
+
+    def answer(seq, body):
+        if body == b"slow":
+            release.wait(timeout=30)
+        return b"OK" + body
+
+    await asyncio.to_thread(worker.connect, server.path, "t", answer)
+    end = await expected
+    _, slow = end.send(b"slow")
+    _, fast = end.send(b"fast")
+    assert await asyncio.wait_for(fast, 30) == b"OKfast"
+    assert not slow.done()
+    release.set()
+    assert await asyncio.wait_for(slow, 30) == b"OKslow"
+    worker.close_channel()
+    server.close()
+
+
+class Merging(flowrl.Model):
+    """Merges shards (as an engine's continuous batching): a step waits for a second step to
+    run beside it (up to 30 s; the last may have none), then works 0.3 s. Each sample gets the
+    most steps that ran at once and its step's interval."""
+
+    merges_shards = True
+
+    def setup(self) -> None:
+        self.lock, self.inside, self.most = threading.Lock(), 0, 0
+        self.met = threading.Event()
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            if self.inside >= 2:
+                self.met.set()
+        self.met.wait(timeout=30)
+        time.sleep(0.3)  # the step's work, shared with the step beside it
+        with self.lock:
+            self.inside -= 1
+            most = self.most
+        return {"most": [most] * len(batch), "span": [[start, time.perf_counter()]] * len(batch)}
+
+
+@pytest.mark.parametrize("channels", [True, False])
+def test_a_replica_of_a_model_that_merges_shards_runs_two_at_once_and_counts_busy_time_once(ray_cluster, channels):
+    model = Merging("m", {"num_replicas": 1, "batch_size": 4, "prefetch": 2, **CPU})
+    with flowrl.Pipeline(lambda x: model.forward_step(x), {"local_channels": channels}) as pipe:
+        out = pipe.run([{"x": [i]} for i in range(16)])
+        stats = pipe.stats()["m.forward_step"]
+    assert sorted(s.id for s in out) == list(range(16))
+    assert max(s["most"] for s in out) == 2  # the second shard ran while the first did
+    spans = {tuple(s["span"]) for s in out}  # one per call
+    assert stats.calls == len(spans)
+    assert stats.busy_s < sum(b - a for a, b in spans) - 0.2  # an overlap of 0.3 s or more, counted once
+    assert flowrl_actor_names() == []

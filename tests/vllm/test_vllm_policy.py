@@ -6,6 +6,8 @@ rollouts and greedy evaluation. One engine serves the module (its start is most 
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,40 @@ def test_many_long_prompts_in_one_call_draw_what_they_draw_alone(policy: VLLMPol
     for i in (47, 0, 21):
         alone = policy.forward_step(flowrl.Batch(torch.tensor([i]), {"prompt": [long[i]]}), 0)
         assert torch.equal(alone["response_ids"][0], whole["response_ids"][i]), i
+
+
+def test_shards_that_arrive_while_one_generates_join_its_batch(policy: VLLMPolicy, first: dict[str, Any]) -> None:
+    """Two concurrent calls (a merging replica's two slots): with the engine held between two
+    steps until both wait, their requests run in one engine step, and each sample still draws
+    the tokens it draws alone."""
+    held, release, results = threading.Event(), threading.Event(), {}
+
+    def hold(_: Any) -> None:
+        held.set()
+        release.wait(timeout=120)
+
+    holder = threading.Thread(target=policy.loop.use, args=(hold,))
+    holder.start()
+    assert held.wait(timeout=60)
+    shards = {0: list(range(0, 16, 2)), 1: list(range(1, 16, 2))}
+    calls = [
+        threading.Thread(target=lambda k=k: results.update({k: policy.forward_step(prompts(shards[k]), 0)}))
+        for k in shards
+    ]
+    policy.loop.most_calls = 0
+    for call in calls:
+        call.start()
+    deadline = time.monotonic() + 60
+    while policy.generating < 2 and time.monotonic() < deadline:  # both wait for the engine
+        time.sleep(0.01)
+    assert policy.generating == 2
+    release.set()
+    for thread in (holder, *calls):
+        thread.join(timeout=120)
+    assert policy.loop.most_calls == 2
+    for k, ids in shards.items():
+        for row, i in enumerate(ids):
+            assert torch.equal(results[k]["response_ids"][row], first["response_ids"][i]), i
 
 
 def test_weights_from_a_trainer_load_into_the_engine_in_place(
