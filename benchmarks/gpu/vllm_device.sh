@@ -32,11 +32,12 @@ ppo() {
   source benchmarks/gpu/wheels_env.sh
   for engine in vllm hf; do
     python3 benchmarks/gpu/seed_ppo.py --arch qwen2.5-0.5b --episodes 3 --empty-cache on --micro-batch-tokens 2048 \
-      --modes sync,async --engine "$engine" --out "$out/ppo-$engine" || return 1
+      --modes sync,async --engine "$engine" --vllm-kv-gib 4 --out "$out/ppo-$engine" || return 1
   done
 }
 export -f installed rollout ppo
-export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# FlashInfer's sampler compiles kernels with nvcc, which the machine lacks
+export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for what in "$@"; do
   case $what in
     stage) for part in .vp[0-9][0-9]; do [ -d "$part" ] && cp "$part"/* /tmp/vw/; done; echo "staged: $(ls /tmp/vw | wc -l) files" ;;
