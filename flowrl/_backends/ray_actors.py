@@ -41,7 +41,8 @@ class ReplicaActor:
         self.runtime = ReplicaRuntime(model, replica_id, deterministic)
         # User code runs on this one thread whichever way a shard comes (a Ray call or the
         # channel): one shard at a time, weights loaded between shards, and thread-local state
-        # set in setup() (torch's grad mode, the current CUDA device) still set in the steps.
+        # set in setup() (torch's grad mode, the current CUDA device) still set in the steps;
+        # except a model that merges shards, whose steps run on threads of their own.
         self.worker = ReplicaWorker(model.config.prefetch if model.merges_shards else 1)
         self.held: dict[int, Batch] = {}  # channel calls' outputs too big for the socket
 

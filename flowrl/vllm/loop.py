@@ -36,7 +36,7 @@ class EngineLoop:
 
     def __init__(self, engine: Any, on_thread: Callable[[], None] | None = None) -> None:
         self._engine = engine
-        self._inbox: queue.SimpleQueue[tuple[list[Any], list[Any], _Call] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[list[Any], list[Any], _Call]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the engine's one user at a time: the loop, or ``use``
         self._running: dict[str, tuple[_Call, int]] = {}  # request id -> its call, its place there
         self._ids = itertools.count()
@@ -49,11 +49,11 @@ class EngineLoop:
 
     def generate(self, prompts: list[Any], params: list[Any]) -> list[Any]:
         """The engine's outputs for ``prompts`` (one ``SamplingParams`` each), in their order."""
-        call = _Call(len(prompts))
         if not prompts:
             return []
         if self._stopped is not None:
-            raise RuntimeError("the engine's loop stopped") from self._stopped
+            raise self._error()
+        call = _Call(len(prompts))
         self._inbox.put((prompts, params, call))
         if self._stopped is not None:  # it stopped meanwhile: nobody takes the call but us
             self._fail([])
@@ -63,14 +63,12 @@ class EngineLoop:
         with self._lock:
             return fn(self._engine)
 
-    def stop(self) -> None:
-        self._inbox.put(None)
-
     def _run(self) -> None:
         try:
             if self._on_thread is not None:
                 self._on_thread()
-            while self._take(block=not self._running):
+            while True:
+                self._take(block=not self._running)
                 self.most_calls = max(self.most_calls, self._calls)
                 with self._lock:
                     outputs = self._engine.step()
@@ -84,25 +82,24 @@ class EngineLoop:
         """Fails ``calls`` and those in the inbox with the loop's error."""
         while True:
             try:
-                item = self._inbox.get_nowait()
+                calls.append(self._inbox.get_nowait()[2])
             except queue.Empty:
                 break
-            if item is not None:
-                calls.append(item[2])
         for call in calls:
             if not call.future.done():
-                call.future.set_exception(RuntimeError("the engine's loop stopped"))
+                call.future.set_exception(self._error())
 
-    def _take(self, block: bool) -> bool:
-        """Adds the calls waiting in the inbox (waits for one if ``block``); False once stopped."""
+    def _error(self) -> RuntimeError:
+        err = self._stopped
+        return RuntimeError(f"the vLLM engine's loop thread stopped: {type(err).__name__}: {err}")
+
+    def _take(self, block: bool) -> None:
+        """Adds the calls waiting in the inbox (waits for one if ``block``)."""
         while True:
             try:
-                item = self._inbox.get(block=block)
+                prompts, params, call = self._inbox.get(block=block)
             except queue.Empty:
-                return True
-            if item is None:
-                return False
-            prompts, params, call = item
+                return
             self._calls += 1
             with self._lock:
                 for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
