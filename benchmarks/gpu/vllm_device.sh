@@ -9,8 +9,9 @@
 #   the last part's call, also carrying .hf:  bash benchmarks/gpu/vllm_device.sh stage install rollout
 #   then, carrying .whl:                      bash benchmarks/gpu/vllm_device.sh install ppo
 # Steps: stage (copy the parts here to /tmp/vw), install (assemble, install into the system Python, import
-# vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes), ppo (seed_ppo.py, generate
-# against vLLM). Logs and results under $OUT (or /tmp/flowrl-gpu). Exit status: 0 only if every step passed.
+# vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes, or $ARCHS), own (the engine's
+# own generate, its core in a process of its own), ppo (seed_ppo.py, $ENGINES: vLLM and generate).
+# Logs and results under $OUT (or /tmp/flowrl-gpu). Exit status: 0 only if every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/flowrl-gpu}
@@ -23,26 +24,34 @@ step() {  # step NAME SECONDS: the function NAME in its own shell, its log under
   [ "$rc" = 0 ] || status=1
 }
 installed() { [ -f /tmp/vw/.installed ] || { bash /tmp/vw/assemble.sh /tmp/vw && bash /tmp/vw/install.sh /tmp/vw && touch /tmp/vw/.installed; }; }
-rollout() {
-  for arch in smollm2-135m qwen2.5-0.5b; do
-    python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch "$arch" --out "$out" || return 1
+rollout() {  # with the engine resting between calls, and the engine's own generate beside flowrl's
+  for arch in ${ARCHS:-smollm2-135m qwen2.5-0.5b}; do
+    python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch "$arch" --sleep 1 --breakdown \
+      --out "$out" || return 1
+  done
+}
+own() {  # the engine's own generate with its core in a process of its own (vLLM's usual layout)
+  for arch in ${ARCHS:-smollm2-135m qwen2.5-0.5b}; do
+    python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch "$arch" --own-process \
+      --out "$out" || return 1
   done
 }
 ppo() {
   source benchmarks/gpu/wheels_env.sh
-  for engine in vllm hf; do
+  for engine in ${ENGINES:-vllm hf}; do
     python3 benchmarks/gpu/seed_ppo.py --arch qwen2.5-0.5b --episodes 3 --empty-cache on --micro-batch-tokens 2048 \
       --modes sync,async --engine "$engine" --vllm-kv-gib 4 --out "$out/ppo-$engine" || return 1
   done
 }
-export -f installed rollout ppo
+export -f installed rollout own ppo
 # FlashInfer's sampler compiles kernels with nvcc, which the machine lacks
 export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for what in "$@"; do
   case $what in
     stage) for part in .vp[0-9][0-9]; do [ -d "$part" ] && cp "$part"/* /tmp/vw/; done; echo "staged: $(ls /tmp/vw | wc -l) files" ;;
     install) step installed 300 ;;
-    rollout) step rollout 420 ;;
+    rollout) step rollout 540 ;;
+    own) step own 540 ;;
     ppo) step ppo 560 ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac

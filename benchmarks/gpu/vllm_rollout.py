@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoTokenizer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_grpo import ARCHS, GpuBusy  # noqa: E402
@@ -55,20 +60,28 @@ def make_lm(args: argparse.Namespace) -> hf.LM:
     return hf.LM(config=arch, tokenizer=args.tokenizer, dtype="auto")
 
 
+def words(n: int) -> list[str]:
+    return [f"Count the apples: {i} red, {2 * i + 1} green and some more." for i in range(n)]
+
+
 def prompts(n: int) -> flowrl.Batch:
-    words = [f"Count the apples: {i} red, {2 * i + 1} green and some more." for i in range(n)]
-    return flowrl.Batch(torch.arange(n), {"prompt": words})
+    return flowrl.Batch(torch.arange(n), {"prompt": words(n)})
 
 
 def timed(policy: Any, batch: flowrl.Batch, repeats: int, busy: GpuBusy | None) -> dict[str, Any]:
-    out = policy.forward_step(batch, 0)  # warm-up
+    return timed_calls(lambda: sum(len(r) for r in policy.forward_step(batch, 0)["response_ids"]), repeats, busy)
+
+
+def timed_calls(call: Callable[[], int], repeats: int, busy: GpuBusy | None) -> dict[str, Any]:
+    """``call`` (it returns the tokens it generated) once to warm up, then ``repeats`` times timed."""
+    call()
     runs, windows = [], []
     for _ in range(repeats):
         start, wall = time.perf_counter(), time.time()
-        out = policy.forward_step(batch, 0)
+        tokens = call()
         seconds = time.perf_counter() - start
         windows.append((wall, time.time()))
-        runs.append((sum(len(r) for r in out["response_ids"]), seconds))
+        runs.append((tokens, seconds))
     result: dict[str, Any] = {
         "tokens_per_s": [round(t / s, 1) for t, s in runs],
         "seconds": [round(s, 3) for _, s in runs],
@@ -77,6 +90,58 @@ def timed(policy: Any, batch: flowrl.Batch, repeats: int, busy: GpuBusy | None) 
     if busy is not None:
         result["gpu_busy"] = busy.per_gpu(windows)
     return result
+
+
+def breakdown(llm: Any, prompt_ids: list[torch.Tensor], args: argparse.Namespace, busy: GpuBusy | None) -> Any:
+    """The engine's own ``LLM.generate`` on the policy's prompts, without flowrl around it: with
+    the requests as the policy makes them (a seed each, the sampled tokens' log-probs), without
+    the log-probs, and without seeds either. Against the policy's figure, what flowrl's own
+    Python costs; between them, what the engine's per-token work for log-probs and seeds costs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    ids = [{"prompt_token_ids": p.tolist()} for p in prompt_ids]
+    base = {"max_tokens": args.new, "temperature": 1.0, "detokenize": False}
+    base["output_kind"] = RequestOutputKind.FINAL_ONLY
+    variants = {
+        "seeds_logprobs": lambda i: {"seed": i, "logprobs": 0},
+        "seeds": lambda i: {"seed": i},
+        "plain": lambda i: {},
+    }
+    result = {}
+    for name, more in variants.items():
+        params = [SamplingParams(**base, **more(i)) for i in range(len(ids))]
+
+        def call(params: list[Any] = params) -> int:
+            outs = llm.generate(ids, params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+
+        result[name] = timed_calls(call, args.repeats, busy)
+        print(name, json.dumps(result[name]), flush=True)
+    return result
+
+
+def own_process(args: argparse.Namespace, busy: GpuBusy | None) -> dict[str, Any]:
+    """``breakdown`` with vLLM's usual layout: the engine core in a process of its own, the
+    Python that feeds it and collects its outputs in this one, so that the two overlap."""
+    from vllm import LLM
+
+    from flowrl.vllm import engine_folder
+
+    folder, tokenizer = engine_folder(make_lm(args)).path, AutoTokenizer.from_pretrained(args.tokenizer)
+    ids = [torch.tensor(tokenizer(w)["input_ids"]) for w in words(args.prompts)]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    start = time.perf_counter()
+    llm = LLM(
+        model=str(folder),
+        tokenizer=args.tokenizer,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        gpu_memory_utilization=args.memory,
+        logprobs_mode="processed_logprobs",
+    )
+    return {"start_s": round(time.perf_counter() - start, 1), "engine_alone": breakdown(llm, ids, args, busy)}
 
 
 def weight_sync(policy: Any, lm: hf.LM, repeats: int) -> dict[str, Any]:
@@ -134,8 +199,19 @@ def main() -> None:
     parser.add_argument("--sleep", type=int, default=0, help="VLLMConfig.sleep (1, 2: each call wakes and rests)")
     parser.add_argument("--engine-args", default="{}", help="VLLMConfig.engine_args as JSON")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="also the engine's own generate (see breakdown)")
+    parser.add_argument("--own-process", action="store_true", help="only the breakdown, engine in its own process")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.own_process:
+        record = {"arch": args.arch, "prompts": args.prompts, "new": args.new} | own_process(
+            args, GpuBusy() if torch.cuda.is_available() else None
+        )
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"vllm-own-process-{args.arch}.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps(record), flush=True)
+        return
     from flowrl.vllm import VLLMPolicy
 
     cuda = torch.cuda.is_available()
@@ -160,6 +236,11 @@ def main() -> None:
     record["vllm_start_s"] = round(time.perf_counter() - start, 1)
     record["vllm"] = timed(fast, batch, args.repeats, busy)
     print(json.dumps(record), flush=True)
+    if args.breakdown:
+        ids = fast.prompts(batch, fast.max_prompt, "max_new_tokens")
+        fast.wake()  # the engine rests between calls with --sleep: generate needs it awake
+        record["engine_alone"] = fast.loop.use(lambda _: breakdown(fast.llm, ids, args, busy))
+        fast.rest()
     record["weight_sync"] = weight_sync(fast, lm, args.repeats)
     record["sleep_wake"] = sleep_wake(fast)
     print(json.dumps(record), flush=True)
