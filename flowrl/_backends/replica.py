@@ -29,7 +29,7 @@ from .._core.staleness import versions_field
 from .._core.state_format import decode_state, encode_state
 from .determinism import use_deterministic_torch
 from .grad_sync import GradReducer, check_scaler, checksum, unchecked
-from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, is_cuda_tensor
+from .weight_share import Broadcast, CudaShare, Group, Groups, Sender, on_cuda, read_all
 
 log = logging.getLogger("flowrl")
 
@@ -418,7 +418,7 @@ class TrainerRuntime:
         m = self.model
         if m.rank != 0:
             try:
-                m.get_weights()
+                read_all(m.get_weights())
             except Exception as err:
                 raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
             return None
@@ -429,7 +429,7 @@ class TrainerRuntime:
                 raise StageError(f"{type(err).__name__}: {err}", f"{m.name}.get_weights", m.rank, []) from err
             if m.config.weight_transport == "nccl":
                 return self._sender.snapshot(weights, m.name)
-            if weights and all(is_cuda_tensor(v) for v in weights.values()):
+            if on_cuda(weights):
                 # kept alive for two syncs: a replica joining while the next is read still
                 # receives the one before
                 self._shared = (self._shared[1], CudaShare(weights))

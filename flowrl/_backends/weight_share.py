@@ -31,22 +31,46 @@ def is_cuda_tensor(value: Any) -> bool:
     return getattr(getattr(value, "device", None), "type", None) == "cuda"
 
 
-def pack(weights: Mapping[str, Any]) -> tuple[Layout, dict[str, Any]]:
-    """The tensors of ``weights`` copied into one flat tensor per dtype, and where each lies."""
+def on_cuda(weights: Mapping[str, Any]) -> bool:
+    """Every value a CUDA tensor. A mapping that gathers each value when read (a sharded
+    trainer's) says so by its ``device_type``, and is not read here."""
+    kind = getattr(weights, "device_type", None)
+    if kind is not None:
+        return bool(kind == "cuda")
+    return bool(weights) and all(is_cuda_tensor(v) for v in weights.values())
+
+
+def pack(weights: Mapping[str, Any], host: bool = False) -> tuple[Layout, dict[str, Any]]:
+    """The tensors of ``weights`` copied into one flat tensor per dtype (in host memory with
+    ``host``), and where each lies. Each value is read once and copied in at once, so a mapping
+    that gathers its values when read (``specs``: names, dtypes, shapes beforehand) holds one
+    gathered tensor at a time."""
     import torch
 
-    groups: dict[str, list[tuple[str, Any]]] = {}
-    for name, tensor in weights.items():
-        groups.setdefault(str(tensor.dtype).removeprefix("torch."), []).append((name, tensor.detach()))
+    specs = getattr(weights, "specs", None)
+    listed = specs() if specs is not None else [(k, v.dtype, tuple(v.shape)) for k, v in weights.items()]
     layout: Layout = []
-    flats = {}
-    for dtype, items in groups.items():
-        offset = 0
-        for name, tensor in items:
-            layout.append((name, dtype, offset, tuple(tensor.shape)))
-            offset += tensor.numel()
-        flats[dtype] = torch.cat([t.reshape(-1) for _, t in items])
+    sizes: dict[str, int] = {}
+    for name, dtype, shape in listed:
+        key = str(dtype).removeprefix("torch.")
+        layout.append((name, key, sizes.get(key, 0), shape))
+        sizes[key] = sizes.get(key, 0) + _numel(shape)
+    device = torch.device("cpu") if host or not on_cuda(weights) else None
+    flats: dict[str, Any] = {}
+    for name, key, offset, shape in layout:
+        value = torch.as_tensor(weights[name]).detach()
+        if key not in flats:
+            flats[key] = torch.empty(sizes[key], dtype=value.dtype, device=device or value.device)
+        flats[key][offset : offset + _numel(shape)].copy_(value.reshape(-1))
     return layout, flats
+
+
+def read_all(weights: Mapping[str, Any]) -> None:
+    """Reads every value of a mapping that gathers them when read, on a rank that sends none:
+    the gathering is collective, and the sending rank reads them all."""
+    if getattr(weights, "specs", None) is not None:
+        for _ in weights.values():
+            pass
 
 
 def unpack(layout: Layout, flats: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,10 +262,8 @@ class Sender:
     def snapshot(self, weights: Mapping[str, Any], trainer: str) -> Broadcast:
         import torch
 
-        cuda = bool(weights) and all(is_cuda_tensor(v) for v in weights.values())
-        if not cuda:  # gloo broadcasts host memory
-            weights = {k: torch.as_tensor(v).detach().cpu() for k, v in weights.items()}
-        layout, flats = pack(weights)
+        cuda = on_cuda(weights)
+        layout, flats = pack(weights, host=not cuda)  # gloo broadcasts host memory
         if cuda:
             torch.cuda.synchronize(next(iter(flats.values())).device)
         self._count += 1

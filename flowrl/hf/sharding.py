@@ -7,11 +7,10 @@ counts of the whole global batch, so the sum is the global batch's gradient.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     import torch
 
 
@@ -46,6 +45,36 @@ def full_weights(module: torch.nn.Module, cpu: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(module, options=_options(cpu))
+
+
+class Gathered(Mapping[str, Any]):
+    """A sharded module's weights, each gathered whole only when it is read, so that sending
+    them to a GPU replica holds one whole tensor at a time besides the sent copy, not a second
+    copy of the model. Reading is collective: every rank reads every value, in this order
+    (``flowrl``'s replica side reads them all on the ranks that send nothing).
+    ``specs`` and ``device_type`` say what the values will be without gathering them."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._shards = module.state_dict()  # the ranks' DTensors: no copy, nothing gathered
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._shards[key].detach()
+        full = getattr(value, "full_tensor", None)
+        return full() if full is not None else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """Each value's name, dtype and whole shape (a DTensor reports its global shape)."""
+        return [(k, v.dtype, tuple(v.shape)) for k, v in self._shards.items()]
+
+    @property
+    def device_type(self) -> str:
+        return next(iter(self._shards.values())).device.type if self._shards else "cpu"
 
 
 def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -178,7 +178,9 @@ class HFTrainer(HFModel):
     def get_weights(self) -> Mapping[str, Any]:
         if not self.sharded:
             return super().get_weights()
-        return sharding.full_weights(self.module, cpu=self.config.weight_transport == "host")
+        if self.config.weight_transport == "host":  # rank 0 gathers them into host memory
+            return sharding.full_weights(self.module, cpu=True)
+        return sharding.Gathered(self.module)  # the transport gathers each as it packs it
 
     def checkpoint_state(self) -> Mapping[str, Any]:
         # whole weights and optimizer state keyed by parameter name, sharded or not: a run saved

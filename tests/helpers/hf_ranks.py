@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 import flowrl
 from flowrl import hf
+from flowrl._backends.weight_share import Sender, read_all
+from flowrl.hf import sharding
 
 Samples = tuple[list[int], list[dict[str, Any]]]  # ids, and each sample's fields
 
@@ -64,7 +66,20 @@ def train(trainer: hf.GRPOTrainer, shard: Samples, steps: int) -> dict[str, Any]
     # every rank gathers (a sharded trainer's weights are split over the ranks); rank 0 gets them whole
     weights = {k: v.detach().clone() for k, v in trainer.get_weights().items()}
     state = trainer.checkpoint_state()  # collective too; rank 0's is what a checkpoint keeps
-    return {"weights": weights, "metrics": metrics, "state": state if trainer.rank == 0 else None}
+    sent = broadcast_snapshot(trainer)
+    return {"weights": weights, "metrics": metrics, "state": state if trainer.rank == 0 else None, "sent": sent}
+
+
+def broadcast_snapshot(trainer: hf.GRPOTrainer) -> dict[str, torch.Tensor] | None:
+    """The weights as ``weight_transport="nccl"`` snapshots them on rank 0 (a sharded trainer's
+    gathered one tensor at a time while packed; the other ranks read along), and rank 0's
+    snapshot as tensors; None on the other ranks."""
+    weights = sharding.Gathered(trainer.module) if trainer.sharded else trainer.get_weights()
+    if trainer.rank != 0:
+        read_all(weights)
+        return None
+    sender = Sender()
+    return sender.values(sender.snapshot(weights, trainer.name).snapshot)
 
 
 def rank_main(rank: int, world_size: int, folder: str) -> None:

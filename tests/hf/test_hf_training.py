@@ -131,6 +131,19 @@ def test_grpo_on_two_gloo_ranks_takes_the_steps_of_one_rank(two_ranks: dict[str,
             )
 
 
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case["fsdp"] == "auto"])
+def test_a_sharded_trainers_broadcast_snapshot_gathers_its_weights_tensor_by_tensor(
+    two_ranks: dict[str, Any], name: str
+) -> None:
+    rank0, rank1 = two_ranks["results"][name]
+    assert rank1["sent"] is None  # the other rank gathered along and keeps nothing
+    whole = rank0["weights"]  # gathered at once, into host memory
+    assert rank0["sent"].keys() == whole.keys()
+    for key, value in whole.items():
+        assert rank0["sent"][key].dtype == value.dtype and rank0["sent"][key].shape == value.shape, key
+        assert torch.equal(rank0["sent"][key], value), key
+
+
 def assert_same_state(got: Any, want: Any, where: str) -> None:
     """Nested checkpoint states equal: the same keys, tensors within tolerance."""
     if isinstance(want, dict):
