@@ -94,8 +94,9 @@ def timed_calls(call: Callable[[], int], repeats: int, busy: GpuBusy | None) -> 
 
 def breakdown(llm: Any, prompt_ids: list[torch.Tensor], args: argparse.Namespace, busy: GpuBusy | None) -> Any:
     """The engine's own ``LLM.generate`` on the policy's prompts, without flowrl around it: with
-    the requests as the policy makes them (a seed each, the sampled tokens' log-probs), without
-    the log-probs, and without seeds either. Against the policy's figure, what flowrl's own
+    the requests as the policy makes them (a seed each, the sampled tokens' log-probs as flat
+    lists), with the log-probs as one dict a token (vLLM's default), without the log-probs,
+    and without seeds either. Against the policy's figure, what flowrl's own
     Python costs; between them, what the engine's per-token work for log-probs and seeds costs."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -104,7 +105,8 @@ def breakdown(llm: Any, prompt_ids: list[torch.Tensor], args: argparse.Namespace
     base = {"max_tokens": args.new, "temperature": 1.0, "detokenize": False}
     base["output_kind"] = RequestOutputKind.FINAL_ONLY
     variants = {
-        "seeds_logprobs": lambda i: {"seed": i, "logprobs": 0},
+        "seeds_logprobs": lambda i: {"seed": i, "logprobs": 0, "flat_logprobs": True},  # as the policy asks
+        "seeds_logprob_dicts": lambda i: {"seed": i, "logprobs": 0},
         "seeds": lambda i: {"seed": i},
         "plain": lambda i: {},
     }

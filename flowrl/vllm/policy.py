@@ -142,6 +142,7 @@ class VLLMPolicy(HFPolicy):
             "top_k": s.top_k or -1,
             "stop_token_ids": self.stop_ids,
             "logprobs": 0,  # the sampled token's
+            "flat_logprobs": True,  # a few lists a request instead of a dict a token: less Python a step
             "detokenize": False,
             "output_kind": RequestOutputKind.FINAL_ONLY,  # a request's tokens once, when it ends
         }
@@ -164,7 +165,7 @@ class VLLMPolicy(HFPolicy):
             ids = list(done.token_ids)
             responses.append(torch.tensor(ids, dtype=torch.long))
             reasons.append("stop" if done.finish_reason == "stop" else "length")
-            logprobs.append(torch.tensor([step[t].logprob for t, step in zip(ids, done.logprobs, strict=True)]))
+            logprobs.append(torch.tensor(sampled_logprobs(ids, done.logprobs)))
         return responses, reasons, logprobs
 
     def request_params(self, s: Sampling, batch: Batch) -> list[dict[str, Any]]:
@@ -201,6 +202,15 @@ class VLLMPolicy(HFPolicy):
         if level and self.device.type == "cuda":
             self.loop.use(lambda _: self.llm.sleep(level=level))
             self.asleep, self.weights_lost = level, level == 2
+
+
+def sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:
+    """Each sampled token's log-prob from vLLM's flat log-probs (``flat_logprobs``: the sampled
+    token first at each position), or from one dict a position where a version returns those."""
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is not None and [logprobs.token_ids[i] for i in starts] == ids:
+        return [logprobs.logprobs[i] for i in starts]
+    return [step[t].logprob for t, step in zip(ids, logprobs, strict=True)]
 
 
 def load_in_place(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
