@@ -160,13 +160,8 @@ class ReplicaRuntime:
         inputs = batch.keys()
         turns = None if call.turns is None else dict(zip(call.ids, call.turns, strict=True))
         batch._stream = Stream(call.seed, call.stage, turns)  # each sample's random streams
-        target, writes = self._step(call.method)
-        try:
-            out, alone = self._timed(target, batch, call.iteration, start)
-        except Exception as err:
-            hint = LOOP_FIELDS if call.in_loop and isinstance(err, MissingFieldError) else ""
-            raise StageError(f"{type(err).__name__}: {err}{hint}", call.stage, self.replica_id, call.ids) from err
-        added = new_fields(out, batch, inputs, call, self.replica_id, writes)
+        parts = micro_batches(batch, self.model.config.batch_size)
+        added, alone = self._run_parts(call, parts, inputs, start)
         if self.model.track_version:  # a trainer feeds this model: record the weights' version
             version_field = f"{self.model.name}_version"
             if version_field in added:
@@ -192,6 +187,31 @@ class ReplicaRuntime:
             version=synced,
         )
         return meta, result
+
+    def _run_parts(
+        self, call: ShardCall, parts: list[Batch], inputs: set[str], start: float
+    ) -> tuple[dict[str, Any], float | None]:
+        """The step on each micro-batch of the shard in order, their new fields joined, and
+        the seconds no overlapping step was charged for (None: none overlapped)."""
+        target, writes = self._step(call.method)
+        added: list[dict[str, Any]] = []
+        alone: float | None = None
+        for i, part in enumerate(parts):
+            begin = start if i == 0 else time.perf_counter()
+            try:
+                out, own = self._timed(target, part, call.iteration, begin)
+            except Exception as err:
+                hint = LOOP_FIELDS if call.in_loop and isinstance(err, MissingFieldError) else ""
+                raise StageError(f"{type(err).__name__}: {err}{hint}", call.stage, self.replica_id, call.ids) from err
+            added.append(new_fields(out, part, inputs, call, self.replica_id, writes))
+            alone = alone if own is None else (alone or 0.0) + own
+        if len(parts) == 1:
+            return added[0], alone
+        try:  # the parts' fields must join: the same kinds, dtypes and trailing shapes
+            joined = Batch.concat([Batch(p.ids, a, _check=False) for p, a in zip(parts, added, strict=True)])
+        except FlowError as err:
+            raise OutputError(f"the shard's micro-batches: {err}", call.stage, self.replica_id, call.ids) from err
+        return {name: joined[name] for name in joined}, alone
 
     def _timed(
         self, target: Callable[..., Any], batch: Batch, iteration: int, start: float
@@ -227,6 +247,14 @@ class ReplicaRuntime:
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", where, self.replica_id, []) from err
         self.model.weight_version = version
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """A shard in parts of at most ``size`` samples (``ModelConfig.batch_size``: what the model
+    takes in one step), in order: a shard of several micro-batches costs one call."""
+    if len(batch) <= size:
+        return [batch]
+    return [batch.select(np.arange(lo, min(lo + size, len(batch)))) for lo in range(0, len(batch), size)]
 
 
 def loop_columns(call: ShardCall, batch: Batch, added: dict[str, Any], replica: int, own: tuple[str, int]) -> list[str]:

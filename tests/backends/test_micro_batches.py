@@ -1,0 +1,71 @@
+"""A shard of more samples than the model's ``batch_size`` runs in one call as several
+micro-batches: the step sees at most ``batch_size`` samples at a time, in order, and the
+call's fields are theirs joined."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl import Batch, Model
+from flowrl._backends.replica import ReplicaRuntime, micro_batches
+from flowrl._core.config import ShardCall
+from flowrl._core.errors import OutputError
+
+
+class Seen(Model):
+    """Records each step's ids and each sample's seed; returns a list, a tensor and an array."""
+
+    def setup(self) -> None:
+        self.steps: list[list[int]] = []
+        self.seeds: dict[int, int] = {}
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        ids = batch.ids.tolist()
+        self.steps.append(ids)
+        self.seeds.update(zip(ids, batch.seeds().tolist(), strict=True))
+        if self.config.batch_size == 3 and len(batch) == 1:  # a last part of another kind
+            return {"s": np.array(["odd"]), "t": torch.zeros(1, 2), "a": np.zeros((1, 3))}
+        return {
+            "s": [f"x{x}" for x in batch["x"]],
+            "t": torch.stack([torch.tensor([x, 2 * x]) for x in batch["x"]]).float(),
+            "a": np.repeat(np.asarray(batch["x"], dtype=float)[:, None], 3, axis=1),
+        }
+
+
+def call_of(ids: list[int]) -> ShardCall:
+    return ShardCall(stage="seen.forward_step", method="forward_step", iteration=0, ids=ids, pieces=[], seed=7)
+
+
+def run(batch_size: int, ids: list[int]) -> tuple[Seen, Any, Batch]:
+    model = Seen("seen", {"batch_size": batch_size})
+    runtime = ReplicaRuntime(model, 0)
+    runtime.setup([], "node")
+    meta, out = runtime.step(call_of(ids), Batch(ids, {"x": [float(i) for i in ids]}))
+    return model, meta, out
+
+
+@pytest.mark.parametrize(("size", "n", "parts"), [(2, 5, [2, 2, 1]), (4, 4, [4]), (1, 3, [1, 1, 1]), (8, 3, [3])])
+def test_a_shard_is_cut_into_micro_batches_of_the_models_batch_size(size: int, n: int, parts: list[int]) -> None:
+    assert [len(p) for p in micro_batches(Batch(list(range(n)), {"x": list(range(n))}), size)] == parts
+
+
+def test_a_shard_of_several_micro_batches_runs_them_in_order_in_one_call_and_joins_their_fields() -> None:
+    ids = [11, 4, 9, 2, 7]
+    model, meta, out = run(2, ids)
+    assert model.steps == [[11, 4], [9, 2], [7]]
+    assert meta.rows == 5 and out.ids.tolist() == ids
+    assert out["s"] == [f"x{float(i)}" for i in ids]
+    assert torch.equal(out["t"], torch.tensor([[i, 2 * i] for i in ids]).float())
+    assert out["a"].shape == (5, 3) and out["a"][:, 0].tolist() == [float(i) for i in ids]
+    # each sample's random stream is its own, whatever micro-batch it lands in
+    alone, _, _ = run(8, ids)
+    assert model.seeds == alone.seeds and alone.steps == [ids]
+
+
+def test_micro_batches_whose_fields_do_not_join_fail_the_call_naming_the_stage() -> None:
+    with pytest.raises(OutputError, match=r"seen.forward_step.*micro-batches.*'s'"):
+        run(3, [1, 2, 3, 4])
