@@ -161,7 +161,7 @@ class ReplicaRuntime:
         turns = None if call.turns is None else dict(zip(call.ids, call.turns, strict=True))
         batch._stream = Stream(call.seed, call.stage, turns)  # each sample's random streams
         parts = micro_batches(batch, self.model.config.batch_size)
-        added, alone = self._run_parts(call, parts, inputs, start)
+        added, alone, steps = self._run_parts(call, parts, inputs, start)
         if self.model.track_version:  # a trainer feeds this model: record the weights' version
             version_field = f"{self.model.name}_version"
             if version_field in added:
@@ -185,17 +185,20 @@ class ReplicaRuntime:
             types={name: signature(value) for name, value in added.items()},
             stops=stops,
             version=synced,
+            steps=steps,
         )
         return meta, result
 
     def _run_parts(
         self, call: ShardCall, parts: list[Batch], inputs: set[str], start: float
-    ) -> tuple[dict[str, Any], float | None]:
-        """The step on each micro-batch of the shard in order, their new fields joined, and
-        the seconds no overlapping step was charged for (None: none overlapped)."""
+    ) -> tuple[dict[str, Any], float | None, list[tuple[int, float]]]:
+        """The step on each micro-batch of the shard in order, their new fields joined, the
+        seconds no overlapping step was charged for (None: none overlapped), and (several
+        micro-batches) each step's samples and seconds."""
         target, writes = self._step(call.method)
         added: list[dict[str, Any]] = []
         alone: float | None = None
+        steps: list[tuple[int, float]] = []
         for i, part in enumerate(parts):
             begin = start if i == 0 else time.perf_counter()
             try:
@@ -203,15 +206,16 @@ class ReplicaRuntime:
             except Exception as err:
                 hint = LOOP_FIELDS if call.in_loop and isinstance(err, MissingFieldError) else ""
                 raise StageError(f"{type(err).__name__}: {err}{hint}", call.stage, self.replica_id, call.ids) from err
+            steps.append((len(part), time.perf_counter() - begin if own is None else own))
             added.append(new_fields(out, part, inputs, call, self.replica_id, writes))
             alone = alone if own is None else (alone or 0.0) + own
         if len(parts) == 1:
-            return added[0], alone
+            return added[0], alone, []
         try:  # the parts' fields must join: the same kinds, dtypes and trailing shapes
             joined = Batch.concat([Batch(p.ids, a, _check=False) for p, a in zip(parts, added, strict=True)])
         except FlowError as err:
             raise OutputError(f"the shard's micro-batches: {err}", call.stage, self.replica_id, call.ids) from err
-        return {name: joined[name] for name in joined}, alone
+        return {name: joined[name] for name in joined}, alone, steps
 
     def _timed(
         self, target: Callable[..., Any], batch: Batch, iteration: int, start: float

@@ -40,8 +40,12 @@ WARM = 4  # calls before clipping starts
 
 
 class CallCost:
-    def __init__(self, batch_size: int, weight: float = 0.2, prior: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self, batch_size: int, weight: float = 0.2, prior: tuple[float, float] | None = None, most: int = 0
+    ) -> None:
+        # batch_size: the most samples of one step; most: of one call (several steps)
         self.batch_size, self.weight, self.prior = batch_size, weight, prior
+        self.most = max(most, batch_size)
         self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
         self.calls = 0
         # the fit of the calls so far: the splitter asks for it on every cut (the driver's
@@ -123,7 +127,25 @@ class CallCost:
             return share * (per + fixed / s) + s * per / 2
 
         size = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
-        return min(self.batch_size, size)
+        if size < self.batch_size or self.most == self.batch_size:
+            return min(self.batch_size, size)
+        return self.batch_size * self._steps_per_call(share)
+
+    def _steps_per_call(self, share: float) -> int:
+        """Full steps a call should hold: beyond one, a call saves only the runtime's overhead
+        (each step still pays its own fixed time), so the same trade as ``best_size`` with the
+        overhead as the fixed cost and a full step as the unit."""
+        overhead, step = self._avg.get("o") or 0.0, self.predict(self.batch_size)
+        if overhead <= 0 or step <= 0:
+            return 1
+        steps = share / self.batch_size
+        best = math.sqrt(2.0 * steps * overhead / step)
+
+        def finish(k: int) -> float:
+            return steps * (step + overhead / k) + k * step / 2
+
+        k = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
+        return min(self.most // self.batch_size, k)
 
     def queue_ahead(self, remaining: int, replicas: int) -> bool:
         """Whether a replica should get its next shard before its current one ends (prefetch).
@@ -156,7 +178,7 @@ class CallCost:
             return 1
         if per_sample <= 0:
             return self.batch_size
-        return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))
+        return max(1, min(self.most, math.ceil(self._avg["o"] / per_sample - 1e-9)))
 
 
 def finish_together(frees: Sequence[float], samples: int, fixed: float, per: float, batch: int) -> float:

@@ -182,6 +182,12 @@ class CallCostPrior(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """How one model runs: replica count, per-call batch size, resources, splitter policy.
 
+    ``batch_size``: the most samples a step takes at once (a micro-batch). A shard may hold up
+    to ``shard_micro_batches`` of them: its replica runs them one after the other in one call, so a
+    call's cost to the runtime (dispatch, transport) is paid once for them all. The ``cost``
+    splitter picks the shard's size within that from the calls it measures; the other
+    splitters cut at most one micro-batch. 1 (the default) keeps one micro-batch a shard.
+
     The replica count is either ``num_replicas`` or, ChatLearn-style, ``num_gpu`` divided by
     ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
     ``gpus_per_replica`` overrides the GPUs each replica asks Ray for (default: the parallel
@@ -209,6 +215,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     batch_size: int = 1
+    shard_micro_batches: int = 1
     gpus_per_replica: float | None = None
     cpus_per_replica: float = 1.0
     splitter: SplitterName = "cost"
@@ -233,6 +240,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             batch_size=self.batch_size,
+            shard_micro_batches=self.shard_micro_batches,
             prefetch=self.prefetch,
             call_timeout_s=self.call_timeout_s,
         )
@@ -421,6 +429,8 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     types: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     stops: list[str] = []  # the last stage of a loop's body: why each sample leaves it ("" if it goes on)
     version: int = -1  # the weights' version the step ran with (a synced model's; -1 otherwise)
+    # a call of several micro-batches: each step's (samples, seconds); empty: one step, busy_s
+    steps: list[tuple[int, float]] = []
 
 
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.

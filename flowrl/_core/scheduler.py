@@ -78,10 +78,14 @@ class PoolScheduler:
         self._clock = clock
         self._free_at = [0.0] * replicas  # predicted end of each replica's last call in flight
 
-    def add_stage(self, name: str, batch_size: int, prior: tuple[float, float] | None = None) -> None:
+    def add_stage(
+        self, name: str, batch_size: int, prior: tuple[float, float] | None = None, micro_batches: int = 1
+    ) -> None:
         """Register a stage served by this pool; later stages in a flow are added later.
-        ``prior``: a call's (fixed, per-sample) seconds until calls are measured."""
-        self._stages[name] = StageQueue(name, batch_size, prior=prior)
+        ``prior``: a call's (fixed, per-sample) seconds until calls are measured;
+        ``micro_batches``: the most of ``batch_size`` samples a ``cost`` shard holds."""
+        most = batch_size * (micro_batches if self.policy == "cost" else 1)
+        self._stages[name] = StageQueue(name, batch_size, most=most, prior=prior)
 
     def expect(self, stage: str, count: int) -> None:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
@@ -92,11 +96,24 @@ class PoolScheduler:
         splitter may wait for them. Samples only expected (not admitted) are never waited for."""
         self._stages[stage].admitted += count
 
-    def measure(self, stage: str, rows: int, busy_s: float, overhead_s: float | None) -> None:
+    def measure(
+        self,
+        stage: str,
+        rows: int,
+        busy_s: float,
+        overhead_s: float | None,
+        steps: Sequence[tuple[int, float]] = (),
+    ) -> None:
         """A finished call of ``stage``: its step time and its overhead (None when unknown),
-        from which the smallest shard worth a call is refitted (``CallCost``)."""
+        from which the smallest shard worth a call is refitted (``CallCost``). ``steps``: a
+        call of several micro-batches, each one's (samples, seconds): the fit is of one step,
+        the overhead of the call."""
         q = self._stages[stage]
-        q.fit.observe(rows, busy_s, overhead_s)
+        if len(steps) > 1:
+            for i, (n, seconds) in enumerate(steps):
+                q.fit.observe(n, seconds, overhead_s if i == 0 else None)
+        else:
+            q.fit.observe(rows, busy_s, overhead_s)
         q.floor = q.fit.floor()
 
     def ready(
@@ -321,10 +338,11 @@ class PoolScheduler:
         """The ``cost`` splitter's size at the stage's drain (``drain_share``): every sample
         left is pending and one call per serving replica covers them; None otherwise."""
         pending = len(q.heap)
-        if self._clock is None or q.batch_size == 1 or q.expected - q.dispatched != pending or not q.fit.steady():
+        most = self._most(q)
+        if self._clock is None or most == 1 or q.expected - q.dispatched != pending or not q.fit.steady():
             return None
         fixed, per = q.fit.fixed_s(), q.fit.per_sample_s()
-        if fixed is None or per is None or per <= 0 or pending > self.serving * q.batch_size:
+        if fixed is None or per is None or per <= 0 or pending > self.serving * most:
             return None
         now = self._clock()
 
@@ -332,12 +350,20 @@ class PoolScheduler:
             return max(now, self._free_at[r]) if self.in_flight[r] else now
 
         others = [free(r) for r in range(self.replicas) if r != replica and r not in self.retired]
-        return drain_share(free(replica), heapq.nsmallest(pending - 1, others), pending, fixed, per, q.batch_size)
+        return drain_share(free(replica), heapq.nsmallest(pending - 1, others), pending, fixed, per, most)
+
+    @staticmethod
+    def _most(q: StageQueue) -> int:
+        """The most samples of a call now: several micro-batches only while calls last as the
+        fit predicts; where they vary (a generation's tail), one, so that the work still
+        spreads over the replicas as it runs out."""
+        return q.most if q.fit.steady() else q.batch_size
 
     def _size(self, q: StageQueue, replica: int) -> int:
         if self.deterministic:  # the block at the head of the queue, whole
             return q.lengths[q.heap[0][0]]
-        if q.batch_size == 1:  # every policy cuts one (the driver's hottest path with one-sample shards)
+        most = self._most(q)
+        if most == 1:  # one sample a call (the driver's hottest path with one-sample shards)
             return 1
         if self.policy == "cost" and (n := self._drain(q, replica)) is not None:
             return n
@@ -350,6 +376,7 @@ class PoolScheduler:
             remaining=q.remaining,
             replicas=self.serving,
             batch_size=q.batch_size,
+            most=most,
             held=held,
             unassigned=unassigned,
             free_replicas=self.serving - busy,

@@ -37,7 +37,9 @@ MAX_BATCH = 1 << 20
 
 
 class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
-    """Seconds of one call: ``call_s + n * per_sample_s + max over its samples of a tail``.
+    """Seconds of one step: ``call_s + n * per_sample_s + max over its samples of a tail``. A call
+    of several micro-batches (``SimStage.shard_micro_batches``) runs one step per micro-batch, in
+    order; it pays the runtime's cost of a call (``Workload.overhead_s``, ``dispatch_s``) once.
 
     The tail of a sample is log-normal with median ``tail_median_s`` and shape ``tail_sigma``
     (0: no tail), drawn once per (stage, sample) from the workload's seed.
@@ -76,11 +78,12 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     cost: StageCost = msgspec.field(default_factory=StageCost)
     splitter: str = "cost"
     prefetch: int = 2  # as ModelConfig's
+    shard_micro_batches: int = 1  # as ModelConfig's: the most micro-batches of a ``cost`` shard
 
     def __post_init__(self) -> None:
         _check_types(self)
         _at_most("SimStage", MAX_REPLICAS, "the simulator keeps a list per replica", replicas=self.replicas)
-        _at_most("SimStage", MAX_BATCH, "samples per call", batch_size=self.batch_size)
+        _at_most("SimStage", MAX_BATCH, "samples per call", batch_size=self.batch_size * self.shard_micro_batches)
         _at_most(
             "SimStage", MAX_PREFETCH, "shards in flight per replica, as ModelConfig.prefetch", prefetch=self.prefetch
         )
@@ -146,7 +149,12 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 raise ConfigError(f"stage {st.name!r} reads {missing}, which no earlier stage (or 'input') is")
             bad = {
                 k: v
-                for k, v in (("replicas", st.replicas), ("batch_size", st.batch_size), ("prefetch", st.prefetch))
+                for k, v in (
+                    ("replicas", st.replicas),
+                    ("batch_size", st.batch_size),
+                    ("prefetch", st.prefetch),
+                    ("shard_micro_batches", st.shard_micro_batches),
+                )
                 if v <= 0
             }
             if bad:
@@ -251,11 +259,11 @@ def lower_bound(workload: Workload, tail: dict[str, np.ndarray]) -> float:
 
 
 def least_work(cost: StageCost, tail: np.ndarray, batch_size: int) -> float:
-    """The least total call time of a stage over all ways to cut its samples into calls of at
-    most ``batch_size``: a call lasts as long as its longest sample, so the cheapest cut knows
-    every sample's time, sorts them and fills full calls of similar samples (a shard policy,
-    which cannot know them, pays more)."""
-    longest = np.sort(tail)[::-1][::batch_size]  # the longest sample of each sorted full call
+    """The least total step time of a stage over all ways to cut its samples into steps of at
+    most ``batch_size`` (however the steps are grouped into calls): a step lasts as long as its
+    longest sample, so the cheapest cut knows every sample's time, sorts them and fills full
+    steps of similar samples (a shard policy, which cannot know them, pays more)."""
+    longest = np.sort(tail)[::-1][::batch_size]  # the longest sample of each sorted full step
     return len(longest) * cost.call_s + len(tail) * cost.per_sample_s + float(longest.sum())
 
 
@@ -289,7 +297,8 @@ class _Sim:
         self.pools = {}
         for st in w.stages:
             pool = PoolScheduler(replicas=st.replicas, policy=st.splitter, prefetch=st.prefetch, clock=self._now)
-            pool.add_stage(st.name, st.batch_size, _prior(st, self.tail[st.name]) if w.warm else None)
+            prior = _prior(st, self.tail[st.name]) if w.warm else None
+            pool.add_stage(st.name, st.batch_size, prior, st.shard_micro_batches)
             pool.expect(st.name, w.samples)
             pool.admit(st.name, w.samples)
             self.pools[st.name] = pool
@@ -299,8 +308,8 @@ class _Sim:
         self.free_at = {st.name: [0.0] * st.replicas for st in w.stages}
         self.busy = {st.name: [0.0] * st.replicas for st in w.stages}
         self.sizes: dict[str, Counter[int]] = {st.name: Counter() for st in w.stages}
-        # (end, seq, stage, shard, duration, overhead seen)
-        self.events: list[tuple[float, int, str, Assignment, float, float | None]] = []
+        # (end, seq, stage, shard, duration, overhead seen, each step's (samples, seconds))
+        self.events: list[tuple[float, int, str, Assignment, float, float | None, list[tuple[int, float]]]] = []
         self.seq = itertools.count()
         self.now = 0.0
         self.dispatcher_free = 0.0  # when the shared dispatcher can send the next call
@@ -316,8 +325,8 @@ class _Sim:
                     self.pools[st.name].request(r)
         self._dispatch(self.w.stages)
         while self.events:
-            self.now, _, name, a, duration, overhead = heapq.heappop(self.events)
-            self._finish(name, a, duration, overhead)
+            self.now, _, name, a, duration, overhead, steps = heapq.heappop(self.events)
+            self._finish(name, a, duration, overhead, steps)
 
     def _now(self) -> float:
         return self.now
@@ -332,7 +341,12 @@ class _Sim:
 
     def _start(self, st: SimStage, a: Assignment) -> None:
         c, n = st.cost, len(a.ids)
-        duration = c.call_s + n * c.per_sample_s + float(self.tail[st.name][a.ids].max())
+        tail = self.tail[st.name][a.ids]  # a step lasts as long as its longest sample
+        steps = [
+            (len(part), c.call_s + len(part) * c.per_sample_s + float(part.max()))
+            for part in (tail[lo : lo + st.batch_size] for lo in range(0, n, st.batch_size))
+        ]
+        duration = sum(seconds for _, seconds in steps)
         sent = self.now
         if self.w.dispatch_s:
             sent = self.dispatcher_free = max(sent, self.dispatcher_free) + self.w.dispatch_s
@@ -346,12 +360,14 @@ class _Sim:
         self.sizes[st.name][n] += 1
         # what the runtime would measure as the call's overhead (unknown when it queued)
         overhead = None if queued else begin - self.now
-        heapq.heappush(self.events, (end, next(self.seq), st.name, a, duration, overhead))
+        heapq.heappush(self.events, (end, next(self.seq), st.name, a, duration, overhead, steps))
 
-    def _finish(self, name: str, a: Assignment, duration: float, overhead: float | None) -> None:
+    def _finish(
+        self, name: str, a: Assignment, duration: float, overhead: float | None, steps: list[tuple[int, float]]
+    ) -> None:
         pool = self.pools[name]
         pool.finish(a)
-        pool.measure(name, len(a.ids), duration, overhead)  # as the runtime does with each call
+        pool.measure(name, len(a.ids), duration, overhead, steps)  # as the runtime does with each call
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
         for st in self.consumers[name]:

@@ -78,19 +78,23 @@ def cost(
     target: int | None = None,
     coming: int = 0,
     floor: int = 1,
+    most: int | None = None,
 ) -> int:
     """``guided``, with shards no smaller than ``target`` (the size that minimises the predicted
     finish of the stage's work, from ``CallCost.best_size``) within the replica's share, nor
     than ``floor`` (a shard whose work covers the call's overhead, which loads what replicas
     share); while fewer are pending and ``coming`` more samples are on their way from upstream,
-    0: wait for them rather than pay a call's cost for a few. Without either, ``guided``."""
+    0: wait for them rather than pay a call's cost for a few. Without either, ``guided``.
+    ``most``: the most samples of a call (several micro-batches of ``batch_size``), which only
+    ``target`` and ``floor`` may ask for; guided's spread stays within one micro-batch."""
     n = _adaptive(1, pending, remaining, replicas, batch_size, held, unassigned, free_replicas)  # guided
+    most = max(batch_size, most or batch_size)
     # wait only for the size the cost model asks within the share, not for the overhead floor:
     # near the drain the floor would hold the last samples back for stragglers upstream
-    want = min(batch_size, max(1, min(target or 1, _ceil_div(remaining, replicas) - held)))
+    want = min(most, max(1, min(target or 1, _ceil_div(remaining, replicas) - held)))
     if pending < want and coming > 0:
         return 0
-    return max(n, min(max(want, floor), pending, batch_size))
+    return max(n, min(max(want, floor), pending, most))
 
 
 def greedy(*, pending: int, batch_size: int, **_: int | None) -> int:
@@ -123,6 +127,7 @@ def shard_size(
     floor: int = 1,
     target: int | None = None,
     coming: int = 0,
+    most: int | None = None,
 ) -> int:
     """The size of the next shard; 0 when nothing is pending, or when ``cost`` waits.
 
@@ -132,14 +137,14 @@ def shard_size(
     replicas running none of the stage's samples (default ``replicas``); ``floor``: the
     adaptive policies cut no shard smaller than this while enough is pending (``CallCost.floor``);
     ``target`` and ``coming``: the ``cost`` policy's best shard size and the samples still
-    upstream of the stage (admitted, not yet ready for it).
+    upstream of the stage (admitted, not yet ready for it); ``most``: ``cost``'s largest call.
     """
     fn = policy(name)
     if pending <= 0:
         return 0
     if remaining < pending + held:
         raise ValueError(f"remaining={remaining} cannot be below pending={pending} + held={held}")
-    extra = {"target": target, "coming": coming, "floor": floor} if fn is cost else {}
+    extra = {"target": target, "coming": coming, "floor": floor, "most": most} if fn is cost else {}
     n = fn(
         **extra,
         pending=pending,

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 @dataclass
 class StageQueue:
     name: str
-    batch_size: int
+    batch_size: int  # the most samples of one step (a micro-batch)
+    most: int = 0  # the most samples of one call (several micro-batches; 0: ``batch_size``)
     expected: int = 0
     dispatched: int = 0
     finished: int = 0
@@ -34,7 +35,8 @@ class StageQueue:
     fit: CallCost = field(init=False)  # the call's cost, refitted from measured calls
 
     def __post_init__(self) -> None:
-        self.fit = CallCost(self.batch_size, prior=self.prior)
+        self.most = self.most or self.batch_size
+        self.fit = CallCost(self.batch_size, prior=self.prior, most=self.most)
 
     def push(self, ids: list[int], costs: Sequence[float] | None) -> None:
         """Samples ``ids`` are pending, costliest first; ``costs`` has one per sample (strict:

@@ -73,7 +73,7 @@ def _pools(graph: FlowGraph, deterministic: bool = False) -> dict[str, AsyncPool
         c = model.config.call_cost
         prior = None if c is None else (c.fixed_s, c.per_sample_s)
         for stage in graph.stages_of(name):
-            sched.add_stage(stage, model.config.batch_size, prior)
+            sched.add_stage(stage, model.config.batch_size, prior, model.config.shard_micro_batches)
         pools[name] = AsyncPool(sched)
     return pools
 

@@ -57,6 +57,9 @@ def scenarios() -> dict[str, Workload]:
     # launch-bound calls: most of a call's time is fixed, whatever its size (issue 22)
     launch = StageCost(call_s=0.015, per_sample_s=0.0005)
     generate = StageCost(call_s=0.030, per_sample_s=0.001, tail_median_s=0.010, tail_sigma=0.6)
+    # scorers of batch size 1 whose step is a few times what a call costs the runtime: push sends
+    # each upstream batch to one replica as one call of several steps (issue 42)
+    one = StageCost(call_s=0.030)
     return {
         "chatlearn-209": rlhf(16, 2, 4, 8, 2, seed=209),
         "heavy-tail-256": heavy_tail,
@@ -85,6 +88,15 @@ def scenarios() -> dict[str, Workload]:
                 SimStage(name="policy", replicas=4, batch_size=32, cost=generate),
                 SimStage(name="reference", inputs=["policy"], replicas=16, batch_size=16, cost=launch),
                 SimStage(name="reward", inputs=["policy", "reference"], replicas=16, batch_size=16, cost=launch),
+            ],
+        ),
+        "batch1-scorers": Workload(
+            samples=256,
+            seed=42,
+            stages=[
+                SimStage(name="policy", replicas=4, batch_size=8, cost=StageCost(call_s=0.010, per_sample_s=0.001)),
+                SimStage(name="reference", inputs=["policy"], replicas=4, batch_size=1, cost=one),
+                SimStage(name="reward", inputs=["policy", "reference"], replicas=4, batch_size=1, cost=one),
             ],
         ),
         # GRPO-like: 64 prompts x 4 samples, each prompt's length the same every epoch but for
@@ -132,6 +144,7 @@ def workload_flow(w: Workload, epochs: int = 1) -> Callable[[Node], tuple[Node, 
                 "batch_size": st.batch_size,
                 "splitter": st.splitter,
                 "prefetch": st.prefetch,
+                "shard_micro_batches": st.shard_micro_batches,
                 "cpus_per_replica": 0.05,
             },
             st.cost,

@@ -129,3 +129,18 @@ def test_the_second_epoch_of_heavy_tail_epochs_ends_sooner_with_the_drain_rule()
     on.run()
     off.run()
     assert on.result().makespan_s < off.result().makespan_s - 0.003
+
+
+@pytest.mark.parametrize(("micro_batches", "steady", "expected"), [(4, True, 8), (1, True, 2), (4, False, 2)])
+def test_a_cost_shard_holds_several_micro_batches_only_where_calls_are_steady_and_merging_pays(
+    micro_batches: int, steady: bool, expected: int
+) -> None:
+    pool = PoolScheduler(replicas=2, policy="cost", prefetch=1)
+    pool.add_stage("s", 2, micro_batches=micro_batches)
+    for k in range(8):  # steps of 2 samples, 10 ms each (or 2 ms and 30 ms), 20 ms of overhead a call
+        pool.measure("s", 2, 0.010 if steady else (0.002 if k % 2 else 0.030), 0.020)
+    pool.expect("s", 200)
+    pool.admit("s", 200)
+    pool.ready("s", list(range(200)))
+    pool.request(0)
+    assert [len(a.ids) for a in pool.poll()] == [expected]

@@ -58,6 +58,7 @@ def random_workload(seed: int) -> Workload:
                 cost=cost,
                 splitter=rng.choice(sorted(flowrl.SPLITTERS)),
                 prefetch=rng.randint(1, 2),
+                shard_micro_batches=rng.randint(1, 8),
             )
         )
         names.append(f"s{k}")
@@ -76,7 +77,9 @@ def test_every_sample_runs_once_per_stage_and_no_schedule_beats_the_bound(seed):
     result = simulate(w)
     for st in w.stages:
         assert sum(size * n for size, n in result.shard_sizes[st.name].items()) == w.samples
-        assert max(result.shard_sizes[st.name]) <= st.batch_size
+        # a cost shard holds up to shard_micro_batches micro-batches; the other splitters cut one
+        most = st.shard_micro_batches if st.splitter == "cost" else 1
+        assert max(result.shard_sizes[st.name]) <= st.batch_size * most
     assert result.makespan_s >= result.lower_bound_s - 1e-9
     assert simulate(w) == result  # deterministic from the seed
 
@@ -91,12 +94,18 @@ def test_prefetch_never_queues_a_shard_behind_a_heavy_tail_and_hides_the_overhea
     tail = StageCost(call_s=0.020, tail_median_s=0.040, tail_sigma=1.2)
     tiny = StageCost(call_s=0.001, per_sample_s=0.0005)
 
-    def run(cost: StageCost, samples: int, batch: int, prefetch: int) -> float:
-        stage = SimStage(name="a", replicas=4, batch_size=batch, cost=cost, prefetch=prefetch)
+    def run(cost: StageCost, samples: int, batch: int, prefetch: int, micro_batches: int = 1) -> float:
+        stage = SimStage(
+            name="a", replicas=4, batch_size=batch, cost=cost, prefetch=prefetch, shard_micro_batches=micro_batches
+        )
         return simulate(Workload(samples=samples, seed=1, stages=[stage], overhead_s=0.0007)).makespan_s
 
     assert run(tail, 256, 16, prefetch=2) == pytest.approx(run(tail, 256, 16, prefetch=1))
     assert run(tiny, 400, 1, prefetch=2) < 0.95 * run(tiny, 400, 1, prefetch=1)
+    # shards of several micro-batches pay the overhead once for them all: they hide it too
+    assert run(tiny, 400, 1, prefetch=1, micro_batches=8) < 0.95 * run(tiny, 400, 1, prefetch=1)
+    # and a heavy tail still spreads: its calls vary, so they stay one micro-batch each
+    assert run(tail, 256, 16, prefetch=2, micro_batches=8) == pytest.approx(run(tail, 256, 16, prefetch=2))
 
 
 @pytest.mark.parametrize("dispatch_s", [0.0, 0.001, 0.004])
