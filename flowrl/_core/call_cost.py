@@ -41,11 +41,17 @@ WARM = 4  # calls before clipping starts
 
 class CallCost:
     def __init__(
-        self, batch_size: int, weight: float = 0.2, prior: tuple[float, float] | None = None, most: int = 0
+        self,
+        batch_size: int,
+        weight: float = 0.2,
+        prior: tuple[float, float] | None = None,
+        most: int = 0,
+        prefetch: int = 1,
     ) -> None:
-        # batch_size: the most samples of one step; most: of one call (several steps)
+        # batch_size: the most samples of one step; most: of one call (several steps);
+        # prefetch: shards a replica holds at once (one runs while the next one's overhead passes)
         self.batch_size, self.weight, self.prior = batch_size, weight, prior
-        self.most = max(most, batch_size)
+        self.most, self.prefetch = max(most, batch_size), prefetch
         self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
         self.calls = 0
         # the fit of the calls so far: the splitter asks for it on every cut (the driver's
@@ -133,11 +139,15 @@ class CallCost:
 
     def _steps_per_call(self, share: float) -> int:
         """Full steps a call should hold: beyond one, a call saves only the runtime's overhead
-        (each step still pays its own fixed time), so the same trade as ``best_size`` with the
-        overhead as the fixed cost and a full step as the unit."""
+        (each step still pays its own fixed time). With shards queued ahead (``prefetch``), the
+        next shard's overhead passes while the running call works: just enough steps that the
+        running calls cover it (more would only delay the samples downstream). Without, the
+        same trade as ``best_size``, with the overhead as the fixed cost and a step as the unit."""
         overhead, step = self._avg.get("o") or 0.0, self.predict(self.batch_size)
         if overhead <= 0 or step <= 0:
             return 1
+        if self.prefetch > 1:
+            return min(self.most // self.batch_size, math.ceil(overhead / ((self.prefetch - 1) * step) - 1e-9))
         steps = share / self.batch_size
         best = math.sqrt(2.0 * steps * overhead / step)
 

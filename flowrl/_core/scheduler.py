@@ -85,7 +85,7 @@ class PoolScheduler:
         ``prior``: a call's (fixed, per-sample) seconds until calls are measured;
         ``micro_batches``: the most of ``batch_size`` samples a ``cost`` shard holds."""
         most = batch_size * (micro_batches if self.policy == "cost" else 1)
-        self._stages[name] = StageQueue(name, batch_size, most=most, prior=prior)
+        self._stages[name] = StageQueue(name, batch_size, most=most, prior=prior, prefetch=self.prefetch)
 
     def expect(self, stage: str, count: int) -> None:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
@@ -338,7 +338,9 @@ class PoolScheduler:
         """The ``cost`` splitter's size at the stage's drain (``drain_share``): every sample
         left is pending and one call per serving replica covers them; None otherwise."""
         pending = len(q.heap)
-        most = self._most(q)
+        # one micro-batch a call here: its linear cost model is one step's, and at the drain a
+        # shard of several would only keep the others waiting
+        most = q.batch_size
         if self._clock is None or most == 1 or q.expected - q.dispatched != pending or not q.fit.steady():
             return None
         fixed, per = q.fit.fixed_s(), q.fit.per_sample_s()

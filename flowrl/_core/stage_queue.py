@@ -17,6 +17,7 @@ class StageQueue:
     name: str
     batch_size: int  # the most samples of one step (a micro-batch)
     most: int = 0  # the most samples of one call (several micro-batches; 0: ``batch_size``)
+    prefetch: int = 1  # shards a replica holds at once
     expected: int = 0
     dispatched: int = 0
     finished: int = 0
@@ -36,7 +37,7 @@ class StageQueue:
 
     def __post_init__(self) -> None:
         self.most = self.most or self.batch_size
-        self.fit = CallCost(self.batch_size, prior=self.prior, most=self.most)
+        self.fit = CallCost(self.batch_size, prior=self.prior, most=self.most, prefetch=self.prefetch)
 
     def push(self, ids: list[int], costs: Sequence[float] | None) -> None:
         """Samples ``ids`` are pending, costliest first; ``costs`` has one per sample (strict:

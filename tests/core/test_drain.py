@@ -131,11 +131,19 @@ def test_the_second_epoch_of_heavy_tail_epochs_ends_sooner_with_the_drain_rule()
     assert on.result().makespan_s < off.result().makespan_s - 0.003
 
 
-@pytest.mark.parametrize(("micro_batches", "steady", "expected"), [(4, True, 8), (1, True, 2), (4, False, 2)])
+@pytest.mark.parametrize(
+    ("micro_batches", "steady", "prefetch", "expected"),
+    [
+        (4, True, 1, 8),  # no shard queued ahead: the overhead against the calls saved, at most 4 steps
+        (4, True, 2, 4),  # queued ahead: 2 steps (20 ms) cover the next shard's 20 ms of overhead
+        (1, True, 1, 2),
+        (4, False, 1, 2),  # a tail: one step a shard, so that the last samples spread
+    ],
+)
 def test_a_cost_shard_holds_several_micro_batches_only_where_calls_are_steady_and_merging_pays(
-    micro_batches: int, steady: bool, expected: int
+    micro_batches: int, steady: bool, prefetch: int, expected: int
 ) -> None:
-    pool = PoolScheduler(replicas=2, policy="cost", prefetch=1)
+    pool = PoolScheduler(replicas=2, policy="cost", prefetch=prefetch)
     pool.add_stage("s", 2, micro_batches=micro_batches)
     for k in range(8):  # steps of 2 samples, 10 ms each (or 2 ms and 30 ms), 20 ms of overhead a call
         pool.measure("s", 2, 0.010 if steady else (0.002 if k % 2 else 0.030), 0.020)
