@@ -89,7 +89,7 @@ class VLLMPolicy(HFPolicy):
             eos = None
         self.limits(int(context) if context else None, eos)
         self.llm = start_engine(self.served, self.engine_config, self.longest(), self.device)
-        self.asleep = 0  # the engine's sleep level now (0: awake)
+        self.asleep_tags: list[str] = []  # what of the engine sleeps now: its weights, its KV cache
         self.weights_lost = False  # a level-2 sleep dropped the weights and none came since
         self.steps = StepLock()
         self.generating = 0  # steps waiting for the engine now: it sleeps when none does
@@ -177,8 +177,9 @@ class VLLMPolicy(HFPolicy):
         """Weights from a trainer, loaded into the engine's model in place (vLLM's own loader
         maps the Hugging Face names); the prefix cache, computed with the old weights, is
         dropped."""
-        if self.asleep == 2:
+        if "weights" in self.asleep_tags:  # asleep, their memory is unmapped (level 1) or gone (2)
             self.loop.use(lambda _: self.llm.wake_up(tags=["weights"]))
+            self.asleep_tags.remove("weights")
         items = [(k, torch.as_tensor(v)) for k, v in weights.items()]
         self.loop.use(lambda _: (self.llm.collective_rpc(load_in_place, args=(items,)), self.llm.reset_prefix_cache()))
         self.weights_lost = False
@@ -192,16 +193,18 @@ class VLLMPolicy(HFPolicy):
                 f"model {self.name!r}: VLLMConfig.sleep=2 dropped the engine's weights and no trainer sent new ones "
                 "before this call; use sleep=1, or sync weights into this model after every training step"
             )
-        if self.asleep:
-            self.loop.use(lambda _: self.llm.wake_up())
-            self.asleep = 0
+        if self.asleep_tags:
+            tags = list(self.asleep_tags)
+            self.loop.use(lambda _: self.llm.wake_up(tags=tags))
+        self.asleep_tags = []
 
     def rest(self) -> None:
         """Release what ``VLLMConfig.sleep`` says until the next call (no-op on the CPU)."""
         level = self.engine_config.sleep
         if level and self.device.type == "cuda":
             self.loop.use(lambda _: self.llm.sleep(level=level))
-            self.asleep, self.weights_lost = level, level == 2
+            self.weights_lost = level == 2
+            self.asleep_tags = ["weights", "kv_cache"]
 
 
 def sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:

@@ -31,10 +31,12 @@ MAX_PARTS = 18  # calls the carrying session has for it
 
 # Requirements of vLLM that a text model on a Hopper GPU never imports (each is imported inside a function or by
 # a module of another model family, a Blackwell kernel, a video or image input, or a JIT path): about 440 MB left
-# behind. install.sh installs with --no-deps, so nothing asks for them there. Not in the list: CUTLASS's DSL
-# libraries for CUDA 13 (vLLM's attention selector imports FlashInfer, which imports them).
+# behind. install.sh installs with --no-deps, so nothing asks for them there. CUTLASS's DSL is left out too: vLLM's
+# attention selector imports FlashInfer, which imports `cutlass` when it is there and then fails ("No CTK flavor
+# installed") unless the DSL finds its CUDA-13 library; without the DSL FlashInfer imports (H100, 2026-12-05).
 UNUSED = frozenset(canonicalize_name(n) for n in """
-tokenspeed-triton nvidia-cutlass-dsl-libs-cu12 nvidia-nvvm nvidia-cuda-nvcc
+tokenspeed-triton nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13
+nvidia-nvvm nvidia-cuda-nvcc
 opencv-python-headless tilelang z3-solver pynvvideocodec torchcodec
 """.split())  # fmt: skip
 
