@@ -35,7 +35,8 @@ MAX_PARTS = 18  # calls the carrying session has for it
 # attention selector imports FlashInfer, which imports `cutlass` when it is there and then fails ("No CTK flavor
 # installed") unless the DSL finds its CUDA-13 library; without the DSL FlashInfer imports (H100, 2026-12-05).
 UNUSED = frozenset(canonicalize_name(n) for n in """
-tokenspeed-triton nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13
+tokenspeed-triton nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
+nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13
 nvidia-nvvm nvidia-cuda-nvcc
 opencv-python-headless tilelang z3-solver pynvvideocodec torchcodec
 """.split())  # fmt: skip
