@@ -95,7 +95,7 @@ def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Mo
     if args.engine == "vllm":  # the trainer recomputes its log-probs, TIS against the engine's
         from vllm_lengths import VLLMLengthPolicy
 
-        engine: dict[str, Any] = {"gpu_memory_utilization": args.vllm_memory}
+        engine: dict[str, Any] = {"gpu_memory_utilization": args.vllm_memory, "sleep": args.vllm_sleep}
         if args.vllm_kv_gib:  # a fixed KV cache: vLLM's profile of free memory is wrong while other replicas load
             engine["engine_args"] = {"kv_cache_memory_bytes": int(args.vllm_kv_gib * 2**30)}
         policy: flowrl.Model = VLLMLengthPolicy(
@@ -317,6 +317,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="the policy samples with generate or vLLM")
     p.add_argument("--vllm-memory", type=float, default=0.1, help="each engine's VLLMConfig.gpu_memory_utilization")
     p.add_argument("--vllm-kv-gib", type=float, default=0.0, help="each engine's KV cache in GiB (0: vLLM's profile)")
+    p.add_argument("--vllm-sleep", type=int, choices=(0, 1, 2), default=0, help="each engine's VLLMConfig.sleep")
     p.add_argument("--episodes", type=int, default=4, help="per mode; the first warms up")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps an episode (per trainer)")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)

@@ -10,7 +10,8 @@
 #   then, carrying .whl:                      bash benchmarks/gpu/vllm_device.sh install ppo
 # Steps: stage (copy the parts here to /tmp/vw), install (assemble, install into the system Python, import
 # vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes, or $ARCHS), own (the engine's
-# own generate, its core in a process of its own), ppo (seed_ppo.py, $ENGINES: vLLM and generate).
+# own generate, its core in a process of its own), ppo (seed_ppo.py, $ENGINES: vLLM and generate; $SCORERS
+# replicas of each scorer, 8 by default: the seed's 28 processes outgrow an H100's 80 GB, 4 fit).
 # Logs and results under $OUT (or /tmp/flowrl-gpu). Exit status: 0 only if every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,7 +41,9 @@ ppo() {
   source benchmarks/gpu/wheels_env.sh
   for engine in ${ENGINES:-vllm hf}; do
     python3 benchmarks/gpu/seed_ppo.py --arch qwen2.5-0.5b --episodes 3 --empty-cache on --micro-batch-tokens 2048 \
-      --modes sync,async --engine "$engine" --vllm-kv-gib 4 --out "$out/ppo-$engine" || return 1
+      --modes sync,async --engine "$engine" --vllm-kv-gib "${KV_GIB:-4}" --vllm-sleep "${SLEEP:-0}" \
+      --scorer-replicas "${SCORERS:-8}" \
+      --out "$out/ppo-$engine" || return 1
   done
 }
 export -f installed rollout own ppo
