@@ -11,7 +11,8 @@
 # Steps: stage (copy the parts here to /tmp/vw), install (assemble, install into the system Python, import
 # vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes, or $ARCHS), own (the engine's
 # own generate, its core in a process of its own), ppo (seed_ppo.py, $ENGINES: vLLM and generate; $SCORERS
-# replicas of each scorer, 8 by default: the seed's 28 processes outgrow an H100's 80 GB, 4 fit).
+# replicas of each scorer, 8 by default; $KV_GIB each engine's KV cache, 4 by default; $SLEEP its sleep level, 0 by
+# default; the H200 runs of docs/vllm.md used KV_GIB=1 SLEEP=1; the seed's layout outgrows an H100's 80 GB).
 # Logs and results under $OUT (or /tmp/flowrl-gpu). Exit status: 0 only if every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
