@@ -161,7 +161,11 @@ class ReplicaRuntime:
         turns = None if call.turns is None else dict(zip(call.ids, call.turns, strict=True))
         batch._stream = Stream(call.seed, call.stage, turns)  # each sample's random streams
         parts = micro_batches(batch, self.model.config.batch_size)
-        added, alone, steps = self._run_parts(call, parts, inputs, start)
+        try:
+            self.model.begin_shard(batch)
+        except Exception as err:
+            raise StageError(f"{type(err).__name__}: {err}", call.stage, self.replica_id, call.ids) from err
+        added, alone, steps = self._run_parts(call, parts, inputs, time.perf_counter())
         if self.model.track_version:  # a trainer feeds this model: record the weights' version
             version_field = f"{self.model.name}_version"
             if version_field in added:
@@ -174,10 +178,11 @@ class ReplicaRuntime:
         stops = loop_columns(call, batch, added, self.replica_id, (self.model.name, synced)) if call.loop else []
         result = Batch(batch.ids, added, _check=False)
         took = time.perf_counter() - start
+        busy = spent + (took if alone is None else alone)
         meta = CallMeta(
             rows=len(batch),
             fields=sorted(added),
-            busy_s=spent + (took if alone is None else alone),
+            busy_s=busy,
             out_bytes=approx_nbytes(result),
             node_id=self.model.node_id,
             started=started,
@@ -185,7 +190,10 @@ class ReplicaRuntime:
             types={name: signature(value) for name, value in added.items()},
             stops=stops,
             version=synced,
-            steps=steps,
+            steps=steps if len(steps) > 1 else [],
+            # the input's gathering too: a shard queued ahead gathers on another thread, but on a
+            # busy machine that thread competes with the running step (measured: merging pays more)
+            shard_s=max(0.0, busy - sum(seconds for _, seconds in steps)),
         )
         return meta, result
 
@@ -193,8 +201,8 @@ class ReplicaRuntime:
         self, call: ShardCall, parts: list[Batch], inputs: set[str], start: float
     ) -> tuple[dict[str, Any], float | None, list[tuple[int, float]]]:
         """The step on each micro-batch of the shard in order, their new fields joined, the
-        seconds no overlapping step was charged for (None: none overlapped), and (several
-        micro-batches) each step's samples and seconds."""
+        seconds no overlapping step was charged for (None: none overlapped), and each step's
+        samples and seconds."""
         target, writes = self._step(call.method)
         added: list[dict[str, Any]] = []
         alone: float | None = None
@@ -210,7 +218,7 @@ class ReplicaRuntime:
             added.append(new_fields(out, part, inputs, call, self.replica_id, writes))
             alone = alone if own is None else (alone or 0.0) + own
         if len(parts) == 1:
-            return added[0], alone, []
+            return added[0], alone, steps
         try:  # the parts' fields must join: the same kinds, dtypes and trailing shapes
             joined = Batch.concat([Batch(p.ids, a, _check=False) for p, a in zip(parts, added, strict=True)])
         except FlowError as err:

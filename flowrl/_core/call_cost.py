@@ -1,10 +1,13 @@
 """What a call of a stage costs, learned from the runtime's own call timings (sans-IO).
 
-A call of ``n`` samples keeps its replica ``fixed + n * per_sample`` seconds, plus the runtime's
+A call of ``n`` samples keeps its replica ``fixed + n * per_sample`` seconds a step (a
+micro-batch of at most ``batch_size``), plus its time around the steps (gathering the input,
+the model's ``begin_shard``, joining the micro-batches: ``shard_s``), plus the runtime's
 overhead (transport, dispatch, waiting for a CPU). ``CallCost`` fits the step's time
-``busy = a + b * n`` over recent calls (moving averages of n, busy, n*n and n*busy, with
-outliers clipped so that one stalled call does not move the fit), and keeps the measured
-overhead beside it. From that it answers the splitter's questions:
+``busy = a + b * n`` over recent steps (moving averages of n, busy, n*n and n*busy, with
+outliers clipped so that one stalled call does not move the fit), and keeps the call's time
+around its steps and the measured overhead beside it. From that it answers the splitter's
+questions:
 
 - ``best_size``: the shard size that minimises the predicted finish of the stage's remaining
   work, ``U / R * (b + F / s) + s * b / 2`` for ``U`` samples left to hand out over ``R``
@@ -58,8 +61,16 @@ class CallCost:
         # per-shard path), the calls change it only when one ends
         self._fitted: tuple[float, float] | None = prior
 
+    def observe_shard(self, seconds: float) -> None:
+        """A call's time on the replica outside its steps (gathering its input,
+        ``Model.begin_shard``, joining its micro-batches' fields): paid once a call, however many
+        steps it holds."""
+        if math.isfinite(seconds) and seconds >= 0:
+            old = self._avg.get("c")
+            self._avg["c"] = seconds if old is None else old + self.weight * (seconds - old)
+
     def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
-        """One completed call; ``overhead_s`` None when it is not known (the call waited
+        """One completed step; ``overhead_s`` None when it is not known (the call waited
         behind another shard on its replica, so its time outside the step says nothing)."""
         if rows <= 0 or not math.isfinite(busy_s):
             return
@@ -111,51 +122,71 @@ class CallCost:
     def overhead_s(self) -> float | None:
         return self._avg.get("o")
 
+    def shard_s(self) -> float:
+        """The replica's time a call costs beyond its steps (``observe_shard``)."""
+        return self._avg.get("c") or 0.0
+
+    def call_s(self, rows: int) -> float:
+        """A call of ``rows`` samples on its replica: its time beyond the steps, and its steps."""
+        steps = max(1, math.ceil(rows / self.batch_size))
+        fit = self._fit()
+        return self.shard_s() + (0.0 if fit is None else steps * fit[0] + fit[1] * rows)
+
     def fixed_s(self) -> float | None:
-        """What a call costs whatever its size: the step's fixed time and the overhead."""
+        """What a call costs whatever its size: the step's fixed time, the call's time beyond its
+        step and the overhead."""
         fit = self._fit()
         if fit is None:
             return None
-        return fit[0] + (self._avg.get("o") or 0.0)
+        return fit[0] + self.shard_s() + (self._avg.get("o") or 0.0)
 
-    def best_size(self, unassigned: int, replicas: int) -> int | None:
+    def best_size(self, unassigned: int, replicas: int, expected: int = 0) -> int | None:
         """The shard size that finishes ``unassigned`` samples over ``replicas`` soonest by the
-        model above (None before anything is known: the splitter then spreads freely)."""
+        model above (None before anything is known: the splitter then spreads freely);
+        ``expected``: the stage's samples in all, for the steps a call holds."""
         fixed, per = self.fixed_s(), self.per_sample_s()
         if fixed is None or per is None or unassigned <= 0:
             return None
-        if per <= 0:
-            return self.batch_size
         share = unassigned / max(1, replicas)
-        best = math.sqrt(2.0 * share * fixed / per)
+        size = self.batch_size  # a step costs the same whatever it holds: a full one
+        if per > 0:
+            best = math.sqrt(2.0 * share * fixed / per)
 
-        def finish(s: int) -> float:
-            return share * (per + fixed / s) + s * per / 2
+            def finish(s: int) -> float:
+                return share * (per + fixed / s) + s * per / 2
 
-        size = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
+            size = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
         if size < self.batch_size or self.most == self.batch_size:
             return min(self.batch_size, size)
-        return self.batch_size * self._steps_per_call(share)
+        # as many calls as the stage's whole share asks for: the remaining share alone would
+        # shrink the calls as the stage drains, paying the fixed cost ever more often
+        return self.batch_size * self._steps_per_call(max(share, expected / max(1, replicas)))
 
     def _steps_per_call(self, share: float) -> int:
-        """Full steps a call should hold: beyond one, a call saves only the runtime's overhead
-        (each step still pays its own fixed time). With shards queued ahead (``prefetch``), the
-        next shard's overhead passes while the running call works: just enough steps that the
-        running calls cover it (more would only delay the samples downstream). Without, the
-        same trade as ``best_size``, with the overhead as the fixed cost and a step as the unit."""
+        """Full steps a call should hold. Beyond one, a call saves its fixed costs but not a
+        step's own: the replica's time around the steps (``shard_s``) and the runtime's
+        overhead. Queued ahead (``prefetch``), the next shard's overhead passes while the running
+        call works, so the overhead asks only for enough steps to cover it. The replica's own
+        time is paid whatever is queued: over the stage's ``steps`` a replica runs, ``k`` steps a
+        call pay it ``steps / k`` times, and the last call's samples reach the next stage ``k``
+        steps late (a call's outputs leave together): ``k = sqrt(steps * fixed / step)``."""
         overhead, step = self._avg.get("o") or 0.0, self.predict(self.batch_size)
-        if overhead <= 0 or step <= 0:
+        if step <= 0:
             return 1
+        fixed, cover = self.shard_s(), 1
         if self.prefetch > 1:
-            return min(self.most // self.batch_size, math.ceil(overhead / ((self.prefetch - 1) * step) - 1e-9))
+            if overhead > 0:
+                cover = math.ceil(overhead / ((self.prefetch - 1) * step) - 1e-9)
+        else:
+            fixed += overhead
         steps = share / self.batch_size
-        best = math.sqrt(2.0 * steps * overhead / step)
+        best = math.sqrt(steps * fixed / step)
 
         def finish(k: int) -> float:
-            return steps * (step + overhead / k) + k * step / 2
+            return steps * (step + fixed / k) + k * step
 
         k = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
-        return min(self.most // self.batch_size, k)
+        return max(1, min(self.most // self.batch_size, max(k, cover)))
 
     def queue_ahead(self, remaining: int, replicas: int) -> bool:
         """Whether a replica should get its next shard before its current one ends (prefetch).

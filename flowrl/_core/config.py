@@ -183,10 +183,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """How one model runs: replica count, per-call batch size, resources, splitter policy.
 
     ``batch_size``: the most samples a step takes at once (a micro-batch). A shard may hold up
-    to ``shard_micro_batches`` of them: its replica runs them one after the other in one call, so a
-    call's cost to the runtime (dispatch, transport) is paid once for them all. The ``cost``
-    splitter picks the shard's size within that from the calls it measures; the other
-    splitters cut at most one micro-batch. 1 (the default) keeps one micro-batch a shard.
+    to ``shard_micro_batches`` (8) of them: its replica runs them one after the other in one
+    call, so a call's fixed cost (dispatch and transport; the model's ``begin_shard``) is paid
+    once for them all. The ``cost`` splitter picks the shard's size within that from the calls
+    it measures, several micro-batches only while calls last as predicted; the other splitters
+    cut at most one micro-batch. 1 keeps one micro-batch a shard.
 
     The replica count is either ``num_replicas`` or, ChatLearn-style, ``num_gpu`` divided by
     ``tensor_parallel_size * pipeline_parallel_size``. Give one or both (they must agree).
@@ -215,7 +216,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     batch_size: int = 1
-    shard_micro_batches: int = 1
+    shard_micro_batches: int = 8
     gpus_per_replica: float | None = None
     cpus_per_replica: float = 1.0
     splitter: SplitterName = "cost"
@@ -431,6 +432,9 @@ class CallMeta(msgspec.Struct, frozen=True, kw_only=True):
     version: int = -1  # the weights' version the step ran with (a synced model's; -1 otherwise)
     # a call of several micro-batches: each step's (samples, seconds); empty: one step, busy_s
     steps: list[tuple[int, float]] = []
+    # the part of busy_s outside the steps, paid once a call on the replica: gathering the
+    # input, begin_shard, joining the micro-batches' fields
+    shard_s: float = 0.0
 
 
 # Control messages cross process boundaries as msgpack bytes: cheaper both ways than pickling.

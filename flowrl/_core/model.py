@@ -193,6 +193,13 @@ class Model:
     # (a Node); a replica calls it as (batch, iteration) and gets new fields. Subclasses define
     # the second form. The base is typed loosely because an overload of both forms here would
     # make mypy reject every subclass's (narrower) definition.
+    def begin_shard(self, batch: Batch) -> None:
+        """Called once a call, with the whole shard, before its micro-batches' steps (nothing by
+        default): work that they share and that a call pays once, such as one request to a
+        remote scorer for the shard, or moving its inputs to the device. The ``cost`` splitter
+        measures this time apart from the steps and puts more micro-batches in a shard as it
+        grows (``ModelConfig.shard_micro_batches``)."""
+
     def forward_step(self, *args: Any) -> Any:
         """``forward_step(self, batch, iteration)``: return new per-sample fields for ``batch``
         (tensors with ``len(batch)`` rows, or lists)."""

@@ -4,7 +4,8 @@ The baseline the load test runs for real (``flowrl/_tools/baselines.run_push``),
 the same workload, per-call overhead and dispatcher capacity as ``simulate``: the first stage's
 batches are cut in input order; each batch keeps its identity through the flow and goes whole,
 round-robin over the replicas, to every stage once the stages it reads have finished it; a
-replica runs it in calls of its own batch size, one call after another.
+replica runs it in one call, a step per micro-batch of its own batch size, one call after
+another.
 """
 
 from __future__ import annotations
@@ -41,18 +42,20 @@ def simulate_push(workload: Workload) -> SimResult:
         pending.discard((b, k))
         r = turn[st.name] % st.replicas
         turn[st.name] += 1
-        end = max(ready, free_at[st.name][r])
         ids = batches[b]
-        for lo in range(0, len(ids), st.batch_size):
-            part = ids[lo : lo + st.batch_size]
-            sent = ready
-            if w.dispatch_s:
-                sent = dispatcher = max(sent, dispatcher) + w.dispatch_s
-            begin = max(sent + w.overhead_s, end)
-            took = st.cost.call_s + len(part) * st.cost.per_sample_s + float(tail[st.name][part].max())
-            end = begin + took
-            busy[st.name][r] += took
-            sizes[st.name][len(part)] = sizes[st.name].get(len(part), 0) + 1
+        # an input's call is entered when it is sent, with its end: the batch waits for it
+        sent = max([ready, *(done[(b, i)] for i in st.inputs if i != INPUT)])
+        if w.dispatch_s:
+            sent = dispatcher = max(sent, dispatcher) + w.dispatch_s
+        # one call a batch, as the load test's push worker: the call's cost once, then a step
+        # per micro-batch of at most the stage's batch size
+        steps = [ids[lo : lo + st.batch_size] for lo in range(0, len(ids), st.batch_size)]
+        took = st.cost.shard_s + sum(
+            st.cost.call_s + len(part) * st.cost.per_sample_s + float(tail[st.name][part].max()) for part in steps
+        )
+        end = max(sent + w.overhead_s, free_at[st.name][r]) + took
+        busy[st.name][r] += took
+        sizes[st.name][len(ids)] = sizes[st.name].get(len(ids), 0) + 1
         free_at[st.name][r] = end
         done[(b, st.name)] = end
         for j, later in enumerate(w.stages):

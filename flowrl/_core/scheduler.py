@@ -103,17 +103,20 @@ class PoolScheduler:
         busy_s: float,
         overhead_s: float | None,
         steps: Sequence[tuple[int, float]] = (),
+        shard_s: float = 0.0,
     ) -> None:
-        """A finished call of ``stage``: its step time and its overhead (None when unknown),
+        """A finished call of ``stage``: its busy time and its overhead (None when unknown),
         from which the smallest shard worth a call is refitted (``CallCost``). ``steps``: a
         call of several micro-batches, each one's (samples, seconds): the fit is of one step,
-        the overhead of the call."""
+        the overhead of the call. ``shard_s``: the part of ``busy_s`` outside the steps, paid
+        once a call (``CallMeta.shard_s``)."""
         q = self._stages[stage]
         if len(steps) > 1:
             for i, (n, seconds) in enumerate(steps):
                 q.fit.observe(n, seconds, overhead_s if i == 0 else None)
         else:
-            q.fit.observe(rows, busy_s, overhead_s)
+            q.fit.observe(rows, max(0.0, busy_s - shard_s), overhead_s)
+        q.fit.observe_shard(shard_s)
         q.floor = q.fit.floor()
 
     def ready(
@@ -332,7 +335,7 @@ class PoolScheduler:
         assert self._clock is not None
         now = self._clock()
         start = max(self._free_at[r], now) if self.in_flight[r] else now + (q.fit.overhead_s() or 0.0)
-        return start + q.fit.predict(n)
+        return start + q.fit.call_s(n)
 
     def _drain(self, q: StageQueue, replica: int) -> int | None:
         """The ``cost`` splitter's size at the stage's drain (``drain_share``): every sample
@@ -383,7 +386,7 @@ class PoolScheduler:
             unassigned=unassigned,
             free_replicas=self.serving - busy,
             floor=q.floor,
-            target=q.fit.best_size(unassigned, self.serving) if self.policy == "cost" else None,
+            target=q.fit.best_size(unassigned, self.serving, q.expected) if self.policy == "cost" else None,
             coming=q.coming,
         )
 

@@ -4,8 +4,9 @@ It drives the same ``PoolScheduler`` and splitter as the runtime, with simulated
 whose call times come from a workload description, so makespan, idle time and shard sizes
 for thousands of replicas and 100,000 samples can be predicted in seconds.
 
-A call of ``n`` samples takes ``call_s + n * per_sample_s + max(tail of its samples)``:
-fixed cost, per-sample cost, and (as in decoding) the longest sample's long-tailed time.
+A step of ``n`` samples takes ``call_s + n * per_sample_s + max(tail of its samples)``:
+fixed cost, per-sample cost, and (as in decoding) the longest sample's long-tailed time; a call
+runs one step per micro-batch and pays ``shard_s`` once.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ MAX_BATCH = 1 << 20
 class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
     """Seconds of one step: ``call_s + n * per_sample_s + max over its samples of a tail``. A call
     of several micro-batches (``SimStage.shard_micro_batches``) runs one step per micro-batch, in
-    order; it pays the runtime's cost of a call (``Workload.overhead_s``, ``dispatch_s``) once.
+    order; it pays ``shard_s`` (the replica's time around its steps: an RPC, moving the shard's
+    inputs) and the runtime's cost of a call (``Workload.overhead_s``, ``dispatch_s``) once.
 
     The tail of a sample is log-normal with median ``tail_median_s`` and shape ``tail_sigma``
     (0: no tail), drawn once per (stage, sample) from the workload's seed.
@@ -49,11 +51,13 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     per_sample_s: float = 0.0
     tail_median_s: float = 0.0
     tail_sigma: float = 0.0
+    shard_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_types(self)
         _non_negative(
             "StageCost",
+            shard_s=self.shard_s,
             call_s=self.call_s,
             per_sample_s=self.per_sample_s,
             tail_median_s=self.tail_median_s,
@@ -63,6 +67,7 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             "StageCost",
             MAX_SECONDS,
             "seconds; the simulator's sums must stay finite",
+            shard_s=self.shard_s,
             call_s=self.call_s,
             per_sample_s=self.per_sample_s,
             tail_median_s=self.tail_median_s,
@@ -78,7 +83,7 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     cost: StageCost = msgspec.field(default_factory=StageCost)
     splitter: str = "cost"
     prefetch: int = 2  # as ModelConfig's
-    shard_micro_batches: int = 1  # as ModelConfig's: the most micro-batches of a ``cost`` shard
+    shard_micro_batches: int = 8  # as ModelConfig's: the most micro-batches of a ``cost`` shard
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -252,9 +257,10 @@ def lower_bound(workload: Workload, tail: dict[str, np.ndarray]) -> float:
     stage_bounds, path = [], {INPUT: np.zeros(n)}
     for st in workload.stages:
         c, t = st.cost, tail[st.name]
-        stage_bounds.append(least_work(c, t, st.batch_size) / st.replicas)
+        # a replica makes one call at least; a sample's path, a call of its own
+        stage_bounds.append(least_work(c, t, st.batch_size) / st.replicas + c.shard_s)
         start = np.max([path[i] for i in st.inputs], axis=0)
-        path[st.name] = start + c.call_s + c.per_sample_s + t
+        path[st.name] = start + c.shard_s + c.call_s + c.per_sample_s + t
     return max(max(stage_bounds), max(float(p.max()) for p in path.values()))
 
 
@@ -346,7 +352,7 @@ class _Sim:
             (len(part), c.call_s + len(part) * c.per_sample_s + float(part.max()))
             for part in (tail[lo : lo + st.batch_size] for lo in range(0, n, st.batch_size))
         ]
-        duration = sum(seconds for _, seconds in steps)
+        duration = c.shard_s + sum(seconds for _, seconds in steps)
         sent = self.now
         if self.w.dispatch_s:
             sent = self.dispatcher_free = max(sent, self.dispatcher_free) + self.w.dispatch_s
@@ -367,7 +373,8 @@ class _Sim:
     ) -> None:
         pool = self.pools[name]
         pool.finish(a)
-        pool.measure(name, len(a.ids), duration, overhead, steps)  # as the runtime does with each call
+        # as the runtime does with each call
+        pool.measure(name, len(a.ids), duration, overhead, steps, self.stage[name].cost.shard_s)
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
         for st in self.consumers[name]:

@@ -137,7 +137,8 @@ class Dispatcher:
         turns = self._ledger.turns_of(a.stage, a.ids)
         self._timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids, turns)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
-        scheduler.measure(a.stage, meta.rows, meta.busy_s, latency - meta.busy_s if alone else None, meta.steps)
+        overhead = latency - meta.busy_s if alone else None
+        scheduler.measure(a.stage, meta.rows, meta.busy_s, overhead, meta.steps, meta.shard_s)
         self._complete(a.stage, a.ids, out_ref, handle.node_id, meta)
         return True
 

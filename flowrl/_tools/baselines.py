@@ -29,6 +29,8 @@ def model_sleep(cost: StageCost, tail: np.ndarray, ids: list[int] | np.ndarray) 
 
 def nominal_sleep(seconds: float) -> None:
     """Sleep ``seconds`` of model time, less the OS's lateness in waking a sleeper (sleep_slack)."""
+    if seconds <= 0:
+        return
     slack, rate = sleep_slack()
     time.sleep(max(0.0, seconds - slack - rate * seconds))
 
@@ -116,6 +118,7 @@ def _push_worker() -> Any:
             return True
 
         def work(self, ids: list[int]) -> int:
+            nominal_sleep(self.cost.shard_s)  # once a call, as flowrl's Sleeper.begin_shard
             for i in range(0, len(ids), self.batch_size):
                 model_sleep(self.cost, self.tail, ids[i : i + self.batch_size])
             return len(ids)
@@ -134,6 +137,7 @@ class _DataStage:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ids, start = batch["id"], time.time()
+        nominal_sleep(self.cost.shard_s)  # a map_batches call is one step and one call
         model_sleep(self.cost, self.tail, ids)
         n = len(ids)
         batch[f"{self.name}_actor"] = np.full(n, self.pid)

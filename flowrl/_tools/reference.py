@@ -25,7 +25,7 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "pipeline_parallel_size": "see `tensor_parallel_size`",
         "batch_size": "the most samples one step takes (a micro-batch)",
         "shard_micro_batches": "the most micro-batches of `batch_size` a `cost` shard holds; the replica runs them in "
-        "order in one call (1: one micro-batch a shard)",
+        "order in one call, paying its fixed cost once (1: one micro-batch a shard)",
         "gpus_per_replica": "GPUs each replica asks Ray for (may be fractional); overrides the derived value",
         "cpus_per_replica": "CPUs each replica asks Ray for",
         "splitter": "how shards are cut: `cost` (learns a call's fixed and per-sample cost and sizes shards to "

@@ -1,7 +1,8 @@
 """The load test's workloads: the scenarios, and a flow of sleeping models that runs one.
 
 Model time is a sleep (standing in for GPU time, so two CPU cores are not the bottleneck): a
-call of n samples sleeps ``call_s + n * per_sample_s + max(tails of its samples)``, the same
+step of n samples sleeps ``call_s + n * per_sample_s + max(tails of its samples)``, and a call
+``shard_s`` more before its steps (``begin_shard``), the same
 per-sample times the simulator uses (less the OS's measured lateness in waking a sleeper,
 ``sleep_slack``, so that a step lasts its nominal time on a quiet machine). Items are
 ``{"k": sample, "e": epoch}``; the first stage also returns each sample's tail as
@@ -17,7 +18,7 @@ import numpy as np
 
 from .._core.model import Model
 from .._core.simulate import INPUT, SimStage, StageCost, Workload, tails
-from .baselines import model_sleep, sleep_slack
+from .baselines import model_sleep, nominal_sleep, sleep_slack
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,9 +58,9 @@ def scenarios() -> dict[str, Workload]:
     # launch-bound calls: most of a call's time is fixed, whatever its size (issue 22)
     launch = StageCost(call_s=0.015, per_sample_s=0.0005)
     generate = StageCost(call_s=0.030, per_sample_s=0.001, tail_median_s=0.010, tail_sigma=0.6)
-    # scorers of batch size 1 whose step is a few times what a call costs the runtime: push sends
-    # each upstream batch to one replica as one call of several steps (issue 42)
-    one = StageCost(call_s=0.030)
+    # scorers of batch size 1 whose call costs a third of a step once, however many steps it
+    # holds: push sends each upstream batch to one replica as one call of several steps (issue 42)
+    one = StageCost(call_s=0.030, shard_s=0.010)
     return {
         "chatlearn-209": rlhf(16, 2, 4, 8, 2, seed=209),
         "heavy-tail-256": heavy_tail,
@@ -117,6 +118,9 @@ class Sleeper(Model):
 
     def setup(self) -> None:
         sleep_slack()
+
+    def begin_shard(self, batch: Batch) -> None:
+        nominal_sleep(self.cost.shard_s)
 
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         k = np.asarray(batch["k"], dtype=np.int64)

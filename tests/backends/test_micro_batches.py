@@ -4,6 +4,7 @@ call's fields are theirs joined."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -13,15 +14,22 @@ import torch
 from flowrl import Batch, Model
 from flowrl._backends.replica import ReplicaRuntime, micro_batches
 from flowrl._core.config import ShardCall
-from flowrl._core.errors import OutputError
+from flowrl._core.errors import OutputError, StageError
 
 
 class Seen(Model):
-    """Records each step's ids and each sample's seed; returns a list, a tensor and an array."""
+    """Records each call's shard and each step's ids and each sample's seed; returns a list, a
+    tensor and an array."""
 
     def setup(self) -> None:
         self.steps: list[list[int]] = []
+        self.shards: list[list[int]] = []
         self.seeds: dict[int, int] = {}
+
+    def begin_shard(self, batch: Batch) -> None:
+        self.shards.append(batch.ids.tolist())
+        if self.config.batch_size == 5:  # a call whose fixed cost the replica measures apart
+            time.sleep(0.05)
 
     def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
         ids = batch.ids.tolist()
@@ -69,3 +77,24 @@ def test_a_shard_of_several_micro_batches_runs_them_in_order_in_one_call_and_joi
 def test_micro_batches_whose_fields_do_not_join_fail_the_call_naming_the_stage() -> None:
     with pytest.raises(OutputError, match=r"seen.forward_step.*micro-batches.*'s'"):
         run(3, [1, 2, 3, 4])
+
+
+def test_begin_shard_runs_once_a_call_with_the_whole_shard_and_its_time_is_reported_apart() -> None:
+    model, meta, _ = run(5, [3, 1, 4, 11, 5, 9, 2])
+    assert model.shards == [[3, 1, 4, 11, 5, 9, 2]] and model.steps == [[3, 1, 4, 11, 5], [9, 2]]
+    assert [n for n, _ in meta.steps] == [5, 2]
+    # the call's time beyond its steps holds the 50 ms of begin_shard; the steps do not
+    assert meta.shard_s >= 0.05 > max(seconds for _, seconds in meta.steps)
+    assert meta.busy_s >= meta.shard_s + sum(seconds for _, seconds in meta.steps) - 1e-9
+
+
+def test_a_failing_begin_shard_fails_the_call_naming_the_stage_and_samples() -> None:
+    class Broken(Seen):
+        def begin_shard(self, batch: Batch) -> None:
+            raise RuntimeError("no scorer")
+
+    runtime = ReplicaRuntime(Broken("seen", {"batch_size": 2}), 0)
+    runtime.setup([], "node")
+    with pytest.raises(StageError, match=r"seen.forward_step.*RuntimeError: no scorer") as info:
+        runtime.step(call_of([1, 2, 3]), Batch([1, 2, 3], {"x": [1.0, 2.0, 3.0]}))
+    assert info.value.sample_ids == [1, 2, 3]

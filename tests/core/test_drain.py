@@ -152,3 +152,20 @@ def test_a_cost_shard_holds_several_micro_batches_only_where_calls_are_steady_an
     pool.ready("s", list(range(200)))
     pool.request(0)
     assert [len(a.ids) for a in pool.poll()] == [expected]
+
+
+@pytest.mark.parametrize(("shard_s", "expected"), [(0.0, 1), (0.003, 3), (0.020, 8)])
+def test_a_replicas_own_cost_a_call_puts_more_micro_batches_in_a_shard_even_when_queued_ahead(
+    shard_s: float, expected: int
+) -> None:
+    # batch size 1, a 30 ms step, 1 ms of overhead (hidden by the shard queued ahead), and the
+    # replica's own time a call around its steps: sqrt(100 steps * shard_s / 30 ms) steps, at most 8
+    pool = PoolScheduler(replicas=2, policy="cost", prefetch=2)
+    pool.add_stage("s", 1, micro_batches=8)
+    for _ in range(8):
+        pool.measure("s", 1, 0.030 + shard_s, 0.001, shard_s=shard_s)
+    pool.expect("s", 200)
+    pool.admit("s", 200)
+    pool.ready("s", list(range(200)))
+    pool.request(0)
+    assert [len(a.ids) for a in pool.poll()] == [expected]

@@ -91,7 +91,7 @@ def test_push_on_the_209_layout_uses_half_the_scorer_replicas_in_batch_sized_cal
     push = simulate_push(w)
     for stage in ("reference", "value", "reward"):
         assert push.replicas_used[stage] == 4  # 4 policy batches, each whole to one replica
-        assert push.shard_sizes[stage] == {2: 8}  # each batch of 4 in two calls of 2
+        assert push.shard_sizes[stage] == {4: 4}  # each batch of 4 in one call (two steps of 2)
     assert push.makespan_s >= push.lower_bound_s
     assert simulate(w).makespan_s < push.makespan_s  # pull uses the idle half
 

@@ -10,6 +10,7 @@ import pytest
 
 import flowrl
 from flowrl._core.errors import ConfigError
+from flowrl._core.push_sim import simulate_push
 from flowrl._core.simulate import SimStage, StageCost, Workload, simulate, tails
 from flowrl._tools.scenarios import scenarios
 
@@ -202,3 +203,22 @@ def test_measured_tails_are_checked(tail_s, match):
     w = scenarios()["chatlearn-209"]
     with pytest.raises(ConfigError, match=match):
         msgspec.structs.replace(w, tail_s=tail_s)
+
+
+def test_a_call_pays_its_shard_cost_once_however_many_micro_batches_it_holds() -> None:
+    cost = StageCost(call_s=0.030, shard_s=0.010)
+    w = Workload(
+        samples=64, seed=1, stages=[SimStage(name="a", replicas=2, batch_size=1, cost=cost, shard_micro_batches=8)]
+    )
+    r = simulate(w)
+    assert sum(sum(b) for b in r.busy_s.values()) == pytest.approx(r.calls["a"] * 0.010 + 64 * 0.030)
+    assert max(r.shard_sizes["a"]) > 1  # the cost splitter merged steps to pay the call's cost less often
+
+
+def test_push_sends_a_batch_to_a_stage_only_once_the_calls_it_reads_have_ended() -> None:
+    w = scenarios()["batch1-scorers"]
+    push = simulate_push(w)
+    reward = w.stages[2].cost
+    one_call = reward.shard_s + w.stages[0].batch_size * reward.call_s  # a batch of 8, one step each
+    # the last batch's reward call starts after its reference call, which ends the reference's work
+    assert push.makespan_s >= max(push.busy_s["reference"]) + one_call - 1e-9
