@@ -143,7 +143,7 @@ class CallCost:
     def best_size(self, unassigned: int, replicas: int, expected: int = 0) -> int | None:
         """The shard size that finishes ``unassigned`` samples over ``replicas`` soonest by the
         model above (None before anything is known: the splitter then spreads freely);
-        ``expected``: the stage's samples in all, for the steps a call holds."""
+        ``expected``: the stage's samples in all (this run's), for the steps a call holds."""
         fixed, per = self.fixed_s(), self.per_sample_s()
         if fixed is None or per is None or unassigned <= 0:
             return None
@@ -186,7 +186,9 @@ class CallCost:
             return steps * (step + fixed / k) + k * step
 
         k = min((max(1, math.floor(best)), max(1, math.ceil(best))), key=finish)
-        return max(1, min(self.most // self.batch_size, max(k, cover)))
+        # two calls a replica at least: a share in one call leaves nothing to even out the
+        # replicas with (the seed's layout: 2 steps a replica, merged, left half of them idle)
+        return max(1, min(self.most // self.batch_size, max(k, cover), math.floor(steps / 2)))
 
     def queue_ahead(self, remaining: int, replicas: int) -> bool:
         """Whether a replica should get its next shard before its current one ends (prefetch).
@@ -219,7 +221,8 @@ class CallCost:
             return 1
         if per_sample <= 0:
             return self.batch_size
-        return max(1, min(self.most, math.ceil(self._avg["o"] / per_sample - 1e-9)))
+        # within one micro-batch: beyond it, best_size weighs the overhead against whole steps
+        return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))
 
 
 def finish_together(frees: Sequence[float], samples: int, fixed: float, per: float, batch: int) -> float:

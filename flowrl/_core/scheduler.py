@@ -89,7 +89,9 @@ class PoolScheduler:
 
     def expect(self, stage: str, count: int) -> None:
         """``count`` more samples will reach ``stage`` (it sizes shards by what remains)."""
-        self._stages[stage].expected += count
+        q = self._stages[stage]
+        q.wave = count if q.remaining <= 0 else q.wave + count
+        q.expected += count
 
     def admit(self, stage: str, count: int) -> None:
         """``count`` samples entered the pipeline and will reach ``stage``: the ``cost``
@@ -386,7 +388,7 @@ class PoolScheduler:
             unassigned=unassigned,
             free_replicas=self.serving - busy,
             floor=q.floor,
-            target=q.fit.best_size(unassigned, self.serving, q.expected) if self.policy == "cost" else None,
+            target=q.fit.best_size(unassigned, self.serving, q.wave) if self.policy == "cost" else None,
             coming=q.coming,
         )
 

@@ -19,6 +19,7 @@ class StageQueue:
     most: int = 0  # the most samples of one call (several micro-batches; 0: ``batch_size``)
     prefetch: int = 1  # shards a replica holds at once
     expected: int = 0
+    wave: int = 0  # the samples expected since the stage last had none left (this run's, say)
     dispatched: int = 0
     finished: int = 0
     holders: int = 0  # replicas running samples of this stage

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -95,7 +96,8 @@ def run_scenario(name: str, w: Workload, raw: dict[str, float], before: str | No
     substrate's serial shard time as every call's overhead, and with the substrate's measured
     capacity too (no-op shards a second: ``dispatch_s``; a lone call still takes the serial time).
     A row per epoch (``scenarios.EPOCHS``; the simulations fed by the same length memory).
-    ``before``: also run flowrl as it was before issue 22 (that splitter, no length memory)."""
+    ``before``: also run flowrl as it was before issue 22 (that splitter, no length memory);
+    ``SPLITTER/K``: with at most K micro-batches a shard."""
     epochs = EPOCHS.get(name, 1)
     overhead_s, dispatch_s = raw["shard_ms"] / 1e3, 1 / raw["flowrl_shards_per_s"]
     zero = simulate_epochs(w, epochs)
@@ -106,7 +108,9 @@ def run_scenario(name: str, w: Workload, raw: dict[str, float], before: str | No
     olds: list[dict[str, Any] | None] = [None] * epochs
     was = None
     if before is not None:
-        was = msgspec.structs.replace(w, stages=[msgspec.structs.replace(s, splitter=before) for s in w.stages])
+        splitter, _, most = before.partition("/")
+        kept = {"splitter": splitter} | ({"shard_micro_batches": int(most)} if most else {})
+        was = msgspec.structs.replace(w, stages=[msgspec.structs.replace(s, **kept) for s in w.stages])
     # which goes first alternates from repeat to repeat: the second pipeline of a process runs warmer
     now_first = next(_turns) % 2 == 0
     if was is not None and not now_first:
@@ -307,7 +311,9 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--no-ray-data", action="store_true", help="skip the Ray Data baseline")
     parser.add_argument(
-        "--before", metavar="SPLITTER", help="also run flowrl with this splitter and no length memory (e.g. guided)"
+        "--before",
+        metavar="SPLITTER[/K]",
+        help="also run flowrl with this splitter and no length memory (e.g. guided; cost/1: one micro-batch a shard)",
     )
     parser.add_argument(
         "--cpu-hog", type=int, default=0, metavar="N", help="N processes spinning on the CPU during the scenarios"
@@ -324,6 +330,8 @@ def loadtest_main(argv: list[str] | None = None, command: str = "flowrl loadtest
     known = sorted([*scenarios(), *loop_scenarios()])
     if unknown := sorted(set(args.scenario or []) - set(known)):
         parser.error(f"unknown scenario(s) {unknown}; expected some of {known}")
+    if args.before and not re.fullmatch(r"[a-z_]+(/[1-9][0-9]*)?", args.before):
+        parser.error(f"--before: expected a splitter, optionally /K micro-batches a shard (cost/1): {args.before!r}")
     ray_data = not args.no_ray_data and _has_ray_data()
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     hog = cpu_hog(0)
@@ -376,7 +384,8 @@ def _report(command: str, raw: dict[str, float], rows: list[dict[str, Any]], ray
         "  also with the no-op shard rate above as the runtime's capacity (`Workload.dispatch_s`).\n"
         "- push: ChatLearn's static push (each upstream batch whole, round-robin).\n"
         "- before: flowrl as before the cost-aware splitter and the length memory (`--before guided`: the\n"
-        "  guided splitter, no memory), in the same run; `eN` rows are the epochs of one scenario.\n"
+        "  guided splitter, no memory; `--before cost/1`: one micro-batch a shard), in the same run; `eN`\n"
+        "  rows are the epochs of one scenario.\n"
         + (
             "- Ray Data: `map_batches` with an actor pool per stage (`concurrency=replicas`), stages chained in\n"
             "  flow order; timed from its first model call to its last, because its actor pools start with\n"

@@ -111,13 +111,24 @@ def test_prefetch_never_queues_a_shard_behind_a_heavy_tail_and_hides_the_overhea
 
 @pytest.mark.parametrize("dispatch_s", [0.0, 0.001, 0.004])
 def test_the_dispatch_capacity_caps_calls_per_second_however_many_replicas_wait(dispatch_s):
-    stage = SimStage(name="a", replicas=64, batch_size=1, cost=StageCost(call_s=0.002))
+    stage = SimStage(name="a", replicas=64, batch_size=1, cost=StageCost(call_s=0.002), shard_micro_batches=1)
     result = simulate(Workload(samples=500, stages=[stage], dispatch_s=dispatch_s))
     # 500 one-sample calls of 2 ms: free dispatch runs them in ceil(500 / 64) = 8 waves; with a
     # dispatcher, call k goes out at k * dispatch_s and the replicas are never what waits
     expected = 500 * dispatch_s + 0.002 if dispatch_s else 8 * 0.002
     assert result.makespan_s == pytest.approx(expected)
     assert result.calls == {"a": 500}
+    # shards of several micro-batches (the default) make fewer calls, and so wait less for the dispatcher
+    merged = simulate(
+        Workload(
+            samples=500,
+            stages=[SimStage(**{**msgspec.structs.asdict(stage), "shard_micro_batches": 8})],
+            dispatch_s=dispatch_s,
+        )
+    )
+    assert merged.makespan_s <= result.makespan_s + 1e-9
+    if dispatch_s:
+        assert merged.calls["a"] < 500 and merged.makespan_s < result.makespan_s
 
 
 def test_a_thousand_replicas_and_a_hundred_thousand_samples_simulate():

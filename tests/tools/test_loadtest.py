@@ -42,6 +42,16 @@ def test_cli_lists_the_scenarios(capsys):
     assert all(name in out for name in scenarios())
 
 
+@pytest.mark.parametrize("before", ["cost/0", "cost/x", "/2", "Cost"])
+def test_cli_refuses_a_before_that_is_not_a_splitter_and_a_micro_batch_count(before, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli(["loadtest", "--before", before, "--scenario", "tiny-shards"])
+    assert info.value.code == 2
+    assert f"--before: expected a splitter, optionally /K micro-batches a shard (cost/1): {before!r}" in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.slow
 def test_ray_data_runs_the_same_workload_and_stamps_every_stage(ray_cluster):
     pytest.importorskip("pandas", reason="Ray Data needs pandas: pip install -e .[bench]")
