@@ -189,10 +189,6 @@ class Model:
     def setup(self) -> None:
         """Runs once inside each replica before its first step."""
 
-    # A step has two call forms: a flow calls it on stage outputs and gets the new stage's output
-    # (a Node); a replica calls it as (batch, iteration) and gets new fields. Subclasses define
-    # the second form. The base is typed loosely because an overload of both forms here would
-    # make mypy reject every subclass's (narrower) definition.
     def begin_shard(self, batch: Batch) -> None:
         """Called once a call, with the whole shard, before its micro-batches' steps (nothing by
         default): work that they share and that a call pays once, such as one request to a
@@ -200,6 +196,10 @@ class Model:
         measures this time apart from the steps and puts more micro-batches in a shard as it
         grows (``ModelConfig.shard_micro_batches``)."""
 
+    # A step has two call forms: a flow calls it on stage outputs and gets the new stage's output
+    # (a Node); a replica calls it as (batch, iteration) and gets new fields. Subclasses define
+    # the second form. The base is typed loosely because an overload of both forms here would
+    # make mypy reject every subclass's (narrower) definition.
     def forward_step(self, *args: Any) -> Any:
         """``forward_step(self, batch, iteration)``: return new per-sample fields for ``batch``
         (tensors with ``len(batch)`` rows, or lists)."""
