@@ -83,8 +83,9 @@ def test_begin_shard_runs_once_a_call_with_the_whole_shard_and_its_time_is_repor
     model, meta, _ = run(5, [3, 1, 4, 11, 5, 9, 2])
     assert model.shards == [[3, 1, 4, 11, 5, 9, 2]] and model.steps == [[3, 1, 4, 11, 5], [9, 2]]
     assert [n for n, _ in meta.steps] == [5, 2]
-    # the call's time beyond its steps holds the 50 ms of begin_shard; the steps do not
-    assert meta.shard_s >= 0.05 > max(seconds for _, seconds in meta.steps)
+    # the call's time beyond its steps holds the 50 ms of begin_shard (counted in a step, it
+    # would be missing there; no bound on the steps' own time, which a busy machine stretches)
+    assert meta.shard_s >= 0.05
     assert meta.busy_s >= meta.shard_s + sum(seconds for _, seconds in meta.steps) - 1e-9
 
 
