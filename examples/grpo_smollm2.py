@@ -97,9 +97,10 @@ def make_policy(engine: str, name: str, config: Any, seed: int, model: str | Non
         return Policy(name, config, seed=seed, model=model, tokenizer=tokenizer)
     from flowrl.vllm import VLLMPolicy
 
-    return VLLMPolicy(
-        name, config, lm=lm_at(model, tokenizer), sampling=sampling, engine={"gpu_memory_utilization": 0.2}
-    )
+    settings: dict[str, Any] = {"gpu_memory_utilization": 0.2}
+    if config.get("gpus_per_replica"):  # vLLM sizes its cache by profiling free memory, wrong while others load
+        settings["engine_args"] = {"kv_cache_memory_bytes": 2**30}
+    return VLLMPolicy(name, config, lm=lm_at(model, tokenizer), sampling=sampling, engine=settings)
 
 
 class Trainer(hf.GRPOTrainer):

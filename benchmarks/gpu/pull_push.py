@@ -30,6 +30,7 @@ import ray
 import torch
 
 import flowrl
+from flowrl._backends.replica import micro_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpt  # noqa: E402
@@ -87,9 +88,12 @@ class PushReplica:
         for part in parts[1:]:
             batch = batch.merge(part)
         start = time.time()
-        out = self.model.forward_step(batch, 0)
+        # as ChatLearn: the whole upstream batch in one call, run in steps of the model's batch_size
+        self.model.begin_shard(batch)
+        parts = micro_batches(batch, self.model.config.batch_size)
+        outs = [flowrl.Batch(part.ids, dict(self.model.forward_step(part, 0))) for part in parts]
+        new = outs[0] if len(outs) == 1 else flowrl.Batch.concat(outs)
         end = time.time()
-        new = flowrl.Batch(batch.ids, dict(out))
         # the policy's batch carries its inputs on; a scorer sends back its own fields only
         return (batch.merge(new) if self.model.name == "policy" else new), (
             self.model.name,

@@ -61,6 +61,7 @@ def scenarios() -> dict[str, Workload]:
     # scorers of batch size 1 whose call costs a third of a step once, however many steps it
     # holds: push sends each upstream batch to one replica as one call of several steps (issue 42)
     one = StageCost(call_s=0.030, shard_s=0.010)
+    answers = StageCost(call_s=0.020, tail_median_s=0.050, tail_sigma=0.8)
     return {
         "chatlearn-209": rlhf(16, 2, 4, 8, 2, seed=209),
         "heavy-tail-256": heavy_tail,
@@ -98,6 +99,17 @@ def scenarios() -> dict[str, Workload]:
                 SimStage(name="policy", replicas=4, batch_size=8, cost=StageCost(call_s=0.010, per_sample_s=0.001)),
                 SimStage(name="reference", inputs=["policy"], replicas=4, batch_size=1, cost=one),
                 SimStage(name="reward", inputs=["policy", "reference"], replicas=4, batch_size=1, cost=one),
+            ],
+        ),
+        # the same scorers behind a policy whose answers end at long-tailed lengths, 6 replicas of
+        # each scorer for 4 of the policy: the upstream batches do not divide evenly among them
+        "batch1-scorers-tail": Workload(
+            samples=256,
+            seed=42,
+            stages=[
+                SimStage(name="policy", replicas=4, batch_size=8, cost=answers),
+                SimStage(name="reference", inputs=["policy"], replicas=6, batch_size=1, cost=one),
+                SimStage(name="reward", inputs=["policy", "reference"], replicas=6, batch_size=1, cost=one),
             ],
         ),
         # GRPO-like: 64 prompts x 4 samples, each prompt's length the same every epoch but for
