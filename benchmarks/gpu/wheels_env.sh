@@ -3,7 +3,7 @@
 # first on PATH (a bare `ray` is not there: installed with --target, it lands in /tmp/site/bin). A call
 # after the one that installed them (the machine still warm) need not carry the wheels again.
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-if ! python3 -c "import ray, msgspec" 2>/dev/null; then
+if ! python3 -c "import ray, msgspec, gguf" 2>/dev/null; then
   ls .whl/*.whl > /dev/null 2>&1 || { echo "no Ray here and no wheels in .whl/: run benchmarks/gpu/wheels.sh and carry .whl" >&2; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing the wheels of .whl/ failed" >&2; exit 1; }

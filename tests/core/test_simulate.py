@@ -233,3 +233,10 @@ def test_push_sends_a_batch_to_a_stage_only_once_the_calls_it_reads_have_ended()
     one_call = reward.shard_s + w.stages[0].batch_size * reward.call_s  # a batch of 8, one step each
     # the last batch's reward call starts after its reference call, which ends the reference's work
     assert push.makespan_s >= max(push.busy_s["reference"]) + one_call - 1e-9
+
+
+def test_batch1_scorers_behind_uneven_policy_batches_pull_in_at_most_085x_pushs_time() -> None:
+    w = scenarios()["batch1-scorers-tail"]
+    pull, push = simulate(w), simulate_push(w)
+    assert pull.makespan_s <= 0.85 * push.makespan_s
+    assert max(pull.shard_sizes["reference"]) > 1  # calls of several steps pay the call's cost less often
