@@ -9,7 +9,7 @@
 #   the last part's call, also carrying .hf:  bash benchmarks/gpu/vllm_device.sh stage install rollout
 #   then, carrying .whl:                      bash benchmarks/gpu/vllm_device.sh install ppo
 # Steps: stage (copy the parts here to /tmp/vw), install (assemble, install into the system Python, import
-# vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes, or $ARCHS), own (the engine's
+# vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes, or $ARCHS; $PROMPTS prompts, 256 by default), own (the engine's
 # own generate, its core in a process of its own), ppo (seed_ppo.py, $ENGINES: vLLM and generate; $SCORERS
 # replicas of each scorer, 8 by default; $KV_GIB each engine's KV cache, 4 by default; $SLEEP its sleep level, 0 by
 # default; the H200 runs of docs/vllm.md used KV_GIB=1 SLEEP=1; the seed's layout outgrows an H100's 80 GB).
@@ -29,7 +29,7 @@ installed() { [ -f /tmp/vw/.installed ] || { bash /tmp/vw/assemble.sh /tmp/vw &&
 rollout() {  # with the engine resting between calls, and the engine's own generate beside flowrl's
   for arch in ${ARCHS:-smollm2-135m qwen2.5-0.5b}; do
     python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch "$arch" --sleep 1 --breakdown \
-      --out "$out" || return 1
+      --prompts "${PROMPTS:-256}" --out "$out" || return 1
   done
 }
 own() {  # the engine's own generate with its core in a process of its own (vLLM's usual layout)
