@@ -1,17 +1,19 @@
-"""Run every benchmark and write docs/benchmarks.md (and the load test's JSON beside it).
+"""Run the CPU benchmarks and write their tables to a dated result file.
 
     python benchmarks/run.py                 # every scenario, 3 repeats (medians)
     python benchmarks/run.py --repeats 1 --scenario chatlearn-209
 
-The load test is ``flowrl loadtest --out docs/benchmarks.md``; the simulator at scale
-(``sim_scaling.py``), big payloads (``payload.py``), the sections of the benchmarks run on
-their own (``sections/*.md``: asynchronous training, autoscaling, loops; each written from its
-script's latest run) and what the numbers say (``notes.md``, written by hand) are appended to
-the same page.
+Writes ``benchmarks/results/<date>-cpu<N>-run.md``, where N is the machine's CPU count, and the
+load test's JSON beside it (``--out`` puts them elsewhere). The file holds the load test
+(``flowrl loadtest``), the simulator at scale (``sim_scaling.py``) and big payloads
+(``payload.py``). docs/benchmarks.md shows the current tables, each with its command, and what
+the numbers say; it is written by hand from these files.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -24,10 +26,15 @@ import sim_scaling  # noqa: E402
 
 from flowrl._tools.loadtest import loadtest_main  # noqa: E402
 
+
+def default_out() -> Path:
+    day = datetime.date.today().isoformat()
+    return Path(__file__).resolve().parent / "results" / f"{day}-cpu{os.cpu_count()}-run.md"
+
+
 if __name__ == "__main__":
-    out = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
     scaling = sim_scaling.section()  # first, while no Ray process competes for the CPU
-    args = sys.argv[1:] if "--out" in sys.argv else [*sys.argv[1:], "--out", str(out)]
+    args = sys.argv[1:] if "--out" in sys.argv else [*sys.argv[1:], "--out", str(default_out())]
     code = loadtest_main(args, command="python benchmarks/run.py")
     if code == 0 and "--list" not in args:
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
@@ -36,7 +43,5 @@ if __name__ == "__main__":
         finally:
             ray.shutdown()
         with open(args[args.index("--out") + 1], "a") as f:
-            here = Path(__file__).parent
-            sections = "".join(p.read_text() for p in sorted((here / "sections").glob("*.md")))
-            f.write("\n" + scaling + "\n" + extra + "\n" + sections + (here / "notes.md").read_text())
+            f.write("\n" + scaling + "\n" + extra)
     sys.exit(code)

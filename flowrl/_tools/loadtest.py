@@ -401,6 +401,5 @@ def _report(command: str, raw: dict[str, float], rows: list[dict[str, Any]], ray
         "call's time seen from the driver beyond its time inside the replica's step (Ray's round trip,\n"
         "gathering the shard, flowrl's dispatch, waiting for a CPU); \"sim with it\" feeds the run's own\n"
         "mean call overhead to the simulator.\n\n"
-        "What the numbers say, and what was tried, is at the end of this page (`benchmarks/run.py` writes it\n"
-        "all; `flowrl loadtest` alone writes these tables).\n"
+        "What the numbers say, and what was tried, is in docs/benchmarks.md.\n"
     )
