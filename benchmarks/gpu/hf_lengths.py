@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pull_push
 import ray
 import torch
 from hf_grpo import ARCHS, GpuBusy
@@ -187,29 +188,13 @@ def build_policy(args: argparse.Namespace, on_gpu: bool, tokenizer: str) -> Leng
 
 
 # ---- static push ----
-@ray.remote
-class PushReplica:
-    """One replica of one model for the push baseline: the model's own class and setup."""
-
-    def __init__(self, model: flowrl.Model, replica: int) -> None:
-        model.replica_id, model.gpu_ids = replica, [int(g) for g in ray.get_gpu_ids()]
-        model.setup()
-        self.model = model
-
-    def ready(self) -> bool:
-        return True
-
-    def run(self, batch: flowrl.Batch) -> flowrl.Batch:
-        return batch.merge(flowrl.Batch(batch.ids, dict(self.model.forward_step(batch, 0))))
-
-
 class Push:
     """ChatLearn's static push: policy batch ``i`` whole to replica ``i mod n``."""
 
     def __init__(self, policy: flowrl.Model, on_gpu: bool, timeout_s: float) -> None:
         cfg = policy.config
         opts = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica if on_gpu else 0}
-        actor: Any = PushReplica
+        actor: Any = pull_push.PushReplica  # the GPU push baseline's replica, shared with seed_layout.py
         self.actors = [actor.options(**opts).remote(policy, r) for r in range(cfg.replicas)]
         self.batch = cfg.batch_size
         self.timeout_s = timeout_s
@@ -220,7 +205,8 @@ class Push:
         for i, lo in enumerate(range(0, len(items), self.batch)):
             part = items[lo : lo + self.batch]
             batch = flowrl.Batch.from_samples(list(range(lo, lo + len(part))), part)
-            done.append(self.actors[i % len(self.actors)].run.remote(batch))
+            out, _span = self.actors[i % len(self.actors)].run.remote(batch)
+            done.append(out)
         rounds = math.ceil(len(done) / len(self.actors))  # the calls queued on one replica
         batches = ray.get(done, timeout=self.timeout_s * rounds)
         return [{f: b[f][j] for f in OUT_FIELDS} for b in batches for j in range(len(b))]
