@@ -37,7 +37,7 @@ import numpy as np
 import ray
 
 import flowrl
-from flowrl._core.simulate import INPUT, Workload, tails
+from flowrl._sim.simulate import INPUT, Workload, tails
 from flowrl._tools.loadtest import _table
 from flowrl._tools.scenarios import Sleeper, scenarios
 

@@ -19,7 +19,7 @@ from unittest import mock
 import msgspec
 
 from flowrl._core.scheduler import PoolScheduler
-from flowrl._core.simulate import SimStage, StageCost, Workload, simulate
+from flowrl._sim.simulate import SimStage, StageCost, Workload, simulate
 from flowrl._tools.scenarios import scenarios
 
 COSTS = {

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from flowrl._core.sim_epochs import prompt_keys
-from flowrl._core.simulate import Workload, simulate, tails
+from flowrl._sim.epochs import prompt_keys
+from flowrl._sim.simulate import Workload, simulate, tails
 from flowrl._tools.scenarios import scenarios
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """Multi-turn rollouts on a real Ray cluster: whole-sample batches, per-turn pull (flowrl.loop)
-and partial rollouts, against the strict lower bound and the simulator (flowrl/_core/sim_turns.py).
+and partial rollouts, against the strict lower bound and the simulator (flowrl/_sim/turns.py).
 
 The scenario, its models and the checked runs are the load test's (flowrl/_tools/loop_scenarios.py;
 ``flowrl loadtest --scenario multiturn`` runs the same); this script adds other sizes, the
@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import replace
 
-from flowrl._core.sim_turns import MODES, lower_bound, simulate_turns
+from flowrl._sim.turns import MODES, lower_bound, simulate_turns
 from flowrl._tools.loop_scenarios import LoopScenario, loop_report, multiturn_workload, run_loop_scenario
 
 

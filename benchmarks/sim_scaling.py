@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from flowrl import simulate
-from flowrl._core.simulate import SimStage, StageCost, Workload
+from flowrl._sim.simulate import SimStage, StageCost, Workload
 
 PER_REPLICA = 96  # samples per policy replica
 

@@ -28,7 +28,6 @@ from ._core.loops import loop
 from ._core.model import Model, step
 from ._core.run_config import LoggerConfig, RunConfig
 from ._core.sampler import EpisodeBuffer
-from ._core.simulate import SimResult, SimStage, StageCost, Workload, simulate
 from ._core.splitter import POLICIES as SPLITTERS
 from ._core.stats import LoopStats, PipelineStats, ReplicaStats, StageStats
 from ._engine.engine import Engine
@@ -38,6 +37,7 @@ from ._engine.stats import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._engine.tracking import EpisodeReport, Logger
 from ._pipeline.opening import Pipeline, build_flow, open_pipeline, run_flow
 from ._pipeline.pipeline import AsyncPipeline
+from ._sim.simulate import SimResult, SimStage, StageCost, Workload, simulate
 
 __version__ = "0.1.0"
 

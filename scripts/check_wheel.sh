@@ -38,7 +38,7 @@ where = pathlib.Path(flowrl.__file__).resolve()
 assert where.is_relative_to(venv), f"flowrl was imported from {where}, not from the venv {venv}"
 wanted = tomllib.loads(pyproject.read_text())["project"]["version"]
 assert importlib.metadata.version("flowrl") == wanted, (importlib.metadata.version("flowrl"), wanted)
-for name in ("_core", "_backends", "_pipeline", "_engine", "_tools", "hf", "rl"):
+for name in ("_core", "_sim", "_backends", "_pipeline", "_engine", "_tools", "hf", "rl"):
     spec = importlib.util.find_spec(f"flowrl.{name}")
     assert spec is not None and spec.origin is not None, f"flowrl.{name} is not in the wheel"
     assert pathlib.Path(spec.origin).resolve().is_relative_to(venv), f"flowrl.{name} from {spec.origin}"

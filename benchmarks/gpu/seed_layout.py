@@ -50,7 +50,7 @@ from hf_lengths import TINY, LengthPolicy, epoch_items, make_prompts, make_token
 
 import flowrl  # noqa: E402
 from flowrl import hf  # noqa: E402
-from flowrl._core.push_sim import simulate_push  # noqa: E402
+from flowrl._sim.push import simulate_push  # noqa: E402
 
 ROLES = list(pull_push.ROLES)  # policy, reference, value, reward
 SYSTEMS = ("pull", "push")

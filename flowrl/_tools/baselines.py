@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._core.model import Model
-from .._core.simulate import INPUT, StageCost, Workload, tails
 from .._pipeline.opening import open_pipeline
+from .._sim.simulate import INPUT, StageCost, Workload, tails
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine

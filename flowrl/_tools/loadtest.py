@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._core.lengths import LengthMemory
-from .._core.sim_epochs import prompt_keys, simulate_epochs
-from .._core.simulate import Workload, cost_hints, tails
 from .._pipeline.opening import open_pipeline
+from .._sim.epochs import prompt_keys, simulate_epochs
+from .._sim.simulate import Workload, cost_hints, tails
 from .baselines import cpu_hog, run_push, run_ray_data, substrate
 from .loop_scenarios import loop_report, loop_scenarios, run_loops
 from .scenarios import EPOCHS, items, scenarios, workload_flow

@@ -1,10 +1,10 @@
 """The load test's loops (issue 23): multi-turn and partial rollouts run through the real
-pipeline, beside the simulator of ``_core/sim_turns.py`` and the strict lower bound.
+pipeline, beside the simulator of ``_sim/turns.py`` and the strict lower bound.
 
 The models sleep what the simulator's cost model says a call costs (less the OS's lateness in
 waking a sleeper, as the other scenarios' models): a policy call ``fixed_s + token_s * (the
 most tokens any of its samples writes)``, an environment call ``env_fixed_s + the longest
-step``. The modes (``sim_turns.MODES``):
+step``. The modes (``_sim.turns.MODES``):
 
 - ``whole``: whole-sample batches; the policy plays every turn of its shard inside one call
   (an agent loop in a rollout worker), its environment steps side by side in calls of
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._core.loops import loop
 from .._core.model import Model, step
-from .._core.sim_turns import MODES, Turn, TurnWorkload, heavy_tailed, lower_bound, simulate_turns
 from .._pipeline.opening import open_pipeline
+from .._sim.turns import MODES, Turn, TurnWorkload, heavy_tailed, lower_bound, simulate_turns
 from .baselines import nominal_sleep, sleep_slack
 
 if TYPE_CHECKING:
@@ -306,7 +306,7 @@ def loop_report(rows: list[dict[str, Any]]) -> str:
         "Modes (flowrl/_tools/loop_scenarios.py): whole-sample batches (every turn of a shard played inside\n"
         "one call), per-turn pull (each turn pulled on its own through `flowrl.loop`) and partial (the same\n"
         "loop, a policy call writing at most a segment of each sample). bound: the strict lower bound;\n"
-        "sim: `_core/sim_turns.py`, a free runtime; / whole: against whole-sample batches' time.\n"
+        "sim: `_sim/turns.py`, a free runtime; / whole: against whole-sample batches' time.\n"
         "generations: the samples of the policy's generation calls, counted by the run (each sample's turns\n"
         "or segments, checked to have run exactly once) and by the simulator. policy calls: the policy\n"
         "stage's calls (whole: its shards; the simulator counts the generation calls inside them).\n\n"

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from .._core.model import Model
-from .._core.simulate import INPUT, SimStage, StageCost, Workload, tails
+from .._sim.simulate import INPUT, SimStage, StageCost, Workload, tails
 from .baselines import model_sleep, nominal_sleep, sleep_slack
 
 if TYPE_CHECKING:

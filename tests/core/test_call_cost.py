@@ -11,8 +11,8 @@ import pytest
 
 from flowrl._core.call_cost import CallCost
 from flowrl._core.scheduler import PoolScheduler
-from flowrl._core.simulate import simulate
 from flowrl._core.splitter import shard_size
+from flowrl._sim.simulate import simulate
 from flowrl._tools.scenarios import scenarios
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from flowrl._core.call_cost import drain_share
 from flowrl._core.scheduler import PoolScheduler
-from flowrl._core.sim_epochs import prompt_keys
-from flowrl._core.simulate import _Sim, tails
+from flowrl._sim.epochs import prompt_keys
+from flowrl._sim.simulate import _Sim, tails
 from flowrl._tools.scenarios import scenarios
 
 

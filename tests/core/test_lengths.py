@@ -8,9 +8,9 @@ import pytest
 
 import flowrl
 from flowrl._core.lengths import LengthMemory, length_of
-from flowrl._core.push_sim import simulate_push
-from flowrl._core.sim_epochs import simulate_epochs
-from flowrl._core.simulate import simulate, tails
+from flowrl._sim.epochs import simulate_epochs
+from flowrl._sim.push import simulate_push
+from flowrl._sim.simulate import simulate, tails
 from flowrl._tools.scenarios import scenarios
 
 

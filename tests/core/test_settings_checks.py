@@ -18,11 +18,11 @@ import pytest
 
 from flowrl._core import config as core_config
 from flowrl._core import run_config
-from flowrl._core import simulate as sim
 from flowrl._core.config import _holds_float, to_config
 from flowrl._core.errors import ConfigError, FlowDefinitionError
 from flowrl._core.graph import trace
 from flowrl._core.run_config import RunConfig
+from flowrl._sim import simulate as sim
 from flowrl.hf import config as hf_config
 
 MODULES = (core_config, run_config, hf_config, sim)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from flowrl._core.sim_turns import MODES, lower_bound
+from flowrl._sim.turns import MODES, lower_bound
 from flowrl._tools import loop_scenarios as ls
 from flowrl._tools.cli import main as cli
 

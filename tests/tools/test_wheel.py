@@ -23,7 +23,7 @@ def test_every_package_of_the_source_tree_is_packaged():
     folders = {p.parent for p in (ROOT / "flowrl").rglob("*.py") if "__pycache__" not in p.parts}
     wanted = {".".join(f.relative_to(ROOT).parts) for f in folders}
     assert wanted == found, f"missing {sorted(wanted - found)}, extra {sorted(found - wanted)}"
-    assert {"flowrl.hf", "flowrl.rl", "flowrl._core", "flowrl._tools"} <= found
+    assert {"flowrl.hf", "flowrl.rl", "flowrl._core", "flowrl._sim", "flowrl._tools"} <= found
     assert setuptools_cfg["package-data"]["flowrl"] == ["py.typed"] and (ROOT / "flowrl" / "py.typed").is_file()
 
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from .config import MAX_PREFETCH, Settings, _at_most, _check_types, _non_negative, _positive
-from .errors import ConfigError
-from .scheduler import Assignment, PoolScheduler
+from .._core.config import MAX_PREFETCH, Settings, _at_most, _check_types, _non_negative, _positive
+from .._core.errors import ConfigError
+from .._core.scheduler import Assignment, PoolScheduler
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -10,8 +10,8 @@ import pytest
 
 import flowrl
 from flowrl._core.errors import ConfigError
-from flowrl._core.push_sim import simulate_push
-from flowrl._core.simulate import SimStage, StageCost, Workload, simulate, tails
+from flowrl._sim.push import simulate_push
+from flowrl._sim.simulate import SimStage, StageCost, Workload, simulate, tails
 from flowrl._tools.scenarios import scenarios
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from flowrl._core.sim_turns import MODES, Turn, TurnWorkload, heavy_tailed, lower_bound, simulate_turns
+from flowrl._sim.turns import MODES, Turn, TurnWorkload, heavy_tailed, lower_bound, simulate_turns
 
 
 def workload(seed: int, replicas: tuple[int, int], batch: tuple[int, int], budget: int) -> TurnWorkload:
