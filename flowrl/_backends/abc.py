@@ -82,7 +82,7 @@ class Shards(Protocol):
         ...
 
 
-class Trainers(Protocol):
+class TrainerGroups(Protocol):
     """Data-parallel trainer groups: train steps, weights out and in, checkpoints."""
 
     async def start_trainer(self, specs: list[ReplicaSpec], timeout_s: float) -> list[ReplicaHandle]:
@@ -117,5 +117,5 @@ class Trainers(Protocol):
     async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None: ...
 
 
-class Backend(Cluster, ObjectStore, Shards, Trainers, Protocol):
+class Backend(Cluster, ObjectStore, Shards, TrainerGroups, Protocol):
     """Everything a pipeline and an engine ask of a backend."""

@@ -202,7 +202,7 @@ def shown(value: Any) -> str:
         return kind
 
 
-class CheckpointDir:
+class CheckpointFolders:
     """The checkpoints under ``root``: write one atomically, find the latest, drop old ones."""
 
     def __init__(self, root: str | Path, keep: int = 0) -> None:

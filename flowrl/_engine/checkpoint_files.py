@@ -26,13 +26,13 @@ from .._core.columns import COLUMN_KINDS
 from .._core.errors import CheckpointError, ConfigError, ReplicaDiedError, StageError
 from .._core.rng_state import check_rng_state
 from .._core.sampler import EpisodeBuffer
-from .._core.state_format import CheckpointDir, decode_state, encode_state, shown
+from .._core.state_format import CheckpointFolders, decode_state, encode_state, shown
 from .stats import Counts, EpisodeStats
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._backends.abc import Trainers
+    from .._backends.abc import TrainerGroups
     from .._backends.specs import ReplicaHandle
     from .._core.run_config import RunConfig
     from .deployment import Deployment
@@ -83,7 +83,7 @@ def _synced_file(target: str) -> str:
 
 def _file_of(model: str, kind: str) -> str:
     """``<model>.<kind>.msgpack``, once sure the model's name keeps it in the checkpoint folder
-    (CheckpointDir checks the whole path again when it writes or reads it)."""
+    (CheckpointFolders checks the whole path again when it writes or reads it)."""
     if not model or model in (".", "..") or any(c in model for c in ("/", "\\", "\0")):
         raise CheckpointError(
             f"model name {model!r} cannot name its checkpoint file {model}.{kind}.msgpack: it would lead out of the "
@@ -92,12 +92,12 @@ def _file_of(model: str, kind: str) -> str:
     return f"{model}.{kind}.msgpack"
 
 
-class CheckpointFiles:
+class CheckpointFormat:
     """The engine's checkpoint folder, per ``RunConfig``'s checkpoint keys."""
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
-        self.dir = CheckpointDir(config.checkpoint_dir, config.keep_checkpoints) if config.checkpoint_dir else None
+        self.dir = CheckpointFolders(config.checkpoint_dir, config.keep_checkpoints) if config.checkpoint_dir else None
         self.source()  # a bad resume setting fails when the engine is made, not when it starts
 
     @property
@@ -185,7 +185,7 @@ class CheckpointFiles:
                 "synced model with weights other than its trainer's"
             )
         check_state(state, folder)
-        named = CheckpointDir.number(folder)
+        named = CheckpointFolders.number(folder)
         if named is not None and named != state.episode:
             raise CheckpointError(
                 f"checkpoint {folder}: the folder's name says episode {named}, its {STATE} field episode is "
@@ -200,7 +200,7 @@ class CheckpointFiles:
     async def restore_trainers(folder: Path, deployment: Deployment) -> None:
         """Every rank loads rank 0's model state and, where the checkpoint has it, its own generators."""
         for name, ranks in deployment.trainers.items():
-            model = CheckpointDir.read(folder, _model_file(name))
+            model = CheckpointFolders.read(folder, _model_file(name))
             rngs = _read_rngs(folder, _rng_file(name), None)  # its length checked by load()
             try:
                 async with anyio.create_task_group() as tg:
@@ -219,7 +219,7 @@ class CheckpointFiles:
     @staticmethod
     def synced_weights(folder: Path, target: str) -> Any:
         name = _synced_file(target)
-        return decode_state(CheckpointDir.read(folder, name), where=str(folder / name))
+        return decode_state(CheckpointFolders.read(folder, name), where=str(folder / name))
 
 
 def sampling(config: RunConfig, dataset_size: int) -> dict[str, Any]:
@@ -234,7 +234,7 @@ def sampling(config: RunConfig, dataset_size: int) -> dict[str, Any]:
 
 
 def _read_state(folder: Path) -> EngineState:
-    data = CheckpointDir.read(folder, STATE, limit=STATE_LIMIT)
+    data = CheckpointFolders.read(folder, STATE, limit=STATE_LIMIT)
     try:
         raw = msgspec.json.decode(data)
         _nan_metrics(raw)
@@ -312,7 +312,7 @@ def _check_models(state: EngineState, expect: Expect) -> None:
         expect(1 <= ranks <= _MAX_COUNT, f"trainer_ranks[{name!r}]", ranks, "at least 1 rank")
 
 
-async def _trainer_states(backend: Trainers, ranks: list[ReplicaHandle]) -> list[tuple[bytes | None, bytes]]:
+async def _trainer_states(backend: TrainerGroups, ranks: list[ReplicaHandle]) -> list[tuple[bytes | None, bytes]]:
     """Every rank's checkpoint state, read at once."""
     saved: list[tuple[bytes | None, bytes]] = [(None, b"")] * len(ranks)
 
@@ -348,7 +348,7 @@ def _check_counts(state: EngineState, expect: Expect) -> None:
 
 def _read_relay(folder: Path, state: EngineState) -> list[EpisodeBuffer]:
     """The relay episodes in ``folder``: a list of {episode, ids, fields}, episodes done, in order."""
-    raw = decode_state(CheckpointDir.read(folder, RELAY), where=str(folder / RELAY))
+    raw = decode_state(CheckpointFolders.read(folder, RELAY), where=str(folder / RELAY))
 
     def expect(ok: bool, field: str, value: Any, want: str) -> None:
         if not ok:
@@ -405,7 +405,7 @@ def _read_rngs(folder: Path, name: str, ranks: int | None) -> list[bytes]:
     """Each rank's random generator state in ``folder`` (rank order, as the bytes the rank
     wrote), each checked here so that a bad one is named before any rank loads anything;
     ``ranks``: how many the checkpoint's trainer had (``trainer_ranks``), one state each."""
-    rngs = decode_state(CheckpointDir.read(folder, name), where=str(folder / name))
+    rngs = decode_state(CheckpointFolders.read(folder, name), where=str(folder / name))
     if not isinstance(rngs, list) or not all(isinstance(r, bytes) for r in rngs):
         raise CheckpointError(
             f"checkpoint {folder}: {name} is a {type(rngs).__name__}; expected a list of encoded generator states, "

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from .._core.model import Model
     from .._core.run_config import RunConfig
-    from .checkpoint_files import CheckpointFiles, EngineState
+    from .checkpoint_files import CheckpointFormat, EngineState
     from .deployment import Deployment
     from .learning import LearningState
     from .weight_sync import WeightSync
@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("flowrl")
 
 
-class Checkpoints:
+class CheckpointManager:
     """Owns the last checkpoint written or resumed from and the count of trainer rebuilds;
     writes ``learning``'s state, the trainers' and the synced weights into ``files``."""
 
     def __init__(
         self,
         config: RunConfig,
-        files: CheckpointFiles,
+        files: CheckpointFormat,
         learning: LearningState,
         trainers: list[Model],
         deployment: Deployment,

@@ -31,8 +31,8 @@ from .._core.run_config import RunConfig
 from .._core.trace import ENGINE, Span, Timeline, chrome_trace, write_json
 from .._pipeline.opening import Flow, build_flow, plain_errors
 from .._pipeline.progress import interrupted, stopped_line
-from .checkpoint_files import CheckpointFiles
-from .checkpoints import Checkpoints
+from .checkpoint_files import CheckpointFormat
+from .checkpoints import CheckpointManager
 from .deployment import Deployment, deploy
 from .elastic import Elasticity
 from .episodes import EpisodeLoop
@@ -43,7 +43,7 @@ from .placement import Placement
 from .run_folder import RunDir
 from .schedule import Replay, ScheduleLog, check_schedule_settings, schedule_settings
 from .tracking import Tracking
-from .training import Trainers
+from .training import TrainSteps
 from .weight_sync import WeightSync
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class Engine:
             target.track_version = True
         self._learning = LearningState(self.config, [m.name for m in self.trainers])
         self._learning.predict_cost = predict_cost
-        self._checkpoint_files = CheckpointFiles(self.config)  # a bad resume setting fails here
+        self._checkpoint_files = CheckpointFormat(self.config)  # a bad resume setting fails here
         self._run_dir = RunDir(self.config.run_dir) if self.config.run_dir else None
         self.timeline = Timeline(self.config.pipeline.trace_spans)  # episode phases, trainer steps
         self._pipe_timelines: list[tuple[str, Timeline]] = []  # the pipelines', by group prefix
@@ -272,8 +272,8 @@ class Engine:
         weights = WeightSync(cfg, self.sync_pairs, deployment)
         for pipe in deployment.pipelines():
             pipe.join_hook = weights.join  # a replica joining gets the weights the others hold
-        trainers = Trainers(cfg, self.trainers, deployment, learning.counters, self.timeline)
-        checkpoints = Checkpoints(cfg, files, learning, self.trainers, deployment, weights)
+        trainers = TrainSteps(cfg, self.trainers, deployment, learning.counters, self.timeline)
+        checkpoints = CheckpointManager(cfg, files, learning, self.trainers, deployment, weights)
         synced = [t.name for _, t in self.sync_pairs]
         record = ScheduleLog(cfg.record_schedule, schedule_settings(cfg, synced)) if cfg.record_schedule else None
         replay = Replay(cfg.replay_schedule, lambda: weights.versions) if cfg.replay_schedule else None

@@ -20,14 +20,14 @@ if TYPE_CHECKING:
     from .._core.batch import Sample
     from .._core.run_config import RunConfig
     from .._core.trace import Timeline
-    from .checkpoints import Checkpoints
+    from .checkpoints import CheckpointManager
     from .deployment import Deployment
     from .elastic import Elasticity
     from .learning import LearningState
     from .overlap import Overlap, Rollout
     from .run_folder import RunDir
     from .tracking import Tracking
-    from .training import Trainers
+    from .training import TrainSteps
 
 
 Lags = tuple[dict[str, dict[int, int]], dict[str, dict[int, int]]]  # per sample, per segment
@@ -42,9 +42,9 @@ class EpisodeLoop:
         config: RunConfig,
         learning: LearningState,
         deployment: Deployment,
-        trainers: Trainers,
+        trainers: TrainSteps,
         overlap: Overlap,
-        checkpoints: Checkpoints,
+        checkpoints: CheckpointManager,
         elasticity: Elasticity,
         run_dir: RunDir | None,
         timeline: Timeline,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .._core.run_config import RunConfig
     from .._core.trace import Timeline
     from .._pipeline.pipeline import AsyncPipeline
-    from .checkpoint_files import CheckpointFiles
+    from .checkpoint_files import CheckpointFormat
     from .learning import LearningState
     from .schedule import Replay, ScheduleLog
     from .weight_sync import Snapshots, WeightSync
@@ -98,7 +98,7 @@ class Overlap:
         learning: LearningState,
         rollout: AsyncPipeline,
         weights: WeightSync,
-        checkpoints: CheckpointFiles,
+        checkpoints: CheckpointFormat,
         timeline: Timeline,
         record: ScheduleLog | None = None,
         replay: Replay | None = None,

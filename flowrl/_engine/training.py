@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 RankResult = dict[str, Any]
 
 
-class Trainers:
+class TrainSteps:
     """Runs the trainer groups' steps; counts each rank's samples, steps and busy time in
     ``counters`` and puts each step on ``timeline`` (a lane per rank)."""
 

@@ -1,5 +1,5 @@
 """Fuzzers (hypothesis) over the checkpoint readers: the state format (``decode_state``) and the
-engine's files (``engine.json``, ``relay.msgpack``, through ``CheckpointFiles.load``).
+engine's files (``engine.json``, ``relay.msgpack``, through ``CheckpointFormat.load``).
 
 Whatever the bytes (random, valid, or a valid file damaged: bits flipped, cut, spliced,
 headers that lie about shapes and dtypes, deep nesting), a read gives the state back or raises
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import flowrl
 from flowrl._core.rng_state import rng_state
 from flowrl._core.state_format import MAX_DEPTH, decode_state, encode_state
-from flowrl._engine.checkpoint_files import RELAY, STATE, CheckpointFiles, EngineState
+from flowrl._engine.checkpoint_files import RELAY, STATE, CheckpointFormat, EngineState
 from flowrl._engine.stats import EpisodeStats
 
 if TYPE_CHECKING:
@@ -209,15 +209,15 @@ def relay_state() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[CheckpointFiles, Path]:
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[CheckpointFormat, Path]:
     root = tmp_path_factory.mktemp("fuzz")
     # the generators of engine_state's 2 ranks: load() checks there is one per rank
     (root / "learner.rng.msgpack").write_bytes(encode_state([encode_state(rng_state())] * 2))
     config = flowrl.RunConfig(sample_per_episode=4, checkpoint_dir=str(root / "none"))
-    return CheckpointFiles(config), root
+    return CheckpointFormat(config), root
 
 
-def load(files: tuple[CheckpointFiles, Path], state: bytes, relay: bytes) -> Any:
+def load(files: tuple[CheckpointFormat, Path], state: bytes, relay: bytes) -> Any:
     """The engine's reading of a folder with these engine.json and relay.msgpack, or None where
     it refuses them with a CheckpointError naming one of them."""
     reader, folder = files

@@ -18,7 +18,7 @@ import torch
 
 import flowrl
 from flowrl._core.rng_state import rng_state, set_rng_state
-from flowrl._core.state_format import CheckpointDir, decode_state, encode_state
+from flowrl._core.state_format import CheckpointFolders, decode_state, encode_state
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_damaged_file_is_a_checkpoint_error():
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path):
-    store = CheckpointDir(tmp_path, keep=0)
+    store = CheckpointFolders(tmp_path, keep=0)
     store.write(1, {"a": b"one"})
 
     with pytest.raises(TypeError):  # the second file fails after the first was written
@@ -86,7 +86,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path):
 
 
 def test_a_crash_mid_write_is_ignored_then_cleaned_and_old_ones_pruned(tmp_path):
-    store = CheckpointDir(tmp_path, keep=2)
+    store = CheckpointFolders(tmp_path, keep=2)
     store.write(1, {"a": b"1"})
     crashed = tmp_path / ".tmp-000002-dead"  # what a process killed while writing leaves
     crashed.mkdir()
@@ -237,7 +237,7 @@ def test_a_malformed_rng_state_is_refused_before_any_generator_is_set(state, mes
 
 # ---- the folder: failed writes and names that lead out ----
 def test_a_full_disk_is_a_checkpoint_error_naming_the_file_and_the_old_checkpoint_stays(tmp_path, monkeypatch):
-    store = CheckpointDir(tmp_path, keep=0)
+    store = CheckpointFolders(tmp_path, keep=0)
     store.write(1, {"a": b"one"})
 
     def full(fd: int) -> None:
@@ -253,7 +253,7 @@ def test_a_full_disk_is_a_checkpoint_error_naming_the_file_and_the_old_checkpoin
 
 
 def test_rewriting_an_episode_that_fails_keeps_the_one_written_before(tmp_path, monkeypatch):
-    store = CheckpointDir(tmp_path)
+    store = CheckpointFolders(tmp_path)
     store.write(1, {"a": b"one"})
     real = Path.rename
 
@@ -271,28 +271,28 @@ def test_rewriting_an_episode_that_fails_keeps_the_one_written_before(tmp_path, 
 
 @pytest.mark.parametrize("name", ["../evil", "sub/file", "..", ".", "", "a\\b", "nul\0"])
 def test_a_file_name_that_leads_out_of_the_checkpoint_is_refused(tmp_path, name):
-    store = CheckpointDir(tmp_path / "ckpt")
+    store = CheckpointFolders(tmp_path / "ckpt")
     with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
         store.write(1, {name: b"x"})
     assert not (tmp_path / "evil").exists() and store.episodes() == []
     (tmp_path / "evil").write_bytes(b"outside")
     with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
-        CheckpointDir.read(tmp_path / "ckpt", name)
+        CheckpointFolders.read(tmp_path / "ckpt", name)
 
 
 def test_a_link_out_of_the_checkpoint_is_not_read(tmp_path):
-    store = CheckpointDir(tmp_path / "ckpt")
+    store = CheckpointFolders(tmp_path / "ckpt")
     folder = store.write(1, {"a": b"x"})
     (tmp_path / "secret").write_bytes(b"outside")
     (folder / "link").symlink_to(tmp_path / "secret")
     with pytest.raises(flowrl.CheckpointError, match="'link' would lead out"):
-        CheckpointDir.read(folder, "link")
+        CheckpointFolders.read(folder, "link")
 
 
 def test_a_file_over_its_limit_is_refused_before_reading(tmp_path):
-    folder = CheckpointDir(tmp_path).write(1, {"engine.json": b"{}" * 100})
+    folder = CheckpointFolders(tmp_path).write(1, {"engine.json": b"{}" * 100})
     with pytest.raises(flowrl.CheckpointError, match="engine.json has 200 bytes, more than the 64"):
-        CheckpointDir.read(folder, "engine.json", limit=64)
+        CheckpointFolders.read(folder, "engine.json", limit=64)
 
 
 # ---- only regular files are read, only real folders are checkpoints ----
@@ -323,23 +323,23 @@ def _link_in(path: Path) -> None:
     ],
 )
 def test_a_fifo_device_folder_or_link_in_the_checkpoint_is_refused_without_blocking(tmp_path, make, message):
-    folder = CheckpointDir(tmp_path).write(1, {"other": b"x"})
+    folder = CheckpointFolders(tmp_path).write(1, {"other": b"x"})
     make(folder / "engine.json")
     with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {folder}: engine.json {message}"):
-        CheckpointDir.read(folder, "engine.json")
+        CheckpointFolders.read(folder, "engine.json")
     with pytest.raises(flowrl.CheckpointError, match=rf"checkpoint {folder}: engine.json {message}"):
-        CheckpointDir.read(folder, "engine.json", limit=64)
+        CheckpointFolders.read(folder, "engine.json", limit=64)
 
 
 def test_a_link_to_dev_zero_is_refused(tmp_path):
-    folder = CheckpointDir(tmp_path).write(1, {"other": b"x"})
+    folder = CheckpointFolders(tmp_path).write(1, {"other": b"x"})
     (folder / "engine.json").symlink_to("/dev/zero")
     with pytest.raises(flowrl.CheckpointError, match="'engine.json' would lead out"):
-        CheckpointDir.read(folder, "engine.json")
+        CheckpointFolders.read(folder, "engine.json")
 
 
 def test_a_file_that_grows_while_read_is_refused(tmp_path, monkeypatch):
-    folder = CheckpointDir(tmp_path).write(1, {"a": b"four"})
+    folder = CheckpointFolders(tmp_path).write(1, {"a": b"four"})
     real = os.fstat
 
     def earlier(fd: int) -> os.stat_result:  # the size fstat saw before a writer appended
@@ -348,12 +348,12 @@ def test_a_file_that_grows_while_read_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fstat", earlier)
     with pytest.raises(flowrl.CheckpointError, match=r"a changed while read \(2 bytes, then 3 or more\)"):
-        CheckpointDir.read(folder, "a")
+        CheckpointFolders.read(folder, "a")
 
 
 def test_a_link_named_like_a_checkpoint_is_neither_resumed_from_nor_pruned(tmp_path, caplog):
-    elsewhere = CheckpointDir(tmp_path / "elsewhere").write(50, {"a": b"outside"})
-    store = CheckpointDir(tmp_path / "ckpt", keep=1)
+    elsewhere = CheckpointFolders(tmp_path / "elsewhere").write(50, {"a": b"outside"})
+    store = CheckpointFolders(tmp_path / "ckpt", keep=1)
     store.write(1, {"a": b"one"})
     (tmp_path / "ckpt" / "episode-000050").symlink_to(elsewhere)
     (tmp_path / "ckpt" / "episode-000060").symlink_to(tmp_path / "nowhere")

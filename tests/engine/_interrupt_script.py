@@ -14,13 +14,13 @@ import numpy as np
 import ray
 
 import flowrl
-from flowrl._core.state_format import CheckpointDir, decode_state
+from flowrl._core.state_format import CheckpointFolders, decode_state
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 
 def last_checkpoint(folder: str) -> dict:
     """The latest checkpoint's episode and files, every file read back; hidden leftovers."""
-    latest = CheckpointDir(folder).latest()
+    latest = CheckpointFolders(folder).latest()
     assert latest is not None
     files = sorted(p.name for p in latest.iterdir())
     for name in files:

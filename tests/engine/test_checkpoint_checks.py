@@ -21,7 +21,7 @@ from _resume_models import CPU, Learner, Policy, dataset, make_engine
 
 import flowrl
 from flowrl._core.state_format import decode_state, encode_state
-from flowrl._engine.checkpoint_files import CheckpointFiles, _read_relay, _read_state
+from flowrl._engine.checkpoint_files import CheckpointFormat, _read_relay, _read_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -223,16 +223,16 @@ def test_a_model_name_with_a_separator_names_no_checkpoint_file(copy, tmp_path, 
     config = flowrl.RunConfig(
         sample_per_episode=8, shuffle=True, seed=3, checkpoint_every=1, checkpoint_dir=str(tmp_path / "new")
     )
-    files = CheckpointFiles(config)
+    files = CheckpointFormat(config)
     state = files.load(copy, dataset_size=20, trainers=["learner"], targets=["policy"])[0]
     message = rf"model name {name!r} cannot name its checkpoint file .*: it would lead out of the checkpoint folder"
     with pytest.raises(flowrl.CheckpointError, match=message.replace("\\", "\\\\") if "\\" in name else message):
         anyio.run(files.save, state, [], Stub(name), {})
     assert not (tmp_path / "evil.model.msgpack").exists() and not (tmp_path / "new").exists()
     with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
-        anyio.run(CheckpointFiles.restore_trainers, copy, Stub(name))
+        anyio.run(CheckpointFormat.restore_trainers, copy, Stub(name))
     with pytest.raises(flowrl.CheckpointError, match="would lead out of the checkpoint folder"):
-        CheckpointFiles.synced_weights(copy, name)
+        CheckpointFormat.synced_weights(copy, name)
 
 
 def test_a_checkpoint_past_the_runs_end_is_refused_instead_of_skipping_training(copy):
@@ -333,7 +333,7 @@ def test_a_generator_file_with_another_count_than_the_ranks_is_refused(copy, cou
 def test_a_checkpoint_path_the_system_cannot_use_is_a_config_error(config, key):
     # a NUL is refused by RunConfig itself already; a name too long by the checkpoint folder
     with pytest.raises(flowrl.ConfigError, match=rf"RunConfig.{key}(=.* cannot be used as a folder| is a path)"):
-        CheckpointFiles(flowrl.RunConfig(sample_per_episode=8, **config))
+        CheckpointFormat(flowrl.RunConfig(sample_per_episode=8, **config))
 
 
 # ---- the same on a Ray cluster: the model file is decoded by the trainer's actors ----

@@ -13,7 +13,7 @@ import torch
 
 import flowrl
 from flowrl import hf
-from flowrl._core.state_format import CheckpointDir, decode_state
+from flowrl._core.state_format import CheckpointFolders, decode_state
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -97,7 +97,7 @@ def test_ppo_on_hf_models_trains_both_models_and_syncs_each_to_the_rollout(tmp_p
     assert drift(records[-1]) > 1e-3
 
     # the value model of episode e's rollout holds what the value trainer had after episode e-1
-    saved = CheckpointDir(tmp_path / "ckpt")
+    saved = CheckpointFolders(tmp_path / "ckpt")
     for e in range(1, EPISODES):
         trained = decode_state(saved.read(saved.path(e), "ppo_value.model.msgpack"))["module"]
         want = values_under(tokenizer, trained, records[e])

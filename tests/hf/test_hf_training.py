@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import flowrl
 from flowrl import hf
-from flowrl._core.state_format import CheckpointDir, decode_state
+from flowrl._core.state_format import CheckpointFolders, decode_state
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -222,7 +222,7 @@ def make_engine(tokenizer: str, records: list[list[Any]], **config: Any) -> flow
 
 def trainer_state(folder: Path) -> dict[str, Any]:
     """The trainer's state in a checkpoint folder (weights, optimiser, schedule)."""
-    return decode_state(CheckpointDir.read(folder, "grpo.model.msgpack"))
+    return decode_state(CheckpointFolders.read(folder, "grpo.model.msgpack"))
 
 
 def max_change(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -242,7 +242,7 @@ def test_an_engine_of_hf_models_resumes_exactly_from_a_checkpoint(tmp_path: Path
     whole_records: list[list[Any]] = []
     whole = make_engine(tokenizer, whole_records, checkpoint_dir=str(tmp_path / "whole"))
     whole_stats = whole.learn()
-    saved = CheckpointDir(tmp_path / "whole")
+    saved = CheckpointFolders(tmp_path / "whole")
     resumed_records: list[list[Any]] = []
     resumed = make_engine(
         tokenizer, resumed_records, checkpoint_dir=str(tmp_path / "resumed"), resume=str(saved.path(1))
@@ -263,6 +263,6 @@ def test_an_engine_of_hf_models_resumes_exactly_from_a_checkpoint(tmp_path: Path
     assert [e.episode for e in resumed_stats.episodes] == [0, 1, 2]  # episode 0's from the checkpoint
     for mine, theirs in zip(resumed_stats.episodes, whole_stats.episodes, strict=True):
         assert_same_metrics(mine.metrics["grpo"], theirs.metrics["grpo"], mine.episode)
-    final = trainer_state(CheckpointDir(tmp_path / "resumed").path(3))["module"]
+    final = trainer_state(CheckpointFolders(tmp_path / "resumed").path(3))["module"]
     for key, value in trainer_state(saved.path(3))["module"].items():
         torch.testing.assert_close(torch.as_tensor(final[key]), torch.as_tensor(value), atol=1e-6, rtol=0)
