@@ -40,8 +40,8 @@ from .learning import CostFn, LearningState, RelayFn, dataset_items
 from .models import all_models, apply_model_configs, check, sync_pairs, trainer_models
 from .overlap import Overlap, overlapped
 from .placement import Placement
+from .replay import Replay, ScheduleLog, check_schedule_settings, schedule_settings
 from .run_folder import RunDir
-from .schedule import Replay, ScheduleLog, check_schedule_settings, schedule_settings
 from .tracking import Tracking
 from .training import TrainSteps
 from .weight_sync import WeightSync

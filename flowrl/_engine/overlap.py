@@ -22,7 +22,7 @@ from .._core.errors import FlowDefinitionError, FlowError
 from .._core.staleness import lags, rollout_needs, staleness_field, too_stale, train_version
 from .._core.trace import ENGINE
 from .._pipeline.opening import plain_errors
-from .schedule import run_record
+from .replay import run_record
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .._pipeline.pipeline import AsyncPipeline
     from .checkpoint_files import CheckpointFormat
     from .learning import LearningState
-    from .schedule import Replay, ScheduleLog
+    from .replay import Replay, ScheduleLog
     from .weight_sync import Snapshots, WeightSync
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .._core.model import Model
     from .._core.run_config import RunConfig
     from .deployment import Deployment
-    from .schedule import Replay
+    from .replay import Replay
 
 Snapshots = list[tuple[str, Any]]  # (inference model, the weights it is to get)
 Deaths = list[tuple["ReplicaHandle", ReplicaDiedError]]  # replicas that died loading weights
