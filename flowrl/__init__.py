@@ -26,14 +26,14 @@ from ._core.graph import FlowGraph
 from ._core.lengths import LengthMemory
 from ._core.loops import loop
 from ._core.model import Model, step
+from ._core.pipeline_stats import LoopStats, PipelineStats, ReplicaStats, StageStats
 from ._core.run_config import LoggerConfig, RunConfig
 from ._core.sampler import EpisodeBuffer
 from ._core.splitter import POLICIES as SPLITTERS
-from ._core.stats import LoopStats, PipelineStats, ReplicaStats, StageStats
 from ._engine.engine import Engine
+from ._engine.engine_stats import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._engine.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
 from ._engine.rlhf import RLHFEngine
-from ._engine.stats import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._engine.tracking import EpisodeReport, Logger
 from ._pipeline.opening import Pipeline, build_flow, open_pipeline, run_flow
 from ._pipeline.pipeline import AsyncPipeline

@@ -27,7 +27,7 @@ from .._core.errors import CheckpointError, ConfigError, ReplicaDiedError, Stage
 from .._core.rng_state import check_rng_state
 from .._core.sampler import EpisodeBuffer
 from .._core.state_format import CheckpointFolders, decode_state, encode_state, shown
-from .stats import Counts, EpisodeStats
+from .engine_stats import Counts, EpisodeStats
 
 if TYPE_CHECKING:
     from collections.abc import Callable

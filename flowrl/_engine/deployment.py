@@ -10,7 +10,7 @@ import anyio
 import msgspec
 
 from .._backends.select import make_backend
-from .._core.stats import PipelineStats
+from .._core.pipeline_stats import PipelineStats
 from .._core.streams import derived_seed
 from .._pipeline.opening import plain_errors, running
 from .._pipeline.progress import showing_startup

@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from .._core.graph import FlowGraph
     from .._core.model import Model
     from .._core.sampler import EpisodeBuffer
+    from .engine_stats import EngineStats
     from .learning import TrainResults
-    from .stats import EngineStats
     from .tracking import Callback, Logger
 
 

@@ -13,8 +13,8 @@ from .._core.loops import turn_counts
 from .._core.staleness import histogram, segment_histogram
 from .._core.trace import ENGINE
 from .._pipeline.progress import Progress
+from .engine_stats import EpisodeStats, mean_metrics
 from .run_folder import metric_values
-from .stats import EpisodeStats, mean_metrics
 
 if TYPE_CHECKING:
     from .._core.batch import Sample

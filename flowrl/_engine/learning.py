@@ -13,12 +13,12 @@ from .._core.errors import ConfigError, FlowDefinitionError
 from .._core.lengths import LengthMemory, length_of
 from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
 from .checkpoint_files import EngineState, sampling
-from .stats import EngineStats, TrainCounters
+from .engine_stats import EngineStats, TrainCounters
 
 if TYPE_CHECKING:
     from .._core.run_config import RunConfig
     from .deployment import PipelineStatsPair
-    from .stats import EpisodeStats
+    from .engine_stats import EpisodeStats
 
 RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
 # ``Engine(predict_cost=...)``: an item and what the engine remembers of its prompt -> a cost

@@ -35,8 +35,8 @@ from .._pipeline.progress import say
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .._core.stats import PipelineStats
-    from .stats import EngineStats, EpisodeStats, TrainerStats
+    from .._core.pipeline_stats import PipelineStats
+    from .engine_stats import EngineStats, EpisodeStats, TrainerStats
 
 METRICS, TRACE, LIVE = "metrics.jsonl", "trace.json", "live.json"
 LIVE_MAX_BYTES = 64 * 1024  # a marker is ~150 bytes and a name per rollout model: more is not one

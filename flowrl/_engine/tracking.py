@@ -22,13 +22,13 @@ import msgspec
 from .._core.errors import ConfigError, FlowError
 from .._core.graph import check_one_argument
 from .._core.run_config import logger_config
+from .engine_stats import EpisodeStats
 from .loggers import MLflowLogger, Outcome, TensorBoardLogger, WandbLogger, build, check_installed, check_wandb_login
-from .stats import EpisodeStats
 
 if TYPE_CHECKING:
+    from .._core.pipeline_stats import PipelineStats
     from .._core.run_config import RunConfig
-    from .._core.stats import PipelineStats
-    from .stats import EngineStats, TrainerStats
+    from .engine_stats import EngineStats, TrainerStats
 
 log = logging.getLogger("flowrl")
 PHASES = ("rollout", "train", "sync", "eval", "wait")

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from .._core.run_config import RunConfig
     from .._core.trace import Timeline
     from .deployment import Deployment
+    from .engine_stats import TrainCounters
     from .learning import TrainResults
-    from .stats import TrainCounters
 
 RankResult = dict[str, Any]
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .._backends.abc import ObjectStore
     from .._core.config import PipelineConfig
     from .._core.graph import FlowGraph
-    from .._core.stats import StatsRecorder
+    from .._core.pipeline_stats import StatsRecorder
     from .inflight import Run
     from .ledger import Ledger
     from .pools import AsyncPool, Window

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .._backends.abc import Cluster
     from .._core.config import Autoscale
     from .._core.graph import FlowGraph
-    from .._core.stats import StatsRecorder
+    from .._core.pipeline_stats import StatsRecorder
     from .membership import Membership
     from .pools import AsyncPool
     from .roster import Roster

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta
     from .._core.graph import FlowGraph
+    from .._core.pipeline_stats import StatsRecorder
     from .._core.scheduler import Assignment
-    from .._core.stats import StatsRecorder
     from .._core.trace import Timeline
     from .calls import ShardCaller
     from .ledger import Ledger

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .._core.autoscale import Reading
     from .._core.graph import FlowGraph
     from .._core.model import Model
-    from .._core.stats import StatsRecorder
+    from .._core.pipeline_stats import StatsRecorder
     from .._core.trace import Timeline
     from .dispatch import Dispatcher
     from .pools import AsyncPool

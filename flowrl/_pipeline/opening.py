@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from .._backends.abc import Backend
     from .._core.batch import Sample
-    from .._core.stats import PipelineStats
+    from .._core.pipeline_stats import PipelineStats
     from .._core.trace import Timeline
 
 Flow = Callable[[Node], Any]

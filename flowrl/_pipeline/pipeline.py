@@ -22,8 +22,8 @@ import anyio
 
 from .._core import checks
 from .._core.errors import PipelineClosedError, ReplicaDiedError
+from .._core.pipeline_stats import PipelineStats, StatsRecorder
 from .._core.scheduler import PoolScheduler
-from .._core.stats import PipelineStats, StatsRecorder
 from .._core.trace import Timeline, chrome_trace, write_json
 from .admission import Admission
 from .autoscaler import Autoscaler

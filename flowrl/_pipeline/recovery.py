@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle
     from .._core.graph import FlowGraph
-    from .._core.stats import StatsRecorder
+    from .._core.pipeline_stats import StatsRecorder
     from .calls import ShardCaller
     from .inflight import SampleState
     from .ledger import Ledger

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection
 
     from .._backends.specs import ReplicaHandle
-    from .._core.stats import StatsRecorder
+    from .._core.pipeline_stats import StatsRecorder
 
 Key = tuple[str, int]  # (model, replica)
 

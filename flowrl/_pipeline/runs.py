@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from .._backends.abc import ObjectStore
     from .._core.config import PipelineConfig
-    from .._core.stats import StatsRecorder
+    from .._core.pipeline_stats import StatsRecorder
     from .admission import Admission
     from .inflight import Loc, SampleState
     from .ledger import Ledger

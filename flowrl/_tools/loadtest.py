@@ -29,7 +29,7 @@ from .loop_scenarios import loop_report, loop_scenarios, run_loops
 from .scenarios import EPOCHS, items, scenarios, workload_flow
 
 if TYPE_CHECKING:
-    from .._core.stats import PipelineStats, StageStats
+    from .._core.pipeline_stats import PipelineStats, StageStats
 
 __all__ = ["loadtest_main", "run_flowrl", "scenarios"]
 
