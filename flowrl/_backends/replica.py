@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .._core.batch import Batch, Stream, approx_nbytes
-from .._core.columns import column_length, like, signature
+from .._core.columns import column_length, copy_column, like, signature
 from .._core.config import CallMeta, ShardCall
 from .._core.errors import CheckpointError, FlowDefinitionError, FlowError, MissingFieldError, OutputError, StageError
 from .._core.loops import DONE, flags
@@ -216,7 +216,10 @@ class ReplicaRuntime:
                 hint = LOOP_FIELDS if call.in_loop and isinstance(err, MissingFieldError) else ""
                 raise StageError(f"{type(err).__name__}: {err}{hint}", call.stage, self.replica_id, call.ids) from err
             steps.append((len(part), time.perf_counter() - begin if own is None else own))
-            added.append(new_fields(out, part, inputs, call, self.replica_id, writes))
+            fields = new_fields(out, part, inputs, call, self.replica_id, writes)
+            if i < len(parts) - 1:  # the next step may overwrite a buffer the model reuses
+                fields = {name: copy_column(value) for name, value in fields.items()}
+            added.append(fields)
             alone = alone if own is None else (alone or 0.0) + own
         if len(parts) == 1:
             return added[0], alone, steps

@@ -99,3 +99,26 @@ def test_a_failing_begin_shard_fails_the_call_naming_the_stage_and_samples() -> 
     with pytest.raises(StageError, match=r"seen.forward_step.*RuntimeError: no scorer") as info:
         runtime.step(call_of([1, 2, 3]), Batch([1, 2, 3], {"x": [1.0, 2.0, 3.0]}))
     assert info.value.sample_ids == [1, 2, 3]
+
+
+class Reuses(Model):
+    """Returns rows of one buffer that every step overwrites, as a model reusing its output
+    buffer would: each micro-batch's rows must be kept as that step returned them."""
+
+    def forward_step(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        if not hasattr(self, "buffer"):
+            self.buffer = np.zeros((8, 2))
+            self.tensor = torch.zeros(8, 2)
+        self.buffer[: len(batch)] = batch.ids[:, None]
+        self.tensor[: len(batch)] = torch.as_tensor(batch.ids)[:, None].float()
+        return {"a": self.buffer[: len(batch)], "t": self.tensor[: len(batch)]}
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_each_micro_batch_keeps_what_its_step_returned_when_the_model_reuses_its_buffer(batch_size: int) -> None:
+    runtime = ReplicaRuntime(Reuses("reuses", {"batch_size": batch_size}), 0)
+    runtime.setup([], "node")
+    ids = [3, 4, 5, 6, 7]
+    _, out = runtime.step(call_of(ids), Batch(ids, {"x": [0.0] * len(ids)}))
+    assert out["a"][:, 0].tolist() == ids
+    assert out["t"][:, 0].tolist() == ids
