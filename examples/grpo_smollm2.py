@@ -100,6 +100,8 @@ def make_policy(engine: str, name: str, config: Any, seed: int, model: str | Non
     settings: dict[str, Any] = {"gpu_memory_utilization": 0.2}
     if config.get("gpus_per_replica"):  # vLLM sizes its cache by profiling free memory, wrong while others load
         settings["engine_args"] = {"kv_cache_memory_bytes": 2**30}
+        # short answers of a 135M model: compiling and capturing CUDA graphs would take longer than the rollouts
+        settings["enforce_eager"] = True
     return VLLMPolicy(name, config, lm=lm_at(model, tokenizer), sampling=sampling, engine=settings)
 
 

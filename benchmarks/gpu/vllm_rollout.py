@@ -231,6 +231,7 @@ def main() -> None:
         sampling=sampling,
         engine={
             "gpu_memory_utilization": args.memory,
+            "max_num_seqs": max(256, args.prompts),  # every prompt in the running batch at once
             "sleep": args.sleep,
             "engine_args": json.loads(args.engine_args),
         },
