@@ -25,37 +25,22 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
     from .._backends.abc import ObjectStore
-    from .._core.config import PipelineConfig
-    from .._core.graph import FlowGraph
-    from .._core.pipeline_stats import StatsRecorder
     from .inflight import Run
-    from .ledger import Ledger
-    from .pools import AsyncPool, Window
-    from .supervisor import Supervisor
+    from .parts import Parts
 
 Take = Callable[[int], Awaitable[tuple[list[Any], bool]]]
 
 
 class Admission:
-    def __init__(
-        self,
-        graph: FlowGraph,
-        config: PipelineConfig,
-        store: ObjectStore,
-        ledger: Ledger,
-        pools: Mapping[str, AsyncPool],
-        window: Window,
-        recorder: StatsRecorder,
-        supervisor: Supervisor,
-    ) -> None:
-        self._graph = graph
-        self._config = config
-        self._store = store
-        self._ledger = ledger
-        self._pools = pools
-        self._window = window
-        self._recorder = recorder
-        self._supervisor = supervisor
+    def __init__(self, parts: Parts) -> None:
+        self._graph = parts.graph
+        self._config = parts.config
+        self._store: ObjectStore = parts.backend
+        self._ledger = parts.ledger
+        self._pools = parts.pools
+        self._window = parts.window
+        self._recorder = parts.recorder
+        self._supervisor = parts.supervisor
         # Kept for the pipeline's life, not per run: an engine's episodes are runs of one
         # pipeline, and a field that is int64 in episode 1 must not turn float64 in episode 3.
         self._types = FieldTypes.inputs()

@@ -13,15 +13,10 @@ from .._core.autoscale import AutoscalePolicy, Reading
 from .._core.errors import FlowError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from .._backends.abc import Cluster
     from .._core.config import Autoscale
-    from .._core.graph import FlowGraph
-    from .._core.pipeline_stats import StatsRecorder
     from .membership import Membership
-    from .pools import AsyncPool
-    from .roster import Roster
+    from .parts import Parts
     from .runs import Runs
 
 log = logging.getLogger("flowrl")
@@ -29,25 +24,16 @@ Sample = tuple[float, float]  # (when, starved seconds so far)
 
 
 class Autoscaler:
-    def __init__(
-        self,
-        graph: FlowGraph,
-        cluster: Cluster,
-        pools: Mapping[str, AsyncPool],
-        roster: Roster,
-        membership: Membership,
-        runs: Runs,
-        recorder: StatsRecorder,
-    ) -> None:
-        self._graph = graph
-        self._cluster = cluster
-        self._pools = pools
-        self._roster = roster
+    def __init__(self, parts: Parts, membership: Membership, runs: Runs) -> None:
+        self._graph = parts.graph
+        self._cluster: Cluster = parts.backend
+        self._pools = parts.pools
+        self._roster = parts.roster
         self._membership = membership
         self._runs = runs
-        self._recorder = recorder
+        self._recorder = parts.recorder
         self.configs: dict[str, Autoscale] = {
-            n: m.config.autoscale for n, m in graph.models.items() if m.config.autoscale is not None
+            n: m.config.autoscale for n, m in parts.graph.models.items() if m.config.autoscale is not None
         }
 
     async def run(self) -> None:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .._backends.abc import Cluster, Shards
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta, ShardCall
-    from .._core.graph import FlowGraph
+    from .parts import Parts
 
 
 class Hung(ReplicaDiedError):
@@ -21,10 +21,10 @@ class Hung(ReplicaDiedError):
 
 
 class ShardCaller:
-    def __init__(self, graph: FlowGraph, backend: Shards, cluster: Cluster) -> None:
-        self._graph = graph
-        self._backend = backend
-        self._cluster = cluster
+    def __init__(self, parts: Parts) -> None:
+        self._graph = parts.graph
+        self._backend: Shards = parts.backend
+        self._cluster: Cluster = parts.backend
 
     async def __call__(self, handle: ReplicaHandle, call: ShardCall, ahead: int = 0) -> tuple[CallMeta, Any]:
         """``ahead``: the shards in flight on the replica before this one, which it waits behind

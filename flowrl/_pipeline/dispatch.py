@@ -18,21 +18,13 @@ from .calls import Hung
 from .pools import Retired
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
-
     from .._backends.specs import ReplicaHandle
     from .._core.config import CallMeta
-    from .._core.graph import FlowGraph
-    from .._core.pipeline_stats import StatsRecorder
     from .._core.scheduler import Assignment
-    from .._core.trace import Timeline
     from .calls import ShardCaller
-    from .ledger import Ledger
-    from .pools import AsyncPool
+    from .parts import Parts
     from .recovery import Recovery
-    from .roster import Roster
     from .runs import Runs
-    from .supervisor import Supervisor
 
 Key = tuple[str, int]  # (model, replica)
 
@@ -40,30 +32,18 @@ Key = tuple[str, int]  # (model, replica)
 class Dispatcher:
     """Starts and ends the slots of every replica; a slot runs shards until its replica leaves."""
 
-    def __init__(
-        self,
-        graph: FlowGraph,
-        pools: Mapping[str, AsyncPool],
-        ledger: Ledger,
-        call: ShardCaller,
-        recovery: Recovery,
-        runs: Runs,
-        roster: Roster,
-        recorder: StatsRecorder,
-        timeline: Timeline,
-        supervisor: Supervisor,
-    ) -> None:
-        self._graph = graph
-        self._pools = pools
-        self._ledger = ledger
+    def __init__(self, parts: Parts, call: ShardCaller, recovery: Recovery, runs: Runs) -> None:
+        self._graph = parts.graph
+        self._pools = parts.pools
+        self._ledger = parts.ledger
         self._call = call
         self._recovery = recovery
         self._runs = runs
-        self._roster = roster
-        self._recorder = recorder
-        self._timeline = timeline
-        self._supervisor = supervisor
-        self.replace: Callable[[str], None] | None = None  # start a replica of a model (Membership)
+        self._roster = parts.roster
+        self._recorder = parts.recorder
+        self._timeline = parts.timeline
+        self._supervisor = parts.supervisor
+        self._replacements = parts.replacements
         self._slots: dict[Key, int] = {}  # slots running per replica
         self._left: dict[Key, anyio.Event] = {}  # replicas being removed: set once their slots end
 
@@ -92,9 +72,9 @@ class Dispatcher:
                         pool.finish(assignment)
                 except ReplicaDiedError as err:
                     hung = isinstance(err, Hung) and handle.replica_id not in pool.scheduler.retired
-                    if hung and self.replace is not None:
-                        self.replace(handle.model)  # the first of its shards to time out asks once
-                    self._recovery.lost(handle, assignment, err)
+                    if hung:
+                        self._replacements.ask(handle.model)  # the first of its shards to time out asks once
+                    self._runs.dropped(self._recovery.lost(handle, assignment, err))
                     return
                 if not pool.scheduler.in_flight[r]:  # nothing left to run: starved from now on
                     self._roster.hungry(handle.model, r)
@@ -129,7 +109,7 @@ class Dispatcher:
             redone = await self._recovery.recompute_lost({sid: self._ledger.samples[sid] for sid in a.ids})
             if not redone and self._ledger.pieces(a.stage, a.ids) == call.pieces:
                 raise  # not lost with a node that is gone (nor computed again by another shard meanwhile)
-            self._recovery.send_again(handle, a, err)
+            self._runs.dropped(self._recovery.send_again(handle, a, err))
             return False
         latency = time.perf_counter() - start
         self._ledger.check_output(a, handle, meta)

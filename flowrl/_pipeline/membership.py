@@ -21,20 +21,16 @@ from .._core.autoscale import ScaleEvent
 from .._core.errors import ConfigError, FlowError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Mapping
+    from collections.abc import Awaitable, Callable
 
     from .._backends.abc import Cluster
     from .._backends.specs import ReplicaHandle, ReplicaSpec
     from .._core.autoscale import Reading
-    from .._core.graph import FlowGraph
     from .._core.model import Model
-    from .._core.pipeline_stats import StatsRecorder
-    from .._core.trace import Timeline
     from .dispatch import Dispatcher
+    from .parts import Parts
     from .pools import AsyncPool
-    from .roster import Roster
     from .runs import Runs
-    from .supervisor import Supervisor
 
 log = logging.getLogger("flowrl")
 AUTOSCALE = "autoscale"  # the timeline group of resize events
@@ -44,27 +40,17 @@ class Membership:
     """Grows and shrinks the pools; ``grow_spec`` places a new replica, ``join_hook`` prepares
     it (an engine hands it the current weights) before it serves."""
 
-    def __init__(
-        self,
-        graph: FlowGraph,
-        cluster: Cluster,
-        pools: Mapping[str, AsyncPool],
-        roster: Roster,
-        dispatcher: Dispatcher,
-        runs: Runs,
-        recorder: StatsRecorder,
-        timeline: Timeline,
-        supervisor: Supervisor,
-    ) -> None:
-        self._graph = graph
-        self._cluster = cluster
-        self._pools = pools
-        self._roster = roster
+    def __init__(self, parts: Parts, dispatcher: Dispatcher, runs: Runs) -> None:
+        self._graph = parts.graph
+        self._cluster: Cluster = parts.backend
+        self._pools = parts.pools
+        self._roster = parts.roster
         self._dispatcher = dispatcher
         self._runs = runs
-        self._recorder = recorder
-        self._timeline = timeline
-        self._supervisor = supervisor
+        self._recorder = parts.recorder
+        self._timeline = parts.timeline
+        self._supervisor = parts.supervisor
+        self._replacements = parts.replacements
         self.grow_spec: Callable[[Model, int], ReplicaSpec] = default_spec
         self.join_hook: Callable[[ReplicaHandle], Awaitable[None]] | None = None
         self.scale_events: list[ScaleEvent] = []
@@ -110,12 +96,11 @@ class Membership:
         )
         log.info("%s %s: %d -> %d replicas (%s)", event.action, event.model, event.before, event.after, event.reason)
 
-    def replace(self, model: str) -> None:
-        """Start a replica of ``model`` in the background, for one that was stopped (a call that
-        hung past ``call_timeout_s`` with ``on_timeout="retry"``). Until it serves, the pool
-        does not count as dead when its last other replica dies."""
-        self._pools[model].replacing += 1
-        self._supervisor.start_soon(self._replace, model)
+    async def replace(self) -> None:
+        """Start a replica in the background for each one stopped (``Replacements``: a call that
+        hung past ``call_timeout_s`` with ``on_timeout="retry"``), for the pipeline's life."""
+        async for model in self._replacements.requests:
+            self._supervisor.start_soon(self._replace, model)
 
     async def _replace(self, model: str) -> None:
         try:

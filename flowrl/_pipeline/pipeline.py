@@ -32,6 +32,7 @@ from .calls import ShardCaller
 from .dispatch import Dispatcher
 from .ledger import Ledger
 from .membership import Membership
+from .parts import Parts, Replacements
 from .pools import AsyncPool, Window
 from .progress import log, mode, run_line, watch_run
 from .recovery import Recovery
@@ -97,28 +98,25 @@ class AsyncPipeline:
         if config.deterministic:
             place_blocks(graph, self._ledger, self._pools)  # shards are fixed blocks of each run's samples
         self._roster = Roster(handles, self._recorder)
-        window = Window(config.max_inflight)
-        call = ShardCaller(graph, backend, backend)
-        self._recovery = recovery = Recovery(
-            graph, backend, self._ledger, self._pools, self._roster, self._recorder, call
+        parts = Parts(
+            graph=graph,
+            config=config,
+            backend=backend,
+            ledger=self._ledger,
+            pools=self._pools,
+            window=Window(config.max_inflight),
+            roster=self._roster,
+            recorder=self._recorder,
+            timeline=self.timeline,
+            supervisor=self._supervisor,
+            replacements=Replacements(self._pools),
         )
-        admission = Admission(
-            graph, config, backend, self._ledger, self._pools, window, self._recorder, self._supervisor
-        )
-        self._runs = Runs(config, backend, self._ledger, admission, window, recovery, self._recorder, self._supervisor)
-        self._dispatcher = Dispatcher(
-            graph, self._pools, self._ledger, call, recovery, self._runs, self._roster, self._recorder,
-            self.timeline, self._supervisor,
-        )  # fmt: skip
-        self._membership = Membership(
-            graph, backend, self._pools, self._roster, self._dispatcher, self._runs, self._recorder,
-            self.timeline, self._supervisor,
-        )  # fmt: skip
-        self._dispatcher.replace = self._membership.replace
-        recovery.on_dropped = self._runs.dropped
-        self._autoscaler = Autoscaler(
-            graph, backend, self._pools, self._roster, self._membership, self._runs, self._recorder
-        )
+        call = ShardCaller(parts)
+        self._recovery = recovery = Recovery(parts, call)
+        self._runs = Runs(parts, Admission(parts), recovery)
+        self._dispatcher = Dispatcher(parts, call, recovery, self._runs)
+        self._membership = Membership(parts, self._dispatcher, self._runs)
+        self._autoscaler = Autoscaler(parts, self._membership, self._runs)
 
     # ---- lifecycle (driven by ``running``) ----
     def start(self, tg: TaskGroup) -> None:
@@ -126,6 +124,7 @@ class AsyncPipeline:
         self._supervisor.attach(tg)
         for handle in self._roster.handles:
             self._dispatcher.serve(handle)
+        tg.start_soon(self._membership.replace)  # replicas in place of those whose calls hung
         if self._autoscaler.configs:
             tg.start_soon(self._autoscaler.run)
 

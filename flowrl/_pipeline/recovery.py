@@ -25,49 +25,39 @@ from .._core.errors import FlowError, InputLostError, ReplicaDiedError
 from .._core.scheduler import Assignment
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle
-    from .._core.graph import FlowGraph
-    from .._core.pipeline_stats import StatsRecorder
     from .calls import ShardCaller
     from .inflight import SampleState
-    from .ledger import Ledger
-    from .pools import AsyncPool
-    from .roster import Roster
+    from .parts import Parts
+
+    Dropped = list[tuple[int, SampleState]]  # samples dropped, for their run to count as finished
 
 
 class Recovery:
     """Shards that did not complete go back to their queue; outputs lost with a node are
     computed again."""
 
-    def __init__(
-        self,
-        graph: FlowGraph,
-        backend: Backend,
-        ledger: Ledger,
-        pools: Mapping[str, AsyncPool],
-        roster: Roster,
-        recorder: StatsRecorder,
-        call: ShardCaller,
-    ) -> None:
-        self._graph = graph
-        self._backend = backend
-        self._ledger = ledger
-        self._pools = pools
-        self._roster = roster
-        self._recorder = recorder
+    def __init__(self, parts: Parts, call: ShardCaller) -> None:
+        self._graph = parts.graph
+        self._backend: Backend = parts.backend
+        self._ledger = parts.ledger
+        self._pools = parts.pools
+        self._roster = parts.roster
+        self._recorder = parts.recorder
         self._call = call
         self._recovering = anyio.Lock()  # a second shard that lost the same outputs finds them redone
-        self.on_dropped: Callable[[list[tuple[int, SampleState]]], None] = lambda gone: None  # Runs.dropped
 
-    def lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> None:
+    def lost(self, handle: ReplicaHandle, a: Assignment, err: ReplicaDiedError) -> Dropped:
         """The replica running shard ``a`` died (or hung and was stopped): the pool carries on
-        without it, and the shard's samples are sent again."""
-        back = self._spend(handle, a, err)
+        without it, and the shard's samples are sent again; those dropped instead are returned
+        (their run counts them as finished)."""
+        back, gone = self._spend(handle, a, err)
         self.retire(handle, err, a.stage, a.ids)
         self._give_back(handle, a, back)
+        return gone
 
     def retire(
         self, handle: ReplicaHandle, err: ReplicaDiedError, stage: str = "", ids: list[int] | None = None
@@ -89,9 +79,12 @@ class Recovery:
                 err.sample_ids if ids is None else ids,
             ) from err
 
-    def send_again(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> None:
-        """Shard ``a`` did not complete: its samples go back to the stage's queue."""
-        self._give_back(handle, a, self._spend(handle, a, err))
+    def send_again(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> Dropped:
+        """Shard ``a`` did not complete: its samples go back to the stage's queue, but those
+        dropped, which are returned."""
+        back, gone = self._spend(handle, a, err)
+        self._give_back(handle, a, back)
+        return gone
 
     def _give_back(self, handle: ReplicaHandle, a: Assignment, back: list[int]) -> None:
         self._ledger.retried(a.stage, back)
@@ -99,12 +92,13 @@ class Recovery:
         dropped = [sid for sid in a.ids if sid not in back]
         self._pools[handle.model].give_back(a, self._ledger.costs(back) if back else [], dropped)
 
-    def _spend(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> list[int]:
-        """The samples of shard ``a`` to send again. Those whose retries are spent fail the run,
-        or, with ``ModelConfig.on_spent="drop"`` and a dead or hung replica, are dropped."""
+    def _spend(self, handle: ReplicaHandle, a: Assignment, err: FlowError) -> tuple[list[int], Dropped]:
+        """The samples of shard ``a`` to send again, and those dropped. Those whose retries are
+        spent fail the run, or, with ``ModelConfig.on_spent="drop"`` and a dead or hung replica,
+        are dropped."""
         spent = self._ledger.spent(a.stage, a.ids)
         if not spent:
-            return a.ids
+            return a.ids, []
         budget = self._ledger.max_retries
         note = f"samples {spent} were already retried PipelineConfig.max_retries={budget} times on this stage"
         if not isinstance(err, ReplicaDiedError):
@@ -121,8 +115,7 @@ class Recovery:
             pool.scheduler.admit(stage, -1)
         for model in {self._graph.stages[stage].model for stage in unseen}:
             self._pools[model].pump()
-        self.on_dropped(gone)
-        return [sid for sid in a.ids if sid not in spent]
+        return [sid for sid in a.ids if sid not in spent], gone
 
     async def recompute_lost(self, states: Mapping[int, SampleState]) -> int:
         """Compute again the outputs of ``states`` lost with a node that is gone, and those

@@ -26,14 +26,10 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from .._backends.abc import ObjectStore
-    from .._core.config import PipelineConfig
-    from .._core.pipeline_stats import StatsRecorder
     from .admission import Admission
     from .inflight import Loc, SampleState
-    from .ledger import Ledger
-    from .pools import Window
+    from .parts import Parts
     from .recovery import Recovery
-    from .supervisor import Supervisor
 
 
 def _relocate(run: Run, cache: dict[Any, list[Any]]) -> int:
@@ -86,29 +82,19 @@ def _queued(run: Run) -> list[tuple[int, dict[str, Loc] | None]]:
 class Runs:
     """The run in progress: its start, its delivery, its end (finished, abandoned, failed)."""
 
-    def __init__(
-        self,
-        config: PipelineConfig,
-        store: ObjectStore,
-        ledger: Ledger,
-        admission: Admission,
-        window: Window,
-        recovery: Recovery,
-        recorder: StatsRecorder,
-        supervisor: Supervisor,
-    ) -> None:
-        self._config = config
-        self._store = store
-        self._ledger = ledger
+    def __init__(self, parts: Parts, admission: Admission, recovery: Recovery) -> None:
+        self._config = parts.config
+        self._store: ObjectStore = parts.backend
+        self._ledger = parts.ledger
         self._admission = admission
-        self._window = window
+        self._window = parts.window
         self._recovery = recovery
-        self._recorder = recorder
-        self._supervisor = supervisor
+        self._recorder = parts.recorder
+        self._supervisor = parts.supervisor
         self.current: Run | None = None
         self.count = 0  # runs begun: the next run's number (a step's ``iteration``)
         self._begin_lock = anyio.Lock()
-        supervisor.on_failure(self._wake)
+        parts.supervisor.on_failure(self._wake)
 
     def _wake(self) -> None:
         """A failure: the consumer of the current run stops waiting."""
