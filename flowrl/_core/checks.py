@@ -1,4 +1,5 @@
-"""Argument checks for the public entry points (the error-tree rule of docs/errors.md).
+"""The checks of what a user gives flowrl: the arguments of the public entry points, and the
+settings of every config Struct (the error-tree rule of docs/errors.md).
 
 A wrong argument is refused where it enters flowrl, as a ``FlowError`` subclass that says
 where (``where``: the call and the argument), what was expected and what was given, instead
@@ -8,11 +9,15 @@ an ``isinstance`` or two: they run once per call, never per sample.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import AsyncIterable, Iterable, Mapping, Sized
+from collections.abc import AsyncIterable, Collection, Iterable, Mapping, Sized
+from decimal import Decimal
 from numbers import Integral, Real
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+import msgspec
 
 from .errors import ConfigError, FlowError
 
@@ -114,3 +119,86 @@ def instance(value: Any, cls: type, where: str, error: type[FlowError] = ConfigE
     """Refuse ``value`` unless it is a ``cls``."""
     if not isinstance(value, cls):
         raise error(f"{where}: expected a {cls.__name__}, got {_kind(value)}")
+
+
+# ---- settings: each config Struct checks its fields with these in ``__post_init__`` ----
+
+
+def one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
+    # msgspec checks Literal fields when decoding, not when a Struct is built in code
+    choices = get_args(allowed)
+    if value not in choices:
+        raise ConfigError(f"{owner}.{key} must be one of {list(choices)}, got {value!r}")
+
+
+def positive(owner: str, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{owner}.{key} must be > 0, got {value!r}")
+
+
+def non_negative(owner: str, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value < 0:
+            raise ConfigError(f"{owner}.{key} must be >= 0, got {value!r}")
+
+
+# The runtime keeps counts, ids and sizes in 64-bit integers (numpy arrays, msgpack, Ray): every
+# int setting stays within +-2**62 (room for a sum of two), unless its Struct gives it a rule of its own.
+INT_LIMIT = 1 << 62
+
+
+def struct_types(config: msgspec.Struct, *, own_int_range: Collection[str] = ()) -> None:
+    """Each field's value against its annotation; every number finite (Decimal, Fraction and
+    numpy scalars too, checked before any comparison) and every int, nested sequences included,
+    within ``[-INT_LIMIT, INT_LIMIT]`` (the fields in ``own_int_range`` are checked by their
+    Struct). msgspec checks a config given as a mapping; one built directly
+    (``ModelConfig(batch_size=2.5)``) is checked only here. Every config Struct calls this from
+    ``__post_init__``."""
+    owner = type(config).__name__
+    for field in msgspec.structs.fields(config):
+        value = getattr(config, field.name)
+        plain = value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value  # np.int64(4)
+        # numbers first: msgspec itself raises a bare ValueError on a signalling Decimal NaN
+        _numbers(f"{owner}.{field.name}", value, ints=field.name not in own_int_range)
+        try:
+            converted = msgspec.convert(plain, field.type)
+        except msgspec.ValidationError as err:
+            raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
+        if isinstance(value, Decimal):  # msgspec takes a Decimal for a float: kept as the float
+            _numbers(f"{owner}.{field.name}", converted)  # Decimal("1e400") is a float inf
+            msgspec.structs.force_setattr(config, field.name, converted)
+
+
+def _numbers(where: str, value: Any, *, ints: bool = True) -> None:
+    # NaN passes every comparison check (``nan <= 0`` is False; a Decimal NaN raises instead) and
+    # inf means "never" only by accident: both are refused wherever a number is set, nested
+    # sequences and mappings included. An int beyond INT_LIMIT overflows the runtime's 64-bit counters later.
+    if isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            _numbers(where, item, ints=ints)
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, Integral):
+        if ints and not -INT_LIMIT <= int(value) <= INT_LIMIT:
+            raise ConfigError(
+                f"{where} must be within [-2**62, 2**62] (the runtime counts in 64-bit integers), got {value!r}"
+            )
+    elif isinstance(value, (Real, Decimal)) and not _finite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+
+
+def _finite(value: Real | Decimal) -> bool:
+    if isinstance(value, Decimal):
+        return value.is_finite()
+    try:
+        return math.isfinite(value)
+    except (ValueError, OverflowError):  # a Fraction beyond a float's range
+        return False
+
+
+def at_most(owner: str, bound: float, why: str, **values: float | None) -> None:
+    shown = f"{bound:g}" if isinstance(bound, float) else str(bound)
+    for key, value in values.items():
+        if value is not None and value > bound:
+            raise ConfigError(f"{owner}.{key} must be <= {shown} ({why}), got {value!r}")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Collection, Mapping
-from decimal import Decimal
-from numbers import Integral, Real
-from typing import Any, Literal, TypeVar, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from .checks import at_most, non_negative, one_of, positive, struct_types
 from .errors import ConfigError
 
 SplitterName = Literal["cost", "guided", "factoring", "greedy"]
@@ -33,28 +31,6 @@ class Settings(msgspec.StructMeta):
             raise ConfigError(f"{cls.__name__}: {err}; its keys are {keys}") from err
 
 
-def _one_of(owner: str, key: str, value: Any, allowed: Any) -> None:
-    # msgspec checks Literal fields when decoding, not when a Struct is built in code
-    choices = get_args(allowed)
-    if value not in choices:
-        raise ConfigError(f"{owner}.{key} must be one of {list(choices)}, got {value!r}")
-
-
-def _positive(owner: str, **values: float | None) -> None:
-    for key, value in values.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"{owner}.{key} must be > 0, got {value!r}")
-
-
-def _non_negative(owner: str, **values: float | None) -> None:
-    for key, value in values.items():
-        if value is not None and value < 0:
-            raise ConfigError(f"{owner}.{key} must be >= 0, got {value!r}")
-
-
-# The runtime keeps counts, ids and sizes in 64-bit integers (numpy arrays, msgpack, Ray): every
-# int setting stays within +-2**62 (room for a sum of two), unless its Struct gives it a rule of its own.
-INT_LIMIT = 1 << 62
 # Shards in flight per replica: each one is a slot the scheduler keeps and loops over, so a huge
 # number never ends its set-up loop (an in-process engine or the simulator hangs). One running and
 # one waiting hide a call's latency; more than a few hundred only queue work a replica cannot start.
@@ -62,67 +38,6 @@ MAX_PREFETCH = 256
 # Autoscale measures the pools every ``every_s``: below 10 ms the driver's event loop would spend
 # itself measuring (a busy loop), and no pool grows or shrinks that fast anyway.
 MIN_EVERY_S = 0.01
-
-
-def _check_types(config: msgspec.Struct, *, own_int_range: Collection[str] = ()) -> None:
-    """Each field's value against its annotation; every number finite (Decimal, Fraction and
-    numpy scalars too, checked before any comparison) and every int, nested sequences included,
-    within ``[-INT_LIMIT, INT_LIMIT]`` (the fields in ``own_int_range`` are checked by their
-    Struct). msgspec checks a config given as a mapping; one built directly
-    (``ModelConfig(batch_size=2.5)``) is checked only here. Every config Struct calls this from
-    ``__post_init__``."""
-    owner = type(config).__name__
-    for field in msgspec.structs.fields(config):
-        value = getattr(config, field.name)
-        plain = value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value  # np.int64(4)
-        # numbers first: msgspec itself raises a bare ValueError on a signalling Decimal NaN
-        _check_numbers(f"{owner}.{field.name}", value, ints=field.name not in own_int_range)
-        try:
-            converted = msgspec.convert(plain, field.type)
-        except msgspec.ValidationError as err:
-            raise ConfigError(f"{owner}.{field.name}={value!r}: {err}") from None
-        if isinstance(value, Decimal):  # msgspec takes a Decimal for a float: kept as the float
-            _check_numbers(f"{owner}.{field.name}", converted)  # Decimal("1e400") is a float inf
-            msgspec.structs.force_setattr(config, field.name, converted)
-
-
-def _holds_float(annotation: Any) -> bool:
-    """Whether ``annotation`` is ``float`` or has it inside (``float | None``, ``tuple[float, float]``)."""
-    return annotation is float or any(_holds_float(arg) for arg in get_args(annotation))
-
-
-def _check_numbers(where: str, value: Any, *, ints: bool = True) -> None:
-    # NaN passes every comparison check (``nan <= 0`` is False; a Decimal NaN raises instead) and
-    # inf means "never" only by accident: both are refused wherever a number is set, nested
-    # sequences and mappings included. An int beyond INT_LIMIT overflows the runtime's 64-bit counters later.
-    if isinstance(value, (list, tuple, dict)):
-        for item in value.values() if isinstance(value, dict) else value:
-            _check_numbers(where, item, ints=ints)
-    elif isinstance(value, bool):
-        return
-    elif isinstance(value, Integral):
-        if ints and not -INT_LIMIT <= int(value) <= INT_LIMIT:
-            raise ConfigError(
-                f"{where} must be within [-2**62, 2**62] (the runtime counts in 64-bit integers), got {value!r}"
-            )
-    elif isinstance(value, (Real, Decimal)) and not _finite(value):
-        raise ConfigError(f"{where} must be a finite number, got {value!r}")
-
-
-def _finite(value: Real | Decimal) -> bool:
-    if isinstance(value, Decimal):
-        return value.is_finite()
-    try:
-        return math.isfinite(value)
-    except (ValueError, OverflowError):  # a Fraction beyond a float's range
-        return False
-
-
-def _at_most(owner: str, bound: float, why: str, **values: float | None) -> None:
-    shown = f"{bound:g}" if isinstance(bound, float) else str(bound)
-    for key, value in values.items():
-        if value is not None and value > bound:
-            raise ConfigError(f"{owner}.{key} must be <= {shown} ({why}), got {value!r}")
 
 
 class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -143,8 +58,8 @@ class Autoscale(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     every_s: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _positive(
+        struct_types(self)
+        positive(
             "Autoscale",
             min_replicas=self.min_replicas,
             max_replicas=self.max_replicas,
@@ -174,9 +89,9 @@ class CallCostPrior(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     per_sample_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _non_negative("CallCostPrior", fixed_s=self.fixed_s, per_sample_s=self.per_sample_s)
-        _at_most("CallCostPrior", 1e9, "seconds", fixed_s=self.fixed_s, per_sample_s=self.per_sample_s)
+        struct_types(self)
+        non_negative("CallCostPrior", fixed_s=self.fixed_s, per_sample_s=self.per_sample_s)
+        at_most("CallCostPrior", 1e9, "seconds", fixed_s=self.fixed_s, per_sample_s=self.per_sample_s)
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -229,12 +144,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     weight_transport: WeightTransport = "host"
 
     def __post_init__(self) -> None:
-        _one_of("ModelConfig", "splitter", self.splitter, SplitterName)
-        _one_of("ModelConfig", "weight_transport", self.weight_transport, WeightTransport)
-        _one_of("ModelConfig", "on_timeout", self.on_timeout, OnTimeout)
-        _one_of("ModelConfig", "on_spent", self.on_spent, OnSpent)
-        _check_types(self)
-        _positive(
+        one_of("ModelConfig", "splitter", self.splitter, SplitterName)
+        one_of("ModelConfig", "weight_transport", self.weight_transport, WeightTransport)
+        one_of("ModelConfig", "on_timeout", self.on_timeout, OnTimeout)
+        one_of("ModelConfig", "on_spent", self.on_spent, OnSpent)
+        struct_types(self)
+        positive(
             "ModelConfig",
             num_replicas=self.num_replicas,
             num_gpu=self.num_gpu,
@@ -245,8 +160,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             prefetch=self.prefetch,
             call_timeout_s=self.call_timeout_s,
         )
-        _non_negative("ModelConfig", gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica)
-        _at_most("ModelConfig", MAX_PREFETCH, "shards in flight per replica", prefetch=self.prefetch)
+        non_negative("ModelConfig", gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica)
+        at_most("ModelConfig", MAX_PREFETCH, "shards in flight per replica", prefetch=self.prefetch)
         if self.num_gpu is not None:
             per = self.tensor_parallel_size * self.pipeline_parallel_size
             if self.num_gpu % per:
@@ -343,16 +258,16 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     progress: str | bool = "auto"  # YAML reads a bare off/on as a bool: False is "off", True "live"
 
     def __post_init__(self) -> None:
-        _one_of("PipelineConfig", "backend", self.backend, BackendName)
-        _check_types(self)
-        _positive(
+        one_of("PipelineConfig", "backend", self.backend, BackendName)
+        struct_types(self)
+        positive(
             "PipelineConfig",
             max_inflight=self.max_inflight,
             input_chunk=self.input_chunk,
             setup_timeout_s=self.setup_timeout_s,
             ray_init_cpus=self.ray_init_cpus,
         )
-        _non_negative(
+        non_negative(
             "PipelineConfig",
             ray_init_gpus=self.ray_init_gpus,
             startup_report_s=self.startup_report_s,

@@ -7,13 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from .checks import non_negative, positive, struct_types
 from .config import (
     ModelConfig,
     PipelineConfig,
     Settings,
-    _check_types,
-    _non_negative,
-    _positive,
     check_progress,
     to_config,
 )
@@ -54,7 +52,7 @@ class LoggerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     experiment: str | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        struct_types(self)
         if self.kind not in LOGGER_KEYS:
             raise ConfigError(f"LoggerConfig.kind must be one of {list(LOGGER_KEYS)}, got {self.kind!r}")
         reads = LOGGER_KEYS[self.kind]
@@ -160,8 +158,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _positive(
+        struct_types(self)
+        positive(
             "RunConfig",
             sample_per_episode=self.sample_per_episode,
             num_episode=self.num_episode,
@@ -172,7 +170,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             num_samples_per_prompt=self.num_samples_per_prompt,
             collective_timeout_s=self.collective_timeout_s,
         )
-        _non_negative(
+        non_negative(
             "RunConfig",
             eval_every=self.eval_every,
             checkpoint_every=self.checkpoint_every,

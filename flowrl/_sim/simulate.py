@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from .._core.config import MAX_PREFETCH, Settings, _at_most, _check_types, _non_negative, _positive
+from .._core.checks import at_most, non_negative, positive, struct_types
+from .._core.config import MAX_PREFETCH, Settings
 from .._core.errors import ConfigError
 from .._core.scheduler import Assignment, PoolScheduler
 
@@ -54,8 +55,8 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     shard_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _non_negative(
+        struct_types(self)
+        non_negative(
             "StageCost",
             shard_s=self.shard_s,
             call_s=self.call_s,
@@ -63,7 +64,7 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             tail_median_s=self.tail_median_s,
             tail_sigma=self.tail_sigma,
         )
-        _at_most(
+        at_most(
             "StageCost",
             MAX_SECONDS,
             "seconds; the simulator's sums must stay finite",
@@ -72,7 +73,7 @@ class StageCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             per_sample_s=self.per_sample_s,
             tail_median_s=self.tail_median_s,
         )
-        _at_most("StageCost", MAX_SIGMA, "a log-normal shape; the tails must stay finite", tail_sigma=self.tail_sigma)
+        at_most("StageCost", MAX_SIGMA, "a log-normal shape; the tails must stay finite", tail_sigma=self.tail_sigma)
 
 
 class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -86,10 +87,10 @@ class SimStage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     shard_micro_batches: int = 8  # as ModelConfig's: the most micro-batches of a ``cost`` shard
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _at_most("SimStage", MAX_REPLICAS, "the simulator keeps a list per replica", replicas=self.replicas)
-        _at_most("SimStage", MAX_BATCH, "samples per call", batch_size=self.batch_size * self.shard_micro_batches)
-        _at_most(
+        struct_types(self)
+        at_most("SimStage", MAX_REPLICAS, "the simulator keeps a list per replica", replicas=self.replicas)
+        at_most("SimStage", MAX_BATCH, "samples per call", batch_size=self.batch_size * self.shard_micro_batches)
+        at_most(
             "SimStage", MAX_PREFETCH, "shards in flight per replica, as ModelConfig.prefetch", prefetch=self.prefetch
         )
 
@@ -139,7 +140,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         odd = next((st for st in items if not isinstance(st, SimStage)), None)
         if odd is not None:  # named before the type walk, whose message would be about a missing field
             raise ConfigError(f"Workload.stages: expected SimStage items, got a {type(odd).__name__}")
-        _check_types(self)
+        struct_types(self)
         if not self.stages or self.samples <= 0:
             raise ConfigError(
                 f"Workload needs at least one stage and samples > 0, got {len(self.stages)} stage(s) and "
@@ -166,13 +167,13 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 raise ConfigError(f"stage {st.name!r}: {', '.join(bad)} must be > 0, got {bad}")
             seen.add(st.name)
         # numpy's generators take no negative seed
-        _non_negative("Workload", seed=self.seed, epoch=self.epoch, epoch_noise=self.epoch_noise)
-        _positive("Workload", group=self.group)
-        _at_most("Workload", MAX_SIGMA, "a log-normal shape", epoch_noise=self.epoch_noise)
-        _at_most("Workload", MAX_SAMPLES, "the simulator keeps arrays of samples x stages", samples=self.samples)
+        non_negative("Workload", seed=self.seed, epoch=self.epoch, epoch_noise=self.epoch_noise)
+        positive("Workload", group=self.group)
+        at_most("Workload", MAX_SIGMA, "a log-normal shape", epoch_noise=self.epoch_noise)
+        at_most("Workload", MAX_SAMPLES, "the simulator keeps arrays of samples x stages", samples=self.samples)
         seconds = "seconds; the simulator's sums must stay finite"
-        _at_most("Workload", MAX_SECONDS, seconds, overhead_s=self.overhead_s, dispatch_s=self.dispatch_s)
-        _at_most("Workload", MAX_SIGMA, "a log-normal shape", cost_hint_sigma=self.cost_hint_sigma)
+        at_most("Workload", MAX_SECONDS, seconds, overhead_s=self.overhead_s, dispatch_s=self.dispatch_s)
+        at_most("Workload", MAX_SIGMA, "a log-normal shape", cost_hint_sigma=self.cost_hint_sigma)
         negative = {k: v for k, v in (("overhead_s", self.overhead_s), ("dispatch_s", self.dispatch_s)) if v < 0}
         if negative:
             raise ConfigError(f"Workload: {', '.join(negative)} must be >= 0, got {negative}")

@@ -7,7 +7,8 @@ from typing import Literal
 
 import msgspec
 
-from .._core.config import Settings, _check_types, _non_negative, _one_of, _positive
+from .._core.checks import non_negative, one_of, positive, struct_types
+from .._core.config import Settings
 from .._core.errors import ConfigError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -26,8 +27,8 @@ def _within(owner: str, low: float, high: float, why: str, *, high_open: bool = 
 
 
 def _old_logprobs(owner: str, old: str, tis_cap: float | None) -> None:
-    _one_of(owner, "old_logprobs", old, OldLogprobs)
-    _positive(owner, tis_cap=tis_cap)
+    one_of(owner, "old_logprobs", old, OldLogprobs)
+    positive(owner, tis_cap=tis_cap)
     if tis_cap is not None and old != "recompute":
         raise ConfigError(
             f"{owner}.tis_cap weighs each token by the trainer's probability over the rollout's: it needs "
@@ -65,8 +66,8 @@ class LM(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self, own_int_range=("seed",))  # torch's seed range is its own, checked below
-        _one_of("LM", "dtype", self.dtype, Dtype)
+        struct_types(self, own_int_range=("seed",))  # torch's seed range is its own, checked below
+        one_of("LM", "dtype", self.dtype, Dtype)
         if (self.path is None) == (self.config is None):
             raise ConfigError(
                 "LM: give path= (pretrained weights) or config= (a transformers config for random "
@@ -104,14 +105,14 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_response_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _positive(
+        struct_types(self)
+        positive(
             "Sampling",
             max_new_tokens=self.max_new_tokens,
             max_prompt_tokens=self.max_prompt_tokens,
             max_response_tokens=self.max_response_tokens,
         )
-        _non_negative("Sampling", temperature=self.temperature, top_k=self.top_k)
+        non_negative("Sampling", temperature=self.temperature, top_k=self.top_k)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
         if any(i < 0 for i in self.stop_token_ids):
@@ -133,13 +134,13 @@ class Optim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _one_of("Optim", "schedule", self.schedule, Schedule)
-        _positive("Optim", lr=self.lr, max_grad_norm=self.max_grad_norm)
-        _non_negative("Optim", weight_decay=self.weight_decay, warmup_steps=self.warmup_steps)
-        _non_negative("Optim", total_steps=self.total_steps)
+        struct_types(self)
+        one_of("Optim", "schedule", self.schedule, Schedule)
+        positive("Optim", lr=self.lr, max_grad_norm=self.max_grad_norm)
+        non_negative("Optim", weight_decay=self.weight_decay, warmup_steps=self.warmup_steps)
+        non_negative("Optim", total_steps=self.total_steps)
         # eps > 0 (torch takes 0, but then a parameter whose gradient is 0 divides 0 by 0: NaN)
-        _positive("Optim", eps=self.eps)
+        positive("Optim", eps=self.eps)
         betas = {"betas[0]": self.betas[0], "betas[1]": self.betas[1]}
         _within("Optim", 0.0, 1.0, "AdamW's averaging factors", high_open=True, **betas)
         _within("Optim", 0.0, 1.0, "a fraction of lr the decay ends at", min_lr_ratio=self.min_lr_ratio)
@@ -171,11 +172,11 @@ class Train(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     empty_cache: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _one_of("Train", "fsdp", self.fsdp, Literal["auto", "never"])
-        _one_of("Train", "autocast", self.autocast, Literal["auto", "never"])
-        _non_negative("Train", micro_batch_tokens=self.micro_batch_tokens)
-        _positive("Train", temperature=self.temperature)
+        struct_types(self)
+        one_of("Train", "fsdp", self.fsdp, Literal["auto", "never"])
+        one_of("Train", "autocast", self.autocast, Literal["auto", "never"])
+        non_negative("Train", micro_batch_tokens=self.micro_batch_tokens)
+        positive("Train", temperature=self.temperature)
 
 
 class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=Settings):
@@ -202,12 +203,12 @@ class GRPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _one_of("GRPO", "kl", self.kl, KLKind)
-        _one_of("GRPO", "aggregation", self.aggregation, Aggregation)
-        _one_of("GRPO", "scale", self.scale, Literal["std", "none"])
-        _positive("GRPO", clip=self.clip, clip_high=self.clip_high, max_tokens=self.max_tokens)
-        _non_negative("GRPO", kl_coef=self.kl_coef)
+        struct_types(self)
+        one_of("GRPO", "kl", self.kl, KLKind)
+        one_of("GRPO", "aggregation", self.aggregation, Aggregation)
+        one_of("GRPO", "scale", self.scale, Literal["std", "none"])
+        positive("GRPO", clip=self.clip, clip_high=self.clip_high, max_tokens=self.max_tokens)
+        non_negative("GRPO", kl_coef=self.kl_coef)
         _constant_length("GRPO", self.aggregation, self.max_tokens)
         _old_logprobs("GRPO", self.old_logprobs, self.tis_cap)
 
@@ -231,12 +232,12 @@ class PPO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _one_of("PPO", "kl", self.kl, KLKind)
-        _one_of("PPO", "aggregation", self.aggregation, Aggregation)
-        _positive("PPO", clip=self.clip, clip_high=self.clip_high, value_clip=self.value_clip)
-        _non_negative("PPO", kl_coef=self.kl_coef)
+        struct_types(self)
+        one_of("PPO", "kl", self.kl, KLKind)
+        one_of("PPO", "aggregation", self.aggregation, Aggregation)
+        positive("PPO", clip=self.clip, clip_high=self.clip_high, value_clip=self.value_clip)
+        non_negative("PPO", kl_coef=self.kl_coef)
         _within("PPO", 0.0, 1.0, "a discount of GAE", gamma=self.gamma, lam=self.lam)
-        _positive("PPO", max_tokens=self.max_tokens)
+        positive("PPO", max_tokens=self.max_tokens)
         _constant_length("PPO", self.aggregation, self.max_tokens)
         _old_logprobs("PPO", self.old_logprobs, self.tis_cap)

@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from .._core.config import Settings, _check_types, _positive
+from .._core.checks import positive, struct_types
+from .._core.config import Settings
 from .._core.errors import ConfigError
 
 # the engine arguments flowrl.vllm sets, and where each comes from
@@ -54,8 +55,8 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _positive(
+        struct_types(self)
+        positive(
             "VLLMConfig",
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,

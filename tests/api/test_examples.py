@@ -22,6 +22,7 @@ def improvement(curve: list[float]) -> tuple[float, float]:
     return sum(curve[:3]) / 3, sum(curve[-3:]) / 3
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_ppo_tiny_raises_the_reward_on_ray_with_two_trainer_ranks(ray_cluster, example):
     ppo = example("ppo_tiny")
     stats = ppo.make_engine(episodes=24, backend="ray", trainer_ranks=2).learn()
@@ -49,6 +50,7 @@ def trained(engine: Any, curve: Any, folder: Path) -> tuple[list[float], dict[st
     return rewards, {p.name: p.read_bytes() for p in sorted(last.glob("*.model.msgpack"))}
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluster, example, tmp_path, monkeypatch):
     """Each sample draws from its own stream (issue 24): the replica layout (replicas x shard
     size 2x4 and 3x3), the backend, the trainer's rank count and the timing (random delays in

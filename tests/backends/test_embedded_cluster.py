@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import numpy as np, ray
@@ -23,6 +25,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_a_pipeline_without_an_address_starts_its_own_cluster_beside_a_running_one():
     from ray.cluster_utils import Cluster
 

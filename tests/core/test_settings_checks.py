@@ -18,7 +18,7 @@ import pytest
 
 from flowrl._core import config as core_config
 from flowrl._core import run_config
-from flowrl._core.config import _holds_float, to_config
+from flowrl._core.config import to_config
 from flowrl._core.errors import ConfigError, FlowDefinitionError
 from flowrl._core.graph import trace
 from flowrl._core.run_config import RunConfig
@@ -47,6 +47,11 @@ def _config_structs() -> list[type[msgspec.Struct]]:
         if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls.__struct_config__.forbid_unknown_fields
     }
     return sorted(found, key=lambda c: c.__name__)
+
+
+def _holds_float(annotation: Any) -> bool:
+    """Whether ``annotation`` is ``float`` or has it inside (``float | None``, ``tuple[float, float]``)."""
+    return annotation is float or any(_holds_float(arg) for arg in get_args(annotation))
 
 
 def _float_fields() -> list[tuple[type[msgspec.Struct], msgspec.structs.FieldInfo]]:

@@ -146,6 +146,7 @@ def test_a_checkpoint_taken_while_a_rollout_ran_ahead_resumes_that_episode(tmp_p
     ]
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_a_trainer_rebuilt_under_overlap_trains_each_episode_once(ray_cluster, tmp_path):
     ref, _ = make_engine(sync_every=1, max_relay_episode=0, max_staleness=1, train_s=0.05)
     ref.learn()

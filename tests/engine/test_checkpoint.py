@@ -130,6 +130,7 @@ def reference(sync_every: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_path):
     ref = reference(2)
     script = Path(__file__).with_name("_killed_run_script.py")
@@ -161,7 +162,12 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
 
 @pytest.mark.parametrize(
     "die_at, peer_first, transport",
-    [((1, 1), False, "host"), ((3, 0), False, "host"), ((3, 0), True, "host"), ((3, 0), False, "nccl")],
+    [
+        pytest.param((1, 1), False, "host", marks=pytest.mark.slow),
+        pytest.param((3, 0), False, "host", marks=pytest.mark.slow),
+        ((3, 0), True, "host"),
+        ((3, 0), False, "nccl"),
+    ],
     ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death", "by-broadcast"],
 )
 def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tmp_path, die_at, peer_first, transport):

@@ -71,6 +71,7 @@ def test_an_asynchronous_run_replays_bit_for_bit(ray_cluster, ppo, tmp_path, mon
     assert episodes(again) == log
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_a_replay_generates_each_sample_with_the_version_the_file_says(ray_cluster, ppo, tmp_path):
     """A schedule written by hand (a split the staleness bound allows, which timing did not
     give; some samples meet the policy's old version and the value model's new one) is followed

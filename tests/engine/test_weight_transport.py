@@ -65,6 +65,7 @@ def test_nccl_transport_syncs_every_replica_and_one_added_mid_run(ray_cluster, b
     assert flowrl_actor_names() == []
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_one_trainer_feeding_two_models_broadcasts_one_snapshot_that_a_later_join_still_gets(ray_cluster):
     policy = Policy("policy", {"num_replicas": 1, "batch_size": 1, **CPU})
     critic = Policy("critic", {"num_replicas": 1, "batch_size": 1, **CPU})

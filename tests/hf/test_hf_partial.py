@@ -28,7 +28,7 @@ def policy(tokenizer: str, config: dict[str, Any], **sampling: Any) -> hf.HFPoli
     return hf.HFPolicy("policy", config, lm=lm, sampling={"temperature": 0.0, **sampling})
 
 
-@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+@pytest.mark.parametrize("backend", ["inprocess", pytest.param("ray", marks=pytest.mark.slow)])
 def test_segments_of_a_greedy_response_join_into_the_one_call_response(ray_cluster, tokenizer, backend):
     whole = policy(tokenizer, {"num_replicas": 1, "batch_size": 6, "cpus_per_replica": 0.25}, max_new_tokens=10)
     parts = policy(

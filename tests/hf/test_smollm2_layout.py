@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_the_smollm2_example_layout_runs_an_episode_and_an_evaluation_on_one_free_gpu(
     ray_cluster, tmp_path: Path
 ) -> None:

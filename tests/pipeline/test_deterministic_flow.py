@@ -68,6 +68,7 @@ def outputs(backend: str, replicas: int, deterministic: bool, jitter: int, lazy:
     return [s["z"] for s in samples]
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_the_same_outputs_whatever_the_layout_in_deterministic_mode(ray_cluster):
     reference = outputs("inprocess", 1, True, jitter=0)
     assert outputs("inprocess", 3, True, jitter=1) == reference

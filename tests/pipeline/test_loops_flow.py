@@ -312,7 +312,7 @@ def stuck_flow(marks: str, times: int, replicas: int = 3, on_spent: str = "fail"
     return lambda x: flowrl.loop(lambda s: game.play(player.act(s)), x, until="done", max_turns=10)
 
 
-@pytest.mark.parametrize("replicas", [3, 1])
+@pytest.mark.parametrize("replicas", [pytest.param(3, marks=pytest.mark.slow), 1])
 async def test_a_stuck_environment_call_is_retried_on_a_new_replica_without_stalling_the_others(
     ray_cluster, tmp_path, replicas
 ):
@@ -334,6 +334,7 @@ async def test_a_stuck_environment_call_is_retried_on_a_new_replica_without_stal
     assert flowrl_actor_names() == []
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 async def test_a_sample_that_keeps_getting_stuck_fails_the_run_once_its_retries_are_spent(ray_cluster, tmp_path):
     with pytest.raises(flowrl.ReplicaDiedError, match=r"call_timeout_s=5s.*max_retries=1") as caught:
         async with flowrl.open_pipeline(stuck_flow(str(tmp_path), times=10), {"max_retries": 1}) as pipe:

@@ -98,6 +98,7 @@ def test_a_sample_draws_the_same_tokens_in_any_shard_and_another_seed_draws_othe
     assert differ >= 8
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_many_long_prompts_in_one_call_draw_what_they_draw_alone(policy: VLLMPolicy) -> None:
     """48 prompts of ~150 tokens: more than one engine step's token budget, so the engine
     schedules them over several steps, and each sample's seeded draws must not depend on it."""

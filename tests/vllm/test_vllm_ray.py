@@ -26,6 +26,7 @@ CPU = {"cpus_per_replica": 0.5}
 ARCH = hf_tiny.llama(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_grpo_on_ray_syncs_the_trainers_weights_into_every_engine(ray_cluster, tmp_path: Path) -> None:
     lm = {"config": ARCH, "tokenizer": hf_tiny.make_tokenizer(tmp_path / "tok"), "seed": 3}
     sampling = {"max_new_tokens": 6, "stop_token_ids": tuple(range(5, 45))}
