@@ -16,8 +16,9 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from .._core.errors import ConfigError, FlowError, ReplicaDiedError
-from .replica import ReplicaRuntime, TrainerRuntime
+from .replica import ReplicaRuntime
 from .specs import DEBUG_ENV, ActorCounts, ReplicaHandle, ReplicaSpec, debugging
+from .trainer_runtime import TrainerRuntime
 from .weight_share import Broadcast, Group
 
 if TYPE_CHECKING:

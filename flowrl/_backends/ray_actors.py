@@ -18,7 +18,8 @@ import ray
 
 from .local_channel import ERR, OK, ReplicaWorker
 from .ray_wire import answer_reply, error_blob, prepare_call, run_call
-from .replica import ReplicaRuntime, TrainerRuntime
+from .replica import ReplicaRuntime
+from .trainer_runtime import TrainerRuntime
 
 if TYPE_CHECKING:
     from .._core.batch import Batch

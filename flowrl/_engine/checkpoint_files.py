@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from .._backends.replica import unviewed
+from .._backends.weight_arrays import unviewed
 from .._core.batch import Sample
 from .._core.columns import COLUMN_KINDS
 from .._core.errors import CheckpointError, ConfigError, ReplicaDiedError, StageError

@@ -124,7 +124,7 @@ def test_weights_by_host_travel_as_numpy_arrays_in_every_dtype(dtype: str) -> No
     numpy lacks (bf16 goes as its bytes), and arrive bit for bit in their own dtype."""
     import pickle
 
-    from flowrl._backends.replica import Viewed, to_arrays, to_tensors
+    from flowrl._backends.weight_arrays import Viewed, to_arrays, to_tensors
 
     torch_dtype = getattr(torch, dtype)
     weights = {"w": torch.randn(4, 3).to(torch_dtype), "step": 7}

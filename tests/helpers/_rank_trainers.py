@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flowrl
-from flowrl._backends.replica import TrainerRuntime
+from flowrl._backends.trainer_runtime import TrainerRuntime
 
 SAMPLES, STEPS = 8, 3
 
