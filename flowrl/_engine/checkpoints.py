@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
     from .._core.model import Model
     from .._core.run_config import RunConfig
-    from .checkpoint_files import CheckpointFormat, EngineState
+    from .checkpoint_files import CheckpointFormat
+    from .checkpoint_state import EngineState
     from .deployment import Deployment
     from .learning import LearningState
     from .weight_sync import WeightSync

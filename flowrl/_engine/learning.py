@@ -12,7 +12,8 @@ from .._core.checks import item_source
 from .._core.errors import ConfigError, FlowDefinitionError
 from .._core.lengths import LengthMemory, length_of
 from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
-from .checkpoint_files import EngineState, sampling
+from .checkpoint_files import sampling
+from .checkpoint_state import EngineState
 from .engine_stats import EngineStats, TrainCounters
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ from _resume_models import CPU, Learner, Policy, dataset, make_engine
 
 import flowrl
 from flowrl._core.state_format import decode_state, encode_state
-from flowrl._engine.checkpoint_files import CheckpointFormat, _read_relay, _read_state
+from flowrl._engine.checkpoint_files import CheckpointFormat
+from flowrl._engine.checkpoint_state import read_relay, read_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -100,7 +101,7 @@ def test_a_tampered_engine_json_is_refused_naming_the_field(copy, fields, messag
 
 
 def test_an_engine_json_too_large_to_be_one_is_refused_before_reading(copy, monkeypatch):
-    monkeypatch.setattr("flowrl._engine.checkpoint_files.STATE_LIMIT", 100)
+    monkeypatch.setattr("flowrl._engine.checkpoint_state.STATE_LIMIT", 100)
     with pytest.raises(flowrl.CheckpointError, match=r"engine.json has \d+ bytes, more than the 100"):
         resume(copy)
 
@@ -137,12 +138,12 @@ def test_a_tampered_relay_buffer_is_refused_naming_the_field(copy, edit, message
 def test_relay_samples_resume_with_their_fields_kinds_and_without_them_from_an_older_checkpoint(copy):
     relay = decode_state((copy / "relay.msgpack").read_bytes())
     assert relay[0]["kinds"] and all(k and set(k.values()) <= {"tensor", "array", "list"} for k in relay[0]["kinds"])
-    restored = _read_relay(copy, _read_state(copy))
+    restored = read_relay(copy, read_state(copy))
     assert [dict(s.kinds) for s in restored[0].buffer] == relay[0]["kinds"]
     for episode in relay:  # a checkpoint written before kinds were kept
         del episode["kinds"]
     (copy / "relay.msgpack").write_bytes(encode_state(relay))
-    assert all(not s.kinds for s in _read_relay(copy, _read_state(copy))[0].buffer)
+    assert all(not s.kinds for s in read_relay(copy, read_state(copy))[0].buffer)
 
 
 def test_a_renamed_synced_model_is_refused_instead_of_serving_its_initial_weights(copy):
