@@ -123,6 +123,35 @@ def breakdown(llm: Any, prompt_ids: list[torch.Tensor], args: argparse.Namespace
     return result
 
 
+def invariance(policy: Any, n: int) -> dict[str, Any]:
+    """Does a sample draw the same tokens whatever call it lands in? Each sample's response in a
+    call of all ``n`` prompts, against the same samples (same ids, so the same seeds) reversed,
+    in a call of the first 17, and alone (the first 8, one call each): per variant the rows
+    compared, the rows identical, and where a differing row first differs (token index)."""
+
+    def responses(ids: list[int]) -> dict[int, list[int]]:
+        every = words(n)
+        batch = flowrl.Batch(torch.tensor(ids), {"prompt": [every[i] for i in ids]})
+        out = policy.forward_step(batch, 0)["response_ids"]
+        return {i: [int(t) for t in r] for i, r in zip(ids, out, strict=True)}
+
+    full = responses(list(range(n)))
+    variants = {
+        "reversed": responses(list(range(n))[::-1]),
+        "first_17": responses(list(range(min(17, n)))),
+        "alone": {k: v for i in range(min(8, n)) for k, v in responses([i]).items()},
+    }
+    result: dict[str, Any] = {}
+    for name, got in variants.items():
+        firsts = [
+            next((j for j, (a, b) in enumerate(zip(full[i], r, strict=False)) if a != b), min(len(full[i]), len(r)))
+            for i, r in got.items()
+            if full[i] != r
+        ]
+        result[name] = {"rows": len(got), "identical": len(got) - len(firsts), "first_difference_at": sorted(firsts)}
+    return result
+
+
 def own_process(args: argparse.Namespace, busy: GpuBusy | None) -> dict[str, Any]:
     """``breakdown`` with vLLM's usual layout: the engine core in a process of its own, the
     Python that feeds it and collects its outputs in this one, so that the two overlap."""
@@ -205,6 +234,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also the engine's own generate (see breakdown)")
     parser.add_argument("--own-process", action="store_true", help="only the breakdown, engine in its own process")
+    parser.add_argument("--invariance", type=int, default=0, help="only the batch-invariance check, of N prompts")
+    parser.add_argument("--batch-invariant", action="store_true", help="VLLMConfig.batch_invariant")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.own_process:
@@ -234,11 +265,20 @@ def main() -> None:
             "max_num_seqs": max(256, args.prompts),  # every prompt in the running batch at once
             "sleep": args.sleep,
             "engine_args": json.loads(args.engine_args),
+            "batch_invariant": args.batch_invariant,
         },
     )
     fast.gpu_ids = [0] if cuda else []
     fast.setup()
     record["vllm_start_s"] = round(time.perf_counter() - start, 1)
+    if args.invariance:
+        record |= {"batch_invariant": args.batch_invariant, "invariance": invariance(fast, args.invariance)}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"vllm-invariance-{args.arch}{'-batch-invariant' if args.batch_invariant else ''}.json"
+        (out / name).write_text(json.dumps(record, indent=1))
+        print(json.dumps(record), flush=True)
+        return
     record["vllm"] = timed(fast, batch, args.repeats, busy)
     print(json.dumps(record), flush=True)
     if args.breakdown:
