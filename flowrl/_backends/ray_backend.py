@@ -29,7 +29,7 @@ from .._core.errors import ClusterError, InputLostError, ReplicaDiedError
 from .local_channel import ERR, ChannelLost, ChannelServer, DriverEnd
 from .ray_actors import ReplicaActor, TrainerActor
 from .ray_shipping import check_picklable, ship_by_value
-from .ray_startup import StartupWatch, retrieved, set_up
+from .ray_startup import StartupWatch, open_channels, retrieved, set_up
 from .ray_wire import (
     INLINE_BYTES,
     Inline,
@@ -180,37 +180,7 @@ class RayBackend:
         if self._server is None:
             self._server = ChannelServer()
             await self._server.start()
-        server = self._server
-
-        async def connect(handle: ReplicaHandle) -> None:
-            token = uuid.uuid4().hex
-            end = server.expect(token)
-            # A replica connects before its call returns; its end is ready once the loop accepts.
-            await handle.ref.open_channel.remote(server.path, token)
-            self._channels[handle.ref] = await end
-            watch.connected(handle.ref)
-
-        for h in near:
-            watch.opening(h.ref)
-        connecting = [asyncio.ensure_future(connect(h)) for h in near]
-        try:
-            pending = await watch.wait(connecting, self.config.setup_timeout_s)
-            for fut in connecting:
-                if fut.done():
-                    fut.result()  # a failure, before the others' wait
-            if pending:
-                limit = self.config.setup_timeout_s
-                raise TimeoutError(f"not all connected within PipelineConfig.setup_timeout_s={limit}s")
-        except (TimeoutError, OSError, RayTaskError, RayActorError) as err:
-            reason = err.cause if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException) else err
-            raise ClusterError(
-                f"could not open the local channels of the replicas on the driver's node ({type(reason).__name__}: "
-                f"{reason}); PipelineConfig.local_channels=False sends every shard as a Ray call instead"
-            ) from err
-        finally:
-            for fut in connecting:
-                fut.cancel()
-                fut.add_done_callback(retrieved)
+        self._channels |= await open_channels(self._server, near, watch, self.config.setup_timeout_s)
 
     def _create(self, cls: Any, spec: ReplicaSpec, *args: Any) -> Any:
         ship_by_value(spec.model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,12 +18,14 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
+from .._core.errors import ClusterError
 from .ray_wire import translate
 from .specs import ActorCounts, ReplicaHandle
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Collection
 
+    from .local_channel import ChannelServer, DriverEnd
     from .specs import ReplicaSpec
 
 log = logging.getLogger("flowrl")
@@ -175,3 +178,40 @@ async def set_up(spec: ReplicaSpec, actor: Any, counts: ActorCounts, watch: Star
     watch.set_up(actor)
     counts.started(spec.model.name)
     return ReplicaHandle(spec.model.name, spec.replica_id, node, actor)
+
+
+async def open_channels(
+    server: ChannelServer, near: list[ReplicaHandle], watch: StartupWatch, timeout_s: float
+) -> dict[Any, DriverEnd]:
+    """The local channels of the replicas ``near`` the driver (on its node), by actor handle."""
+    channels: dict[Any, DriverEnd] = {}
+
+    async def connect(handle: ReplicaHandle) -> None:
+        token = uuid.uuid4().hex
+        end = server.expect(token)
+        # A replica connects before its call returns; its end is ready once the loop accepts.
+        await handle.ref.open_channel.remote(server.path, token)
+        channels[handle.ref] = await end
+        watch.connected(handle.ref)
+
+    for h in near:
+        watch.opening(h.ref)
+    connecting = [asyncio.ensure_future(connect(h)) for h in near]
+    try:
+        pending = await watch.wait(connecting, timeout_s)
+        for fut in connecting:
+            if fut.done():
+                fut.result()  # a failure, before the others' wait
+        if pending:
+            raise TimeoutError(f"not all connected within PipelineConfig.setup_timeout_s={timeout_s}s")
+    except (TimeoutError, OSError, RayTaskError, RayActorError) as err:
+        reason = err.cause if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException) else err
+        raise ClusterError(
+            f"could not open the local channels of the replicas on the driver's node ({type(reason).__name__}: "
+            f"{reason}); PipelineConfig.local_channels=False sends every shard as a Ray call instead"
+        ) from err
+    finally:
+        for fut in connecting:
+            fut.cancel()
+            fut.add_done_callback(retrieved)
+    return channels

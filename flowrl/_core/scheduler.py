@@ -13,12 +13,8 @@ Pending samples leave in order of their cost estimate, costliest first, then old
 the episode, and a shard then holds samples of similar cost, so a call that lasts as long as
 its longest sample wastes little.
 
-Deterministic mode (``PipelineConfig.deterministic``): a sample's numbers may depend on which
-samples share its call, so shards are fixed blocks: the sample at position k of its run is in
-block k // batch_size of each stage, cut whole, in id order, once every member is ready
-(``ready(places=)``; the run's last block once ``seal`` gives the run's size). No splitter, no
-cost order. Samples without a place (a loop's body) are blocks of one. A shard given back goes
-back whole once; samples given back again are suspects, cut alone.
+Deterministic mode (``PipelineConfig.deterministic``): shards are fixed blocks, cut whole in
+the order they filled (``fixed_blocks``); no splitter, no cost order.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from .call_cost import drain_share
+from .fixed_blocks import FixedBlocks
 from .splitter import policy as check_policy
 from .splitter import shard_size
 from .stage_queue import Assignment as Assignment
@@ -61,8 +58,7 @@ class PoolScheduler:
         self.prefetch = prefetch
         self.merges = merges  # a replica runs its shards at once (Model.merges_shards): one never waits
         self.deterministic = deterministic
-        self._sealed: dict[int, int] = {}  # deterministic: run -> its number of samples, once known
-        self._blocks = itertools.count()  # deterministic: cut blocks leave in the order they filled
+        self._blocks = FixedBlocks() if deterministic else None
         self.in_flight = [0] * replicas
         self._last_served = list(range(-replicas, 0))  # never served: in replica order
         self._stages: dict[str, StageQueue] = {}
@@ -133,43 +129,15 @@ class PoolScheduler:
         q = self._stages[stage]
         if q.dispatched + len(q.heap) + q.parked_n + len(ids) > q.expected:
             raise ValueError(f"stage {stage!r}: more samples ready than expected ({q.expected})")
-        if not self.deterministic:
+        if self._blocks is None:
             q.push(ids, costs)
-            return
-        every: Sequence[tuple[int, int] | None] = [None] * len(ids) if places is None else places
-        for i, place in zip(ids, every, strict=True):
-            if place is None:
-                self._cut_block(q, [i])
-                continue
-            key = (place[0], place[1] // q.batch_size)
-            q.parked.setdefault(key, []).append(i)
-            q.parked_n += 1
-            self._unpark(q, key)
+        else:
+            self._blocks.ready(q, ids, places)
 
     def seal(self, run: int, count: int) -> None:
         """Run ``run`` holds ``count`` samples (admission done): its last, short block may go."""
-        if not self.deterministic:
-            return
-        self._sealed[run] = count
-        for q in self._stages.values():
-            for key in [k for k in q.parked if k[0] == run]:
-                self._unpark(q, key)
-
-    def _unpark(self, q: StageQueue, key: tuple[int, int]) -> None:
-        """Cut block ``key`` if every member is ready (its size: a batch, or less at a run's end)."""
-        count = self._sealed.get(key[0])
-        size = q.batch_size if count is None else min(q.batch_size, count - key[1] * q.batch_size)
-        if len(q.parked[key]) >= size:
-            members = q.parked.pop(key)
-            q.parked_n -= len(members)
-            self._cut_block(q, sorted(members))
-
-    def _cut_block(self, q: StageQueue, ids: list[int]) -> None:
-        """``ids`` leave together as one shard, in id order, after the blocks cut before them."""
-        key = float(next(self._blocks))
-        q.lengths[key] = len(ids)
-        for i in ids:
-            heapq.heappush(q.heap, (key, i))
+        if self._blocks is not None:
+            self._blocks.seal(run, count, self._stages.values())
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
@@ -221,25 +189,12 @@ class PoolScheduler:
         q.expected -= len(dropped)
         q.admitted -= len(dropped)
         back = [i for i in assignment.ids if i not in dropped] if dropped else assignment.ids
-        if self.deterministic:
-            self._give_back_block(q, back)
+        if self._blocks is not None:
+            self._blocks.give_back(q, back)
         else:
             q.push(back, costs)
             q.suspects.update(back)
         self._changed(r)
-
-    def _give_back_block(self, q: StageQueue, back: list[int]) -> None:
-        # Whole the first time (a replica's death is seldom its samples' fault); given back again,
-        # each is a suspect cut alone: the block rule breaks rather than one sample spending its
-        # block's retries.
-        again = [i for i in back if i in q.returned]
-        whole = [i for i in back if i not in q.returned]
-        if whole:
-            q.returned.update(whole)
-            self._cut_block(q, sorted(whole))
-        for i in again:
-            self._cut_block(q, [i])
-        q.suspects.update(again)
 
     @property
     def serving(self) -> int:
@@ -432,7 +387,8 @@ class PoolScheduler:
 
     def forget_suspects(self) -> None:
         """Sample ids and run numbers start again (a resume): no suspect, no run's size known."""
-        self._sealed.clear()
+        if self._blocks is not None:
+            self._blocks.forget()
         for q in self._stages.values():
             q.suspects.clear()
             q.returned.clear()
