@@ -38,7 +38,7 @@ import ray
 
 import flowrl
 from flowrl._sim.simulate import INPUT, Workload, tails
-from flowrl._tools.loadtest import _table
+from flowrl._tools.loadtest_report import markdown_table
 from flowrl._tools.scenarios import Sleeper, scenarios
 
 MODES = {"sync": 0, "k=1": 1, "k=2": 2}
@@ -174,7 +174,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     def each(r: dict[str, Any], key: str) -> str:
         return " / ".join(f"{r[f'{m} {key}']:.2f}" for m in MODES)
 
-    return _table(
+    return markdown_table(
         [
             "scenario",
             "rollout s",
