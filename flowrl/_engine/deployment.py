@@ -13,9 +13,12 @@ from .._backends.select import make_backend
 from .._core.pipeline_stats import PipelineStats
 from .._core.streams import derived_seed
 from .._pipeline.opening import plain_errors, running
+from .._pipeline.parts import Joining
 from .._pipeline.progress import showing_startup
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle, ReplicaSpec
     from .._core.errors import ReplicaDiedError
@@ -41,20 +44,17 @@ class Deployment:
         backend: Backend,
         stack: contextlib.AsyncExitStack,
         trainers: dict[str, list[ReplicaHandle]],
-        rollout: AsyncPipeline,
-        evaluation: AsyncPipeline | None,
+        pools: tuple[AsyncPipeline, AsyncPipeline | None],
+        members: anyio.Lock,
     ) -> None:
         self.config = config
         self.placement = placement
         self.backend = backend
         self.trainers = trainers
-        self.rollout = rollout
-        self.evaluation = evaluation
-        self.members = anyio.Lock()
+        self.rollout, self.evaluation = pools
+        self.members = members
         self._stack = stack
         self._stopped: PipelineStatsPair | None = None  # the pipelines' last stats, once stopped
-        for pipe in self.pipelines():
-            pipe.members_lock, pipe.grow_spec = self.members, placement.grown
 
     @property
     def running(self) -> bool:
@@ -95,9 +95,14 @@ class Deployment:
 
 
 async def deploy(
-    config: RunConfig, placement: Placement, trainers: list[Model], rollout: FlowGraph, evaluation: FlowGraph | None
+    config: RunConfig,
+    placement: Placement,
+    trainers: list[Model],
+    graphs: tuple[FlowGraph, FlowGraph | None],
+    prepare: Callable[[ReplicaHandle], Awaitable[None]],
 ) -> Deployment:
-    """Start the trainer groups and the pipelines; on a failure, stop what started."""
+    """Start the trainer groups and the pipelines (rollout, evaluation); on a failure, stop what
+    started. ``prepare`` readies a replica that joins a pool later (hands it the weights)."""
     # RunConfig.deterministic reaches the backend (its replicas and trainer ranks run torch's
     # deterministic algorithms) and the pipelines (fixed shards)
     deterministic = config.deterministic or config.pipeline.deterministic
@@ -106,14 +111,15 @@ async def deploy(
     try:
         async with plain_errors():
             specs = [placement.spec(m, r) for m in trainers for r in range(m.config.replicas)]
-            specs += _pool_specs(placement, rollout, "") + _pool_specs(placement, evaluation, "-eval")
+            specs += _pool_specs(placement, graphs[0], "") + _pool_specs(placement, graphs[1], "-eval")
             backend.counts.expect(specs)
+            joining = Joining(spec=placement.grown, prepare=prepare)  # one lock for both pools
             with showing_startup(config.progress, backend.counts):
                 await backend.prepare(specs)  # an embedded cluster is sized for all pools
                 groups = {m.name: await _start_trainer(backend, config, placement, m) for m in trainers}
-                pipe, evaluating = await _start_pools(config, placement, backend, stack, rollout, evaluation)
+                pools = await _start_pools(config, placement, backend, stack, graphs, joining)
                 backend.counts.reserved |= backend.counts.groups  # every actor started: so were their groups
-            return Deployment(config, placement, backend, stack, groups, pipe, evaluating)
+            return Deployment(config, placement, backend, stack, groups, pools, joining.lock)
     except BaseException:
         await _close(stack, backend)
         raise
@@ -124,14 +130,15 @@ async def _start_pools(
     placement: Placement,
     backend: Backend,
     stack: contextlib.AsyncExitStack,
-    rollout: FlowGraph,
-    evaluation: FlowGraph | None,
+    graphs: tuple[FlowGraph, FlowGraph | None],
+    joining: Joining,
 ) -> tuple[AsyncPipeline, AsyncPipeline | None]:
+    rollout, evaluation = graphs
     seed = config.seed if config.pipeline.seed is None else config.pipeline.seed
     # the engine's own view covers the pools
     deterministic = config.deterministic or config.pipeline.deterministic
     cfg = msgspec.structs.replace(config.pipeline, progress="off", seed=seed, deterministic=deterministic)
-    pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec))
+    pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec, joining))
     if evaluation is None:
         return pipe, None
     # its samples are numbered apart from the rollout's: streams of their own
@@ -141,6 +148,7 @@ async def _start_pools(
             backend,
             msgspec.structs.replace(cfg, seed=derived_seed(seed, "eval")),
             lambda m, r: placement.spec(m, r, "-eval"),
+            joining,
         )
     )
     return pipe, evaluating

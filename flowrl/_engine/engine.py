@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from pathlib import Path
 
+    from .._backends.specs import ReplicaHandle
     from .._core.batch import Sample
     from .._core.graph import FlowGraph
     from .._core.model import Model
@@ -231,6 +232,12 @@ class Engine:
         async with self:
             return await self._learn()
 
+    async def _join(self, handle: ReplicaHandle) -> None:
+        """A replica joining a pool gets the weights the others hold. Pools grow only while the
+        block's components are wired (inside ``learn()`` or a resize), after ``_wire``."""
+        assert self._session is not None, "a replica joined before the engine's components were wired"
+        await self._session.weights.join(handle)
+
     def _running(self) -> Session | None:
         """The components at work, inside `with engine:`."""
         return self._session if self._session is not None and self._session.deployment.running else None
@@ -258,7 +265,8 @@ class Engine:
                 "an engine runs in one `with engine:` block: its actors and trainer state end with the block"
             )
         started = time.time()
-        deployment = await deploy(self.config, self.placement, self.trainers, self.rollout_graph, self.eval_graph)
+        graphs = (self.rollout_graph, self.eval_graph)
+        deployment = await deploy(self.config, self.placement, self.trainers, graphs, self._join)
         self.timeline.add(ENGINE, 0, "startup", started, time.time())
         self._session = self._wire(deployment)
         self._pipe_timelines = [("", deployment.rollout.timeline)]
@@ -269,15 +277,12 @@ class Engine:
     def _wire(self, deployment: Deployment) -> Session:
         """The components that work on ``deployment``, each handed its collaborators."""
         cfg, learning, files = self.config, self._learning, self._checkpoint_files
-        weights = WeightSync(cfg, self.sync_pairs, deployment)
-        for pipe in deployment.pipelines():
-            pipe.join_hook = weights.join  # a replica joining gets the weights the others hold
+        replay = Replay(cfg.replay_schedule, lambda: weights.versions) if cfg.replay_schedule else None
+        weights = WeightSync(cfg, self.sync_pairs, deployment, replay)
         trainers = TrainSteps(cfg, self.trainers, deployment, learning.counters, self.timeline)
         checkpoints = CheckpointManager(cfg, files, learning, self.trainers, deployment, weights)
         synced = [t.name for _, t in self.sync_pairs]
         record = ScheduleLog(cfg.record_schedule, schedule_settings(cfg, synced)) if cfg.record_schedule else None
-        replay = Replay(cfg.replay_schedule, lambda: weights.versions) if cfg.replay_schedule else None
-        weights.watch = replay
         overlap = Overlap(cfg, learning, deployment.rollout, weights, files, self.timeline, record, replay)
         elasticity = Elasticity([m.name for m in self.trainers], deployment.rollout)
         episodes = EpisodeLoop(

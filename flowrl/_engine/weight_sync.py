@@ -30,7 +30,9 @@ class WeightSync:
     replicas may hold a newer one), the weights last sent to it, the broadcast group its
     replicas last formed, and, once a checkpoint exists, its weights from before its first sync."""
 
-    def __init__(self, config: RunConfig, pairs: list[tuple[Model, Model]], deployment: Deployment) -> None:
+    def __init__(
+        self, config: RunConfig, pairs: list[tuple[Model, Model]], deployment: Deployment, watch: Replay | None = None
+    ) -> None:
         self.config = config
         self.pairs = pairs
         self.deployment = deployment
@@ -39,7 +41,7 @@ class WeightSync:
         self.groups: dict[str, tuple[list[Any], Group]] = {}  # model -> (members, group) of its last broadcast
         self._first: dict[str, Any] = {}  # model -> its weights before the first sync (or the error reading them)
         self._keep_first = False
-        self.watch: Replay | None = None  # a replayed schedule: told of each sync, may hold it back
+        self.watch = watch  # a replayed schedule: told of each sync, may hold it back
 
     @property
     def versions(self) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Membership: replicas added to and removed from the pools while runs go on.
 
-A replica added starts its actor, is handed the pool's current weights (``join_hook``, under
-``members_lock`` so that a weight sync in progress sees it either before or after), then its
+A replica added starts its actor, is handed the pool's current weights (``Joining.prepare``, under
+``Joining.lock`` so that a weight sync in progress sees it either before or after), then its
 slots pull shards like the others'. A replica removed is retired in the scheduler first: it is
 cut no new shard, finishes the ones it holds, and its actor stops once its slots have left, so
 no sample is lost or run twice.
@@ -15,18 +15,14 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .._backends.specs import default_spec
 from .._core import checks
 from .._core.autoscale import ScaleEvent
 from .._core.errors import ConfigError, FlowError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from .._backends.abc import Cluster
-    from .._backends.specs import ReplicaHandle, ReplicaSpec
+    from .._backends.specs import ReplicaHandle
     from .._core.autoscale import Reading
-    from .._core.model import Model
     from .dispatch import Dispatcher
     from .parts import Parts
     from .pools import AsyncPool
@@ -37,8 +33,7 @@ AUTOSCALE = "autoscale"  # the timeline group of resize events
 
 
 class Membership:
-    """Grows and shrinks the pools; ``grow_spec`` places a new replica, ``join_hook`` prepares
-    it (an engine hands it the current weights) before it serves."""
+    """Grows and shrinks the pools; a replica added joins as ``Parts.joining`` says."""
 
     def __init__(self, parts: Parts, dispatcher: Dispatcher, runs: Runs) -> None:
         self._graph = parts.graph
@@ -51,8 +46,7 @@ class Membership:
         self._timeline = parts.timeline
         self._supervisor = parts.supervisor
         self._replacements = parts.replacements
-        self.grow_spec: Callable[[Model, int], ReplicaSpec] = default_spec
-        self.join_hook: Callable[[ReplicaHandle], Awaitable[None]] | None = None
+        self.joining = parts.joining
         self.scale_events: list[ScaleEvent] = []
         self._resizing = anyio.Lock()
 
@@ -127,14 +121,14 @@ class Membership:
             raise ConfigError(f"add_replicas({model!r}, {count}): count must be >= 1")
         first, before = pool.scheduler.replicas, len(self.serving(model))  # ids are never reused
         handles = await self._cluster.start(
-            [self.grow_spec(self._graph.models[model], r) for r in range(first, first + count)]
+            [self.joining.spec(self._graph.models[model], r) for r in range(first, first + count)]
         )
         joining, served = sorted(handles, key=lambda h: h.replica_id), 0
         try:
-            async with self._roster.members_lock:
+            async with self.joining.lock:
                 for handle in joining:
-                    if self.join_hook is not None:
-                        await self.join_hook(handle)
+                    if self.joining.prepare is not None:
+                        await self.joining.prepare(handle)
                     self._serve(handle)
                     served += 1
         except BaseException:
@@ -190,7 +184,7 @@ class Membership:
             pool.retire(r)
         for event in left:
             await event.wait()
-        async with self._roster.members_lock:  # a weight sync sends to the replicas listed
+        async with self.joining.lock:  # a weight sync sends to the replicas listed
             gone = self._roster.leave(model, chosen)
         for r in chosen:
             self._recorder.remove_replica(model, r, self._runs.active_now())

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .._core.batch import Sample
     from .._core.pipeline_stats import PipelineStats
     from .._core.trace import Timeline
+    from .parts import Joining
 
 Flow = Callable[[Node], Any]
 
@@ -80,14 +81,18 @@ async def plain_errors() -> AsyncIterator[None]:
 
 @contextlib.asynccontextmanager
 async def running(
-    graph: FlowGraph, backend: Backend, config: PipelineConfig, make_spec: SpecFn = default_spec
+    graph: FlowGraph,
+    backend: Backend,
+    config: PipelineConfig,
+    place: SpecFn = default_spec,
+    joining: Joining | None = None,
 ) -> AsyncIterator[AsyncPipeline]:
-    """Start ``graph``'s pools on ``backend`` and run their pullers until the block exits."""
+    """Start ``graph``'s pools on ``backend`` (each replica where ``place`` says) and run their
+    pullers until the block exits; ``joining``: how a replica added later joins."""
     check_deterministic(graph, config)  # before any replica starts
     async with anyio.create_task_group() as tg:
-        handles = await backend.start(replica_specs(graph, make_spec))
-        pipe = AsyncPipeline(graph, backend, config, handles)
-        pipe.grow_spec = make_spec
+        handles = await backend.start(replica_specs(graph, place))
+        pipe = AsyncPipeline(graph, backend, config, handles, joining)
         pipe.start(tg)
         try:
             yield pipe

@@ -2,8 +2,9 @@
 
 ``Parts`` holds the flow, its settings and the backend, and the state that several components
 read or move: the samples in flight (``Ledger``), the pools and the window, the replicas
-serving (``Roster``), the stats and the timeline, the task group (``Supervisor``). A component
-takes ``Parts`` and, besides, only the components it calls.
+serving (``Roster``), the stats and the timeline, the task group (``Supervisor``), and how a
+replica added later joins (``Joining``). A component takes ``Parts`` and, besides, only the
+components it calls.
 
 Two requests run against the order in which the components are built; each goes through a
 queue instead of a callback set afterwards:
@@ -17,17 +18,21 @@ queue instead of a callback set afterwards:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
 
+from .._backends.specs import default_spec
+
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
     from .._backends.abc import Backend
+    from .._backends.specs import ReplicaHandle, ReplicaSpec
     from .._core.config import PipelineConfig
     from .._core.graph import FlowGraph
+    from .._core.model import Model
     from .._core.pipeline_stats import StatsRecorder
     from .._core.trace import Timeline
     from .ledger import Ledger
@@ -50,6 +55,20 @@ class Replacements:
         self._send.send_nowait(model)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Joining:
+    """How a replica added to a running pool joins it, fixed when the pipeline is built.
+
+    ``spec`` places it (an engine: in its placement group). ``lock`` is held while the members
+    change; an engine's weight sync holds it too, so that a sync sees a joining replica either
+    before or after. ``prepare`` is awaited for the replica under the lock, before it serves (an
+    engine sends it the current weights); if it fails, the replica is stopped."""
+
+    spec: Callable[[Model, int], ReplicaSpec] = default_spec
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    prepare: Callable[[ReplicaHandle], Awaitable[None]] | None = None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Parts:
     graph: FlowGraph
@@ -63,3 +82,4 @@ class Parts:
     timeline: Timeline
     supervisor: Supervisor
     replacements: Replacements
+    joining: Joining

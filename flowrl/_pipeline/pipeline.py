@@ -32,7 +32,7 @@ from .calls import ShardCaller
 from .dispatch import Dispatcher
 from .ledger import Ledger
 from .membership import Membership
-from .parts import Parts, Replacements
+from .parts import Joining, Parts, Replacements
 from .pools import AsyncPool, Window
 from .progress import log, mode, run_line, watch_run
 from .recovery import Recovery
@@ -41,18 +41,17 @@ from .runs import Runs
 from .supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+    from collections.abc import AsyncGenerator, Iterable
     from pathlib import Path
 
     from anyio.abc import TaskGroup
 
     from .._backends.abc import Backend
-    from .._backends.specs import ReplicaHandle, ReplicaSpec
+    from .._backends.specs import ReplicaHandle
     from .._core.autoscale import Reading, ScaleEvent
     from .._core.batch import Sample
     from .._core.config import PipelineConfig
     from .._core.graph import FlowGraph
-    from .._core.model import Model
     from .inflight import Run
     from .runs import Items
 
@@ -84,7 +83,12 @@ class AsyncPipeline:
     ``pipe.stats()``, ``pipe.placement``. Get one from ``flowrl.open_pipeline``."""
 
     def __init__(
-        self, graph: FlowGraph, backend: Backend, config: PipelineConfig, handles: list[ReplicaHandle]
+        self,
+        graph: FlowGraph,
+        backend: Backend,
+        config: PipelineConfig,
+        handles: list[ReplicaHandle],
+        joining: Joining | None = None,
     ) -> None:
         self.graph = graph
         self.config = config
@@ -110,6 +114,7 @@ class AsyncPipeline:
             timeline=self.timeline,
             supervisor=self._supervisor,
             replacements=Replacements(self._pools),
+            joining=joining or Joining(),
         )
         call = ShardCaller(parts)
         self._recovery = recovery = Recovery(parts, call)
@@ -296,30 +301,3 @@ class AsyncPipeline:
     @property
     def scale_events(self) -> list[ScaleEvent]:
         return self._membership.scale_events
-
-    @property
-    def grow_spec(self) -> Callable[[Model, int], ReplicaSpec]:
-        """Where a replica added later goes (an engine places it in its placement group)."""
-        return self._membership.grow_spec
-
-    @grow_spec.setter
-    def grow_spec(self, spec: Callable[[Model, int], ReplicaSpec]) -> None:
-        self._membership.grow_spec = spec
-
-    @property
-    def join_hook(self) -> Callable[[ReplicaHandle], Awaitable[None]] | None:
-        """Awaited for each replica added, before it serves (an engine sends it the weights)."""
-        return self._membership.join_hook
-
-    @join_hook.setter
-    def join_hook(self, hook: Callable[[ReplicaHandle], Awaitable[None]] | None) -> None:
-        self._membership.join_hook = hook
-
-    @property
-    def members_lock(self) -> anyio.Lock:
-        """Held while the members change; an engine shares it with its weight syncs."""
-        return self._roster.members_lock
-
-    @members_lock.setter
-    def members_lock(self, lock: anyio.Lock) -> None:
-        self._roster.members_lock = lock

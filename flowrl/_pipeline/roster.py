@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import anyio
-
 if TYPE_CHECKING:
     from collections.abc import Collection
 
@@ -17,15 +15,10 @@ Key = tuple[str, int]  # (model, replica)
 
 
 class Roster:
-    """Replica handles, and the open starvation interval of each replica with nothing to run.
-
-    ``members_lock`` orders changes of members against whoever sends to every member (an
-    engine's weight sync shares it), so that a sync sees a joining replica before or after.
-    """
+    """Replica handles, and the open starvation interval of each replica with nothing to run."""
 
     def __init__(self, handles: list[ReplicaHandle], recorder: StatsRecorder) -> None:
         self.handles = list(handles)
-        self.members_lock = anyio.Lock()
         self._recorder = recorder
         started = time.perf_counter()  # every replica waits for work from the start
         self._hungry: dict[Key, float] = {(h.model, h.replica_id): started for h in handles}

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 import flowrl
+from flowrl._backends.select import make_backend
+from flowrl._pipeline.opening import build_flow, running
+from flowrl._pipeline.parts import Joining
 from flowrl.testing import Scale, flowrl_actor_names
 
 STAGE = "m.forward_step"
@@ -102,19 +105,29 @@ def test_resize_errors_name_the_model_and_the_limit(ray_cluster):
 def test_a_replica_that_cannot_join_is_stopped_at_once_and_the_pool_grows_later(ray_cluster):
     m = Scale("m", {"num_replicas": 1, **CPU}, srcs=["x"], dst="y")
 
-    async def refuse(handle):
-        raise flowrl.StageError("no weights for it", "m.set_weights", handle.replica_id, [])
+    refusing = [True]
+
+    async def refuse(handle):  # what an engine's weight hand-over does when it fails
+        if refusing[0]:
+            raise flowrl.StageError("no weights for it", "m.set_weights", handle.replica_id, [])
 
     async def main():
-        async with flowrl.open_pipeline(lambda x: m.forward_step(x), {"progress": "off"}) as pipe:
-            pipe.join_hook = refuse  # what an engine's weight hand-over does when it fails
-            with pytest.raises(flowrl.StageError, match="no weights for it"):
-                await pipe.add_replicas("m", 2)
-            names = flowrl_actor_names()
-            pipe.join_hook = None
-            assert await pipe.add_replicas("m", 1) == [1]  # the ids the failed joins had are free
-            samples = await pipe.run([{"x": np.ones(1)} for _ in range(16)])
-            return names, samples, pipe.stats()
+        config = flowrl.PipelineConfig(progress="off")
+        graph, backend = build_flow(lambda x: m.forward_step(x)), make_backend(config)
+        try:
+            async with running(graph, backend, config, joining=Joining(prepare=refuse)) as pipe:
+                return await grow(pipe)
+        finally:
+            await backend.close()
+
+    async def grow(pipe):
+        with pytest.raises(flowrl.StageError, match="no weights for it"):
+            await pipe.add_replicas("m", 2)
+        names = flowrl_actor_names()
+        refusing[0] = False
+        assert await pipe.add_replicas("m", 1) == [1]  # the ids the failed joins had are free
+        samples = await pipe.run([{"x": np.ones(1)} for _ in range(16)])
+        return names, samples, pipe.stats()
 
     names, samples, stats = anyio.run(main)
     assert sum(1 for n in names if "-m-" in n) == 1  # the two that could not join are gone already
