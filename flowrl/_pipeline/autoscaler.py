@@ -15,8 +15,8 @@ from .._core.errors import FlowError
 if TYPE_CHECKING:
     from .._backends.abc import Cluster
     from .._core.config import Autoscale
-    from .membership import Membership
     from .parts import Parts
+    from .resizer import Resizer
     from .runs import Runs
 
 log = logging.getLogger("flowrl")
@@ -24,12 +24,12 @@ Sample = tuple[float, float]  # (when, starved seconds so far)
 
 
 class Autoscaler:
-    def __init__(self, parts: Parts, membership: Membership, runs: Runs) -> None:
+    def __init__(self, parts: Parts, resizer: Resizer, runs: Runs) -> None:
         self._graph = parts.graph
         self._cluster: Cluster = parts.backend
         self._pools = parts.pools
         self._roster = parts.roster
-        self._membership = membership
+        self._resizer = resizer
         self._runs = runs
         self._recorder = parts.recorder
         self.configs: dict[str, Autoscale] = {
@@ -50,9 +50,7 @@ class Autoscaler:
                 readings = [self._reading(n, last[n], now[n]) for n in self.configs]
                 for event in policy.decide(readings, await self._cluster.free()):
                     try:
-                        await self._membership.resize(
-                            event.model, event.after, reason=event.reason, reading=event.reading
-                        )
+                        await self._resizer.resize(event.model, event.after, reason=event.reason, reading=event.reading)
                     except FlowError as err:  # e.g. no room after all: the run goes on as it is
                         log.warning(
                             "autoscaler: could not %s %s to %d replicas: %s",
@@ -73,10 +71,10 @@ class Autoscaler:
         return out
 
     def _reading(self, model: str, before: Sample, after: Sample) -> Reading:
-        serving = len(self._membership.serving(model))
+        serving = len(self._resizer.serving(model))
         elapsed = max(1e-9, after[0] - before[0]) * serving
         queued = sum(q for q, _ in self._pools[model].scheduler.queues().values())
-        spec = self._membership.joining.spec(self._graph.models[model], 0)
+        spec = self._resizer.joining.spec(self._graph.models[model], 0)
         return Reading(
             model=model,
             serving=serving,

@@ -10,7 +10,7 @@ Two requests run against the order in which the components are built; each goes 
 queue instead of a callback set afterwards:
 
 - a slot whose call hung asks for a replica in place of the one stopped (``Replacements``,
-  served by ``Membership``);
+  served by ``Resizer``);
 - samples dropped once their retries are spent are returned by ``Recovery`` to its caller,
   who ends them in their run.
 """
@@ -46,7 +46,7 @@ class Replacements:
 
     def __init__(self, pools: Mapping[str, AsyncPool]) -> None:
         self._pools = pools
-        self._send, self.requests = anyio.create_memory_object_stream[str](math.inf)  # Membership reads them
+        self._send, self.requests = anyio.create_memory_object_stream[str](math.inf)  # Resizer reads them
 
     def ask(self, model: str) -> None:
         """Ask for one replica of ``model``. Counted at once: until it serves, the pool does not

@@ -9,7 +9,7 @@ Each component owns its state and is handed its collaborators here:
 - ``Roster``: the replicas serving and their starvation; ``ShardCaller``: one shard call;
 - ``Recovery``: shards sent again, outputs lost with a node computed again;
 - ``Admission`` and ``Runs``: items into the window, samples out in order;
-- ``Dispatcher``: the slots of every replica; ``Membership`` and ``Autoscaler``: pools that
+- ``Dispatcher``: the slots of every replica; ``Resizer`` and ``Autoscaler``: pools that
   grow and shrink.
 """
 
@@ -31,11 +31,11 @@ from .blocks import place_blocks
 from .calls import ShardCaller
 from .dispatch import Dispatcher
 from .ledger import Ledger
-from .membership import Membership
 from .parts import Joining, Parts, Replacements
 from .pools import AsyncPool, Window
 from .progress import log, mode, run_line, watch_run
 from .recovery import Recovery
+from .resizer import Resizer
 from .roster import Roster
 from .runs import Runs
 from .supervisor import Supervisor
@@ -120,8 +120,8 @@ class AsyncPipeline:
         self._recovery = recovery = Recovery(parts, call)
         self._runs = Runs(parts, Admission(parts), recovery)
         self._dispatcher = Dispatcher(parts, call, recovery, self._runs)
-        self._membership = Membership(parts, self._dispatcher, self._runs)
-        self._autoscaler = Autoscaler(parts, self._membership, self._runs)
+        self._resizer = Resizer(parts, self._dispatcher, self._runs)
+        self._autoscaler = Autoscaler(parts, self._resizer, self._runs)
 
     # ---- lifecycle (driven by ``running``) ----
     def start(self, tg: TaskGroup) -> None:
@@ -129,7 +129,7 @@ class AsyncPipeline:
         self._supervisor.attach(tg)
         for handle in self._roster.handles:
             self._dispatcher.serve(handle)
-        tg.start_soon(self._membership.replace)  # replicas in place of those whose calls hung
+        tg.start_soon(self._resizer.replace)  # replicas in place of those whose calls hung
         if self._autoscaler.configs:
             tg.start_soon(self._autoscaler.run)
 
@@ -281,23 +281,23 @@ class AsyncPipeline:
     # ---- elastic pools ----
     def serving(self, model: str) -> list[int]:
         """The replicas of ``model`` serving now (neither removed nor dead)."""
-        return self._membership.serving(model)
+        return self._resizer.serving(model)
 
     async def resize(
         self, model: str, replicas: int, *, reason: str = "requested", reading: Reading | None = None
     ) -> list[int]:
         """Grow or shrink ``model``'s pool to ``replicas`` serving; the ids added or removed."""
-        return await self._membership.resize(model, replicas, reason=reason, reading=reading)
+        return await self._resizer.resize(model, replicas, reason=reason, reading=reading)
 
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:
         """Start ``count`` replicas of ``model``; they pull shards as soon as they are set up."""
-        return await self._membership.add_replicas(model, count)
+        return await self._resizer.add_replicas(model, count)
 
     async def remove_replicas(self, model: str, count: int = 1) -> list[int]:
         """Stop ``count`` replicas of ``model`` (the least busy, then the newest): each is cut no
         new shard, finishes those it holds, then its actor stops."""
-        return await self._membership.remove_replicas(model, count)
+        return await self._resizer.remove_replicas(model, count)
 
     @property
     def scale_events(self) -> list[ScaleEvent]:
-        return self._membership.scale_events
+        return self._resizer.scale_events

@@ -34,7 +34,7 @@ class AsyncPool:
 
     def __init__(self, scheduler: PoolScheduler) -> None:
         self.scheduler = scheduler
-        self.replacing = 0  # replicas starting in place of stopped ones (``Membership.replace``)
+        self.replacing = 0  # replicas starting in place of stopped ones (``Resizer.replace``)
         # deterministic mode: each sample's (run, position in it) on a stage (``blocks.Places``)
         self.places: Places | None = None
         self._waiters: dict[int, deque[_Waiter]] = {r: deque() for r in range(scheduler.replicas)}

@@ -1,4 +1,4 @@
-"""Membership: replicas added to and removed from the pools while runs go on.
+"""Resizer: replicas added to and removed from the pools while runs go on.
 
 A replica added starts its actor, is handed the pool's current weights (``Joining.prepare``, under
 ``Joining.lock`` so that a weight sync in progress sees it either before or after), then its
@@ -32,7 +32,7 @@ log = logging.getLogger("flowrl")
 AUTOSCALE = "autoscale"  # the timeline group of resize events
 
 
-class Membership:
+class Resizer:
     """Grows and shrinks the pools; a replica added joins as ``Parts.joining`` says."""
 
     def __init__(self, parts: Parts, dispatcher: Dispatcher, runs: Runs) -> None:
