@@ -30,11 +30,12 @@ from .._core.names import check_name
 from .._core.run_config import RunConfig
 from .._core.trace import ENGINE, Span, Timeline, chrome_trace, write_json
 from .._pipeline.opening import Flow, build_flow, plain_errors
-from .._pipeline.progress import interrupted, stopped_line
+from .._pipeline.progress import interrupted
 from .checkpoint_files import CheckpointFormat
 from .checkpoints import CheckpointManager
 from .deployment import Deployment, deploy
 from .elastic import Elasticity
+from .engine_view import stopped_line
 from .episodes import EpisodeLoop
 from .learning import CostFn, LearningState, RelayFn, dataset_items
 from .models import all_models, apply_model_configs, check, sync_pairs, trainer_models

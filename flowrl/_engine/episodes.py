@@ -12,8 +12,8 @@ from .._core.errors import CheckpointError
 from .._core.loops import turn_counts
 from .._core.staleness import histogram, segment_histogram
 from .._core.trace import ENGINE
-from .._pipeline.progress import Progress
 from .engine_stats import EpisodeStats, mean_metrics
+from .engine_view import Progress
 from .run_folder import metric_values
 
 if TYPE_CHECKING:

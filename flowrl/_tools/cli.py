@@ -110,7 +110,7 @@ def one_line(err: BaseException) -> str:
 def run_main(args: argparse.Namespace) -> int:
     import logging
 
-    from .._pipeline import progress
+    from .._engine import engine_view
     from .run_file import build_engine, load_run_file, run_imports
 
     if not logging.getLogger().handlers:  # episode lines when stderr is not a terminal
@@ -130,7 +130,7 @@ def run_main(args: argparse.Namespace) -> int:
         if run_dir is not None:
             print(f"run folder: {run_dir}", flush=True)
             # run again as it was, this command would make a new folder: point at the one printed
-            progress.RESUME_HOW = "resume into this folder with the command printed below"
+            engine_view.RESUME_HOW = "resume into this folder with the command printed below"
         try:
             stats = engine.learn()
         except BaseException:  # Ctrl-C or a failure: what was written is there to read

@@ -62,7 +62,8 @@ def test_progress_lines_reach_stderr_unless_the_application_configured_logging()
 
 
 def test_the_title_gives_the_episode_phase_pace_and_eta():
-    from flowrl._pipeline.progress import duration, pace, title
+    from flowrl._engine.engine_view import pace, title
+    from flowrl._pipeline.progress import duration
 
     assert pace(3, 3, 30, 10.0) == (None, None)  # no episode of this learn() done yet
     assert pace(13, 3, 30, 20.0) == (0.5, 34.0)  # 10 episodes in 20 s, 17 left
@@ -92,7 +93,7 @@ def _rows(text: str) -> dict[str, list[str]]:
 
 
 def test_the_trainer_rows_show_ranks_busy_and_samples_trained_this_episode():
-    from flowrl._pipeline.progress import trainer_table
+    from flowrl._engine.engine_view import trainer_table
 
     rows = {"ppo_policy": (2, 2, 96), "ppo_value": (0, 1, 40)}
     text = _text(trainer_table(rows, {"ppo_policy": 64, "ppo_value": 40}))
@@ -122,7 +123,7 @@ def test_the_stop_and_resume_lines_say_where_and_how_to_go_on():
     from pathlib import Path
 
     from flowrl._engine.checkpoints import resume_line
-    from flowrl._pipeline.progress import stopped_line
+    from flowrl._engine.engine_view import stopped_line
 
     assert stopped_line(12, 30, Path("runs/x/episode-000010"), "runs/x") == (
         "flowrl: stopped at episode 13 of 30 (12 done); last checkpoint runs/x/episode-000010; "
