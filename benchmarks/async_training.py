@@ -2,8 +2,8 @@
 
 Each load-test scenario (``flowrl/_tools/loadtest.py``) is an episode's rollout: the same sleeping
 stages, its policy stage fed weights by a trainer whose one step per episode sleeps
-``train_s`` (standing in for GPU training). Synchronous training (``max_staleness=0``) runs
-rollout, then training and sync, so an episode takes their sum; with ``max_staleness`` k > 0
+``train_s`` (standing in for GPU training). Synchronous training (``staleness.max=0``) runs
+rollout, then training and sync, so an episode takes their sum; with ``staleness.max`` k > 0
 the next rollout runs while an episode trains, so it should take about the longer of the two.
 
 Per scenario, one engine per mode (sync, k=1, k=2) stays open (starting ~30 actors takes
@@ -114,7 +114,7 @@ def make_engine(w: Workload, k: int, episodes: int) -> flowrl.Engine:
             nodes[st.name] = models[st.name].forward_step(*[nodes[i] for i in st.inputs])
         return tuple(nodes[st.name] for st in w.stages if not any(st.name in o.inputs for o in w.stages))
 
-    config = {"sample_per_episode": w.samples, "num_episode": episodes, "max_staleness": k, "progress": "off"}
+    config = {"sample_per_episode": w.samples, "num_episode": episodes, "staleness": {"max": k}, "progress": "off"}
     return flowrl.Engine(rollout=flow, train=[trainer], sync=[(trainer, models["policy"])], config=config)
 
 

@@ -1,7 +1,7 @@
 """The staleness of a partial rollout's segments under asynchronous training (issue 23).
 
 An engine trains on samples generated in segments (a ``flowrl.loop`` over a policy that writes at
-most ``--segment`` tokens a call) with ``max_staleness`` 1: rollouts run ahead of training and
+most ``--segment`` tokens a call) with ``staleness.max`` 1: rollouts run ahead of training and
 weight syncs land between shards, so one sample's segments may come from different weights.
 Prints, per episode, the samples' staleness by their oldest segment (what the bound checks) and
 every segment's, from ``EpisodeStats``, and how many segments each sample took.
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             "sample_per_episode": 32,
             "num_episode": args.episodes,
             "train_global_batch_size": 16,
-            "max_staleness": 1,
+            "staleness": {"max": 1},
             "progress": "off",
             "pipeline": {"backend": args.backend},
         },

@@ -27,7 +27,7 @@ from ._core.lengths import LengthMemory
 from ._core.loops import loop
 from ._core.model import Model, step
 from ._core.pipeline_stats import LoopStats, PipelineStats, ReplicaStats, StageStats
-from ._core.run_config import LoggerConfig, RunConfig
+from ._core.run_config import CheckpointConfig, LoggerConfig, ReproducibilityConfig, RunConfig, StalenessConfig
 from ._core.sampler import EpisodeBuffer
 from ._core.splitter import POLICIES as SPLITTERS
 from ._engine.engine import Engine
@@ -46,6 +46,7 @@ __all__ = [
     "Autoscale",
     "Batch",
     "CallCostPrior",
+    "CheckpointConfig",
     "CheckpointError",
     "ClusterError",
     "ConfigError",
@@ -76,6 +77,7 @@ __all__ = [
     "RankStats",
     "ReplicaDiedError",
     "ReplicaStats",
+    "ReproducibilityConfig",
     "RunConfig",
     "SPLITTERS",
     "Sample",
@@ -85,6 +87,7 @@ __all__ = [
     "StageCost",
     "StageError",
     "StageStats",
+    "StalenessConfig",
     "TensorBoardLogger",
     "TrainerStats",
     "WandbLogger",

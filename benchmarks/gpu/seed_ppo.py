@@ -11,7 +11,7 @@ GPU (``RunConfig.colocation``), as ChatLearn colocates them. Responses end at lo
 lengths (hf_lengths.LengthPolicy forces eos at each sample's target).
 
 Each ``--modes`` entry is one engine run of ``--episodes`` episodes on the same models and data:
-``sync`` (``max_staleness`` 0) and ``async`` (``max_staleness`` 1). Per mode, over the episodes
+``sync`` (``staleness.max`` 0) and ``async`` (``staleness.max`` 1). Per mode, over the episodes
 after the first (CUDA's warm-up): seconds per episode (the run's wall time over its episodes),
 per phase (rollout, generation, each scorer, each trainer, weight sync) the median seconds, the
 rollout's generated tokens/s, each model's replicas used per episode, each GPU's
@@ -64,7 +64,7 @@ from flowrl import hf  # noqa: E402
 
 ROLLOUT = ("policy", "reference", "value", "reward")
 TRAINERS = ("ppo_policy", "ppo_value")
-MODES = {"sync": 0, "async": 1}  # max_staleness
+MODES = {"sync": 0, "async": 1}  # RunConfig.staleness.max
 
 
 def build(args: argparse.Namespace, gpus: int, tokenizer: str) -> list[flowrl.Model]:
@@ -163,7 +163,7 @@ def run_mode(
         "sample_per_episode": args.samples,
         "num_episode": args.episodes,
         "train_global_batch_size": args.samples // args.steps,
-        "max_staleness": MODES[mode],
+        "staleness": {"max": MODES[mode]},
         "seed": args.seed,
         "progress": "off",
         "colocation": [[m.name for m in models]] if gpus else [],
@@ -313,7 +313,7 @@ def main() -> None:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     layout_arguments(p, "/tmp/flowrl-seed-ppo")
-    p.add_argument("--modes", default="sync,async", help="comma-separated: sync (max_staleness 0), async (1)")
+    p.add_argument("--modes", default="sync,async", help="comma-separated: sync (staleness.max 0), async (1)")
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="the policy samples with generate or vLLM")
     p.add_argument("--vllm-memory", type=float, default=0.1, help="each engine's VLLMConfig.gpu_memory_utilization")
     p.add_argument("--vllm-kv-gib", type=float, default=0.0, help="each engine's KV cache in GiB (0: vLLM's profile)")

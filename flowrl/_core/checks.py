@@ -168,6 +168,8 @@ def struct_types(config: msgspec.Struct, *, own_int_range: Collection[str] = ())
         if isinstance(value, Decimal):  # msgspec takes a Decimal for a float: kept as the float
             _numbers(f"{owner}.{field.name}", converted)  # Decimal("1e400") is a float inf
             msgspec.structs.force_setattr(config, field.name, converted)
+        elif isinstance(converted, msgspec.Struct) and not isinstance(value, msgspec.Struct):
+            msgspec.structs.force_setattr(config, field.name, converted)  # a section given as a mapping
 
 
 def _numbers(where: str, value: Any, *, ints: bool = True) -> None:

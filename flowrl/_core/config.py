@@ -28,7 +28,17 @@ class Settings(msgspec.StructMeta):
             return super().__call__(*args, **kwargs)
         except TypeError as err:
             keys = ", ".join(getattr(cls, "__struct_fields__", ()))
-            raise ConfigError(f"{cls.__name__}: {err}; its keys are {keys}") from err
+            raise ConfigError(f"{cls.__name__}: {err}{moved_hint(cls, kwargs)}; its keys are {keys}") from err
+
+
+def moved_hint(cls: type, given: Mapping[str, Any] | object) -> str:
+    """Where the keys of ``given`` that ``cls`` no longer has went (its ``moved_keys``), as
+    the tail of an error message; empty when none did."""
+    moved: dict[str, str] = getattr(cls, "moved_keys", {})
+    if not isinstance(given, Mapping):
+        return ""
+    found = [f"{key} is now {cls.__name__}.{moved[key]}" for key in given if key in moved]
+    return f" ({'; '.join(found)})" if found else ""
 
 
 # Shards in flight per replica: each one is a slot the scheduler keeps and loops over, so a huge
@@ -287,7 +297,7 @@ def to_config(cls: type[S], value: object, where: str) -> S:
         try:
             return msgspec.convert(dict(value), cls)
         except msgspec.ValidationError as err:
-            raise ConfigError(f"{where}: {err}") from err
+            raise ConfigError(f"{where}: {err}{moved_hint(cls, value)}") from err
     raise ConfigError(f"{where}: expected {cls.__name__} or a mapping, got {type(value).__name__}")
 
 

@@ -60,28 +60,28 @@ class CheckpointFormat:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
-        self.dir = CheckpointFolders(config.checkpoint_dir, config.keep_checkpoints) if config.checkpoint_dir else None
+        self.dir = CheckpointFolders(config.checkpoint.dir, config.checkpoint.keep) if config.checkpoint.dir else None
         self.source()  # a bad resume setting fails when the engine is made, not when it starts
 
     @property
     def writes(self) -> bool:
-        return self.dir is not None and self.config.checkpoint_every > 0
+        return self.dir is not None and self.config.checkpoint.every > 0
 
     def due(self, episodes_done: int) -> bool:
-        return self.writes and episodes_done % self.config.checkpoint_every == 0
+        return self.writes and episodes_done % self.config.checkpoint.every == 0
 
     def source(self) -> Path | None:
-        """The checkpoint a run starts from, per ``RunConfig.resume``; None: from scratch. A path
+        """The checkpoint a run starts from, per ``RunConfig.checkpoint.resume``; None: from scratch. A path
         the system cannot use (a NUL in it, a name too long) is a ConfigError naming the setting."""
-        resume = self.config.resume
-        key = "checkpoint_dir" if resume in ("never", "auto") else "resume"
+        resume = self.config.checkpoint.resume
+        key = "dir" if resume in ("never", "auto") else "resume"
         try:
             return self._source(resume)
         except (OSError, ValueError) as err:
-            value = getattr(self.config, key)
+            value = getattr(self.config.checkpoint, key)
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise ConfigError(
-                f"RunConfig.{key}={shown} cannot be used as a folder ({type(err).__name__}: "
+                f"RunConfig.checkpoint.{key}={shown} cannot be used as a folder ({type(err).__name__}: "
                 f"{getattr(err, 'strerror', None) or err}); expected the path of a folder"
             ) from err
 
@@ -90,8 +90,9 @@ class CheckpointFormat:
             done = self.dir.episodes() if self.dir is not None else []
             if done:
                 raise CheckpointError(
-                    f'RunConfig.resume="never" but RunConfig.checkpoint_dir={self.config.checkpoint_dir!r} already '
-                    f'holds checkpoints (after episodes {done}); use another folder, delete them, or resume="auto"'
+                    f'RunConfig.checkpoint.resume="never" but RunConfig.checkpoint.dir={self.config.checkpoint.dir!r} '
+                    f"already holds checkpoints (after episodes {done}); use another folder, delete them, or "
+                    'resume="auto"'
                 )
             return None
         if resume == "auto":
@@ -103,8 +104,8 @@ class CheckpointFormat:
             found = False  # other errors (a NUL in it, a name too long): the path cannot be one
         if not found:
             raise CheckpointError(
-                f'RunConfig.resume={resume!r}: not a checkpoint folder (no {STATE} in it); give "auto", "never" '
-                "or a folder such as <checkpoint_dir>/episode-000004"
+                f"RunConfig.checkpoint.resume={resume!r}: not a checkpoint folder (no {STATE} in it); give "
+                '"auto", "never" or a folder such as <checkpoint.dir>/episode-000004'
             )
         return path
 
@@ -112,7 +113,7 @@ class CheckpointFormat:
         self, state: EngineState, relay: list[EpisodeBuffer], deployment: Deployment, synced: dict[str, Any]
     ) -> Path:
         """Write ``state`` and the trainers' and ``synced`` weights as one checkpoint."""
-        assert self.dir is not None, "save() without a checkpoint_dir"
+        assert self.dir is not None, "save() without a checkpoint.dir"
         files = {STATE: msgspec.json.encode(state), RELAY: encode_state([_episode_state(e) for e in relay])}
         for name, ranks in deployment.trainers.items():
             saved = await _trainer_states(deployment.backend, ranks)

@@ -144,13 +144,13 @@ class CheckpointManager:
         folder = self._folder
         if folder is None:
             why = (
-                f"no checkpoint to rebuild trainer {trainer!r} from (set RunConfig.checkpoint_dir and checkpoint_every)"
+                f"no checkpoint to rebuild trainer {trainer!r} from (set RunConfig.checkpoint.dir and checkpoint.every)"
             )
             raise _cannot_rebuild(err, why) from err
-        limit = self.config.max_trainer_restarts
+        limit = self.config.checkpoint.max_trainer_restarts
         if self._restarts >= limit:
             why = f"trainer {trainer!r} was rebuilt {self._restarts} times already "
-            why += f"(RunConfig.max_trainer_restarts={limit})"
+            why += f"(RunConfig.checkpoint.max_trainer_restarts={limit})"
             raise _cannot_rebuild(err, why) from err
         self._restarts += 1
         log.warning("trainer %r: %s; rebuilding its ranks from checkpoint %s", trainer, err, folder)

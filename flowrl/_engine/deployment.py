@@ -103,9 +103,9 @@ async def deploy(
 ) -> Deployment:
     """Start the trainer groups and the pipelines (rollout, evaluation); on a failure, stop what
     started. ``prepare`` readies a replica that joins a pool later (hands it the weights)."""
-    # RunConfig.deterministic reaches the backend (its replicas and trainer ranks run torch's
+    # RunConfig.reproducibility.deterministic reaches the backend (its replicas and trainer ranks run torch's
     # deterministic algorithms) and the pipelines (fixed shards)
-    deterministic = config.deterministic or config.pipeline.deterministic
+    deterministic = config.reproducibility.deterministic or config.pipeline.deterministic
     backend = make_backend(msgspec.structs.replace(config.pipeline, deterministic=deterministic))
     stack = contextlib.AsyncExitStack()
     try:
@@ -136,7 +136,7 @@ async def _start_pools(
     rollout, evaluation = graphs
     seed = config.seed if config.pipeline.seed is None else config.pipeline.seed
     # the engine's own view covers the pools
-    deterministic = config.deterministic or config.pipeline.deterministic
+    deterministic = config.reproducibility.deterministic or config.pipeline.deterministic
     cfg = msgspec.structs.replace(config.pipeline, progress="off", seed=seed, deterministic=deterministic)
     pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec, joining))
     if evaluation is None:

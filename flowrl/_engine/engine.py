@@ -170,7 +170,7 @@ class Engine:
 
     @property
     def overlapped(self) -> bool:
-        """Whether rollouts run ahead of training (``max_staleness`` > 0, or a drop/regenerate policy)."""
+        """Whether rollouts run ahead of training (``staleness.max`` > 0, or a drop/regenerate policy)."""
         return overlapped(self.config)
 
     # ---- running ----
@@ -223,7 +223,9 @@ class Engine:
         with contextlib.suppress(OSError, FlowError):
             on_disk = self._checkpoint_files.dir.latest() if self._checkpoint_files.dir is not None else None
             folder = on_disk or folder
-        return stopped_line(self._learning.episode, total, folder, self.config.checkpoint_dir, self.config.resume)
+        return stopped_line(
+            self._learning.episode, total, folder, self.config.checkpoint.dir, self.config.checkpoint.resume
+        )
 
     async def alearn(self) -> EngineStats:
         """Run ``num_episode`` episodes (async)."""
@@ -278,12 +280,20 @@ class Engine:
     def _wire(self, deployment: Deployment) -> Session:
         """The components that work on ``deployment``, each handed its collaborators."""
         cfg, learning, files = self.config, self._learning, self._checkpoint_files
-        replay = Replay(cfg.replay_schedule, lambda: weights.versions) if cfg.replay_schedule else None
+        replay = (
+            Replay(cfg.reproducibility.replay_schedule, lambda: weights.versions)
+            if cfg.reproducibility.replay_schedule
+            else None
+        )
         weights = WeightSync(cfg, self.sync_pairs, deployment, replay)
         trainers = TrainSteps(cfg, self.trainers, deployment, learning.counters, self.timeline)
         checkpoints = CheckpointManager(cfg, files, learning, self.trainers, deployment, weights)
         synced = [t.name for _, t in self.sync_pairs]
-        record = ScheduleLog(cfg.record_schedule, schedule_settings(cfg, synced)) if cfg.record_schedule else None
+        record = (
+            ScheduleLog(cfg.reproducibility.record_schedule, schedule_settings(cfg, synced))
+            if cfg.reproducibility.record_schedule
+            else None
+        )
         overlap = Overlap(cfg, learning, deployment.rollout, weights, files, self.timeline, record, replay)
         elasticity = Elasticity([m.name for m in self.trainers], deployment.rollout)
         episodes = EpisodeLoop(

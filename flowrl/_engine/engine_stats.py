@@ -35,11 +35,11 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     ``staleness``: per synced inference model, how many weight versions behind the one its
     replicas held at training time each trained sample was generated (versions -> samples;
     above 0 for samples a relay function brings back from earlier episodes, and with
-    ``max_staleness`` > 0). ``wait_s``: how long training waited for this episode's rollout
+    ``staleness.max`` > 0). ``wait_s``: how long training waited for this episode's rollout
     (all of ``rollout_s`` when synchronous). ``dropped`` / ``regenerated``: samples over the
-    staleness bound (``on_stale``). ``failed``: samples of the rollout the pipeline dropped once
+    staleness bound (``staleness.on_stale``). ``failed``: samples of the rollout the pipeline dropped once
     their retries were spent (``ModelConfig.on_spent="drop"``; nothing trains on them).
-    Samples generated in a loop count by their oldest segment (``RunConfig.stale_segment``);
+    Samples generated in a loop count by their oldest segment (``RunConfig.staleness.segment``);
     ``segment_staleness`` counts every segment.
     """
 

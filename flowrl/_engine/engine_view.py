@@ -22,7 +22,7 @@ TrainerRows = dict[str, tuple[int, int, int]]
 
 # How a run resumes, in the stop line: a script is run again as it was; `flowrl run`, which
 # makes a new run folder each time, sets this to point at the command it prints after the line.
-RESUME_HOW = "resume with the same command (RunConfig.resume='auto')"
+RESUME_HOW = "resume with the same command (RunConfig.checkpoint.resume='auto')"
 
 
 def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | None, resume: str = "auto") -> str:
@@ -32,10 +32,11 @@ def stopped_line(done: int, total: int, checkpoint: Any, checkpoint_dir: str | N
     if checkpoint is not None and resume == "auto":
         return f"{where}; last checkpoint {checkpoint}; {RESUME_HOW}"
     if checkpoint is not None:
-        return f"{where}; last checkpoint {checkpoint}; resume with RunConfig.resume='auto' (this run has {resume!r})"
+        how = f"resume with RunConfig.checkpoint.resume='auto' (this run has {resume!r})"
+        return f"{where}; last checkpoint {checkpoint}; {how}"
     if checkpoint_dir:
         return f"{where}; no checkpoint written yet in {checkpoint_dir}, so nothing to resume"
-    return f"{where}; nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
+    return f"{where}; nothing to resume (set RunConfig.checkpoint.dir and checkpoint.every to write checkpoints)"
 
 
 def metrics_text(metrics: dict[str, dict[str, float]]) -> str:

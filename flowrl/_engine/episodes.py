@@ -73,7 +73,7 @@ class EpisodeLoop:
             raise CheckpointError(
                 f"checkpoint {self.checkpoints.folder} is after episode {learning.episode}, past this run's end: "
                 f"learn() runs up to episode {target} (RunConfig.num_episode={cfg.num_episode} per learn() call); "
-                "raise num_episode or resume from an earlier checkpoint (RunConfig.resume)"
+                "raise num_episode or resume from an earlier checkpoint (RunConfig.checkpoint.resume)"
             )
         self._progress = Progress(cfg.progress, target, learning.episode, self._trainer_rows)
         async with anyio.create_task_group() as tg:
@@ -145,7 +145,7 @@ class EpisodeLoop:
         sample, and per segment of a partial rollout)."""
         train = self.learning.relay_samples(e, rollout.samples)
         versions = self.overlap.train_versions(e)
-        lags = histogram(train, versions, self.config.stale_segment), segment_histogram(train, versions)
+        lags = histogram(train, versions, self.config.staleness.segment), segment_histogram(train, versions)
         if self.overlap.enabled:
             train = self.overlap.bounded(e, rollout.samples, train, versions)
         return train, lags

@@ -100,8 +100,14 @@ def check(
             dp=m.config.replicas,
             group=cfg.num_samples_per_prompt,
         )
-    if cfg.deterministic or cfg.pipeline.deterministic:  # what it cannot run, refused before anything starts
-        key = "RunConfig.deterministic" if cfg.deterministic else "RunConfig.pipeline.deterministic"
+    if (
+        cfg.reproducibility.deterministic or cfg.pipeline.deterministic
+    ):  # what it cannot run, refused before anything starts
+        key = (
+            "RunConfig.reproducibility.deterministic"
+            if cfg.reproducibility.deterministic
+            else "RunConfig.pipeline.deterministic"
+        )
         deterministic = msgspec.structs.replace(cfg.pipeline, deterministic=True)
         for graph in (rollout, evaluation):
             if graph is not None:
@@ -124,9 +130,9 @@ def _check_sync(config: RunConfig, trainers: list[Model], sync: list[tuple[Model
             )
         target.check_weights_from(trainer)
     direct = [t.name for t, _ in sync if t.config.weight_transport != "host"]
-    if direct and config.checkpoint_every and config.sync_every > 1:
+    if direct and config.checkpoint.every and config.sync_every > 1:
         raise ConfigError(
             f"trainer(s) {direct} send weights by CUDA IPC or NCCL, which a checkpoint between two syncs cannot "
-            f"save (RunConfig.sync_every={config.sync_every} with checkpoint_every={config.checkpoint_every}); set "
+            f"save (RunConfig.sync_every={config.sync_every} with checkpoint.every={config.checkpoint.every}); set "
             "sync_every=1 or weight_transport='host'"
         )

@@ -1,12 +1,12 @@
 """Asynchronous training: rollouts that run ahead of training under a staleness bound.
 
 A rollout task produces episodes in order and hands them to the training loop through a
-bounded stream (``max_staleness + 1`` episodes). Before episode ``e``'s rollout starts it waits
+bounded stream (``staleness.max + 1`` episodes). Before episode ``e``'s rollout starts it waits
 at the gate until enough episodes are trained and synced that every replica of every synced
 model holds a version within the bound (``_core.staleness.rollout_needs``); a sync loads weights
 between two shards of a replica, never in one. With ``on_stale="drop"`` or ``"regenerate"`` the
 rollout starts one version earlier, and the samples that would train more than
-``max_staleness`` versions behind are dropped, or generated again once the bound holds.
+``staleness.max`` versions behind are dropped, or generated again once the bound holds.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class Gate:
 
 
 def overlapped(config: RunConfig) -> bool:
-    """Whether rollouts run ahead of training (``max_staleness`` > 0, or a drop/regenerate policy)."""
-    return config.max_staleness > 0 or config.on_stale != "wait"
+    """Whether rollouts run ahead of training (``StalenessConfig.overlaps``)."""
+    return config.staleness.overlaps
 
 
 class Overlap:
@@ -126,7 +126,7 @@ class Overlap:
         ended = time.perf_counter()
         rows = [s.id - first for s in samples]  # ids follow the items; a dropped one leaves a gap
         self.learning.remember(episode, samples, rows)
-        if self.record is not None and self.config.on_stale == "wait":  # else once _refresh is done
+        if self.record is not None and self.config.staleness.on_stale == "wait":  # else once _refresh is done
             self.record.done(episode)
         return Rollout(episode, samples, rows, started, ended, failed=len(items) - len(samples)), items
 
@@ -149,7 +149,7 @@ class Overlap:
         self._gate, self._synced = Gate(self.learning.episode), None
         if self.replay is not None:
             self.replay.window(self.learning.episode, target)
-        send, recv = anyio.create_memory_object_stream[Rollout](self.config.max_staleness + 1)
+        send, recv = anyio.create_memory_object_stream[Rollout](self.config.staleness.max + 1)
         try:
             async with plain_errors(), anyio.create_task_group() as tg:
                 self._background = tg  # weight syncs sent while the next episode trains
@@ -165,11 +165,11 @@ class Overlap:
 
     async def _roll_ahead(self, target: int, send: MemoryObjectSendStream[Rollout]) -> None:
         cfg = self.config
-        slack = 0 if cfg.on_stale == "wait" else 1
+        slack = 0 if cfg.staleness.on_stale == "wait" else 1
         async with send:
             for e in range(self.learning.episode, target):
                 await self._gate.reach(
-                    rollout_needs(e, max_staleness=cfg.max_staleness, sync_every=cfg.sync_every, slack=slack)
+                    rollout_needs(e, max_staleness=cfg.staleness.max, sync_every=cfg.sync_every, slack=slack)
                 )
                 rollout, items = await self.roll(e)
                 if slack:
@@ -182,14 +182,14 @@ class Overlap:
         """Drop, or generate again, the samples that would train more than the bound behind."""
         cfg, e = self.config, rollout.episode
         at_train = {m: train_version(e, cfg.sync_every) for m in self.weights.versions}
-        stale = too_stale(rollout.samples, at_train, cfg.max_staleness, cfg.stale_segment)
+        stale = too_stale(rollout.samples, at_train, cfg.staleness.max, cfg.staleness.segment)
         if not stale:
             return
-        if cfg.on_stale == "drop":
+        if cfg.staleness.on_stale == "drop":
             rollout.keep(set(range(len(rollout.samples))) - set(stale))
             rollout.dropped = len(stale)
             return
-        await self._gate.reach(rollout_needs(e, max_staleness=cfg.max_staleness, sync_every=cfg.sync_every))
+        await self._gate.reach(rollout_needs(e, max_staleness=cfg.staleness.max, sync_every=cfg.sync_every))
         pipe = self.rollout
         # the samples generated again belong to episode e: its run number, then the next one's
         first = pipe.numbering()[0]
@@ -251,13 +251,13 @@ class Overlap:
     ) -> list[Sample]:
         """``train`` with each sample's staleness per synced model (``<model>_staleness``), after
         checking that the episode's own samples are within the bound."""
-        bound, segment = self.config.max_staleness, self.config.stale_segment
+        bound, segment = self.config.staleness.max, self.config.staleness.segment
         over = too_stale(samples, versions, bound, segment)
         if over:
             s = samples[over[0]]
             raise FlowError(
                 f"internal: sample {s.id} of episode {episode} is {lags(s, versions, segment)} versions behind, "
-                f"over RunConfig.max_staleness={bound}"
+                f"over RunConfig.staleness.max={bound}"
             )
         return [_with_staleness(s, versions, segment) for s in train]
 

@@ -1,8 +1,8 @@
-"""Record and replay of what timing decides in asynchronous training (``RunConfig.record_schedule``,
-``RunConfig.replay_schedule``).
+"""Record and replay of what timing decides in asynchronous training
+(``RunConfig.reproducibility.record_schedule``, ``RunConfig.reproducibility.replay_schedule``).
 
 With per-sample random streams a sample's output depends on its id and on the weights that
-generated it, not on its replica or shard. Under ``max_staleness`` > 0 those weights are the
+generated it, not on its replica or shard. Under ``staleness.max`` > 0 those weights are the
 one thing timing decides: a sync landing mid-rollout splits an episode's samples between two
 versions. The record is that split: per episode, per pipeline run of its rollout (the run,
 then a ``regenerate`` run), the first sample id and each sample's version per synced model, a
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from .._core.run_config import RunConfig
     from .._pipeline.pipeline import AsyncPipeline
 
+RECORD, REPLAY = "RunConfig.reproducibility.record_schedule", "RunConfig.reproducibility.replay_schedule"
+
 # one run of a rollout: its first sample id, and per synced model each sample's version (None:
 # the sample was dropped, it has none)
 RunRecord = dict[str, Any]
@@ -48,7 +50,7 @@ def run_record(first: int, count: int, samples: Sequence[Sample], models: Sequen
         for m in models:
             if versions_field(m) in sample:
                 raise FlowError(
-                    f"RunConfig.record_schedule: sample {sample.id} was generated in segments by {m!r} (a partial "
+                    f"{RECORD}: sample {sample.id} was generated in segments by {m!r} (a partial "
                     "rollout); recording the versions of segments is not supported"
                 )
             versions[m][sample.id - first] = generated_with(sample, m)
@@ -58,8 +60,9 @@ def run_record(first: int, count: int, samples: Sequence[Sample], models: Sequen
 def schedule_settings(config: RunConfig, models: Sequence[str]) -> dict[str, Any]:
     """The settings a record holds good for (its first line): under others the episodes, ids
     and versions differ, and a replay could not follow it."""
-    keys = ("sample_per_episode", "num_samples_per_prompt", "seed", "max_staleness", "on_stale", "sync_every")
-    return {**{k: getattr(config, k) for k in keys}, "models": sorted(models)}
+    keys = ("sample_per_episode", "num_samples_per_prompt", "seed", "sync_every")
+    staleness = {"max_staleness": config.staleness.max, "on_stale": config.staleness.on_stale}
+    return {**{k: getattr(config, k) for k in keys}, **staleness, "models": sorted(models)}
 
 
 class ScheduleLog:
@@ -91,12 +94,12 @@ class ScheduleLog:
 def check_schedule_settings(config: RunConfig, models: Sequence[str], graph: FlowGraph) -> None:
     """Refuse, when the engine is built: recording partial rollouts; a replay file that does not
     read, was recorded under other settings or cannot be replayed; one the run would write over."""
-    record, replay = config.record_schedule, config.replay_schedule
+    record, replay = config.reproducibility.record_schedule, config.reproducibility.replay_schedule
     if record is None and replay is None:
         return
     looped = sorted({graph.stages[s].model for loop in graph.loops.values() for s in loop.body} & set(models))
     if looped:
-        key = "RunConfig.record_schedule" if record else "RunConfig.replay_schedule"
+        key = RECORD if record else REPLAY
         raise ConfigError(
             f"{key}: the synced model(s) {looped} run inside a flowrl.loop (a partial rollout, whose segments "
             "may each have a version); recording and replaying those is not supported"
@@ -105,7 +108,7 @@ def check_schedule_settings(config: RunConfig, models: Sequence[str], graph: Flo
         return
     if record is not None and Path(record).resolve() == Path(replay).resolve():
         raise ConfigError(
-            f"RunConfig.record_schedule and RunConfig.replay_schedule name the same file ({record!r}): the "
+            f"{RECORD} and {REPLAY} name the same file ({record!r}): the "
             "replay would write over the record it reads; record the replay to another file"
         )
     recorded, runs = read_schedule(replay)
@@ -113,7 +116,7 @@ def check_schedule_settings(config: RunConfig, models: Sequence[str], graph: Flo
     differ = {k: (recorded.get(k), v) for k, v in now.items() if recorded.get(k) != v}
     if differ:
         said = ", ".join(f"{k}: recorded {a!r}, now {b!r}" for k, (a, b) in differ.items())
-        raise ConfigError(f"RunConfig.replay_schedule={replay!r} was recorded under other settings ({said})")
+        raise ConfigError(f"{REPLAY}={replay!r} was recorded under other settings ({said})")
     for episode, records in runs.items():
         for each in records:
             _check_order(replay, episode, each)
@@ -128,7 +131,7 @@ def _check_order(path: str, episode: int, record: RunRecord) -> None:
         held = [v for v in seen if v is not None]
         if held != sorted(held):
             raise ConfigError(
-                f"RunConfig.replay_schedule={path!r}: in episode {episode}, some samples met a newer version of one "
+                f"{REPLAY}={path!r}: in episode {episode}, some samples met a newer version of one "
                 f"synced model and an older one of another, and others the reverse ({keys}); replaying that needs "
                 "each stage gated on its own model's version, which is not supported"
             )
@@ -136,7 +139,7 @@ def _check_order(path: str, episode: int, record: RunRecord) -> None:
 
 def read_schedule(path: str) -> tuple[dict[str, Any], dict[int, list[RunRecord]]]:
     """A record's settings and, per episode, its runs."""
-    where = f"RunConfig.replay_schedule={path!r}"
+    where = f"{REPLAY}={path!r}"
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as err:
@@ -243,7 +246,7 @@ class Replay:
             held = self._held().get(model, 0)
             if held != v:
                 raise FlowError(
-                    f"RunConfig.replay_schedule={self.path!r}: episode {episode} recorded samples generated by "
+                    f"{REPLAY}={self.path!r}: episode {episode} recorded samples generated by "
                     f"version {v} of {model!r}, whose replicas hold version {held} now: the replay "
                     "cannot follow the record (was it recorded from the same checkpoint and settings?)"
                 )
@@ -259,13 +262,13 @@ class Replay:
         records = self.runs.get(episode, [])
         if index >= len(records):
             raise ConfigError(
-                f"RunConfig.replay_schedule={self.path!r}: no record of run {index} of episode {episode}'s rollout "
+                f"{REPLAY}={self.path!r}: no record of run {index} of episode {episode}'s rollout "
                 f"(the file has episodes {sorted(self.runs)[:5]}...): was it recorded with the same settings?"
             )
         record = records[index]
         if (record["first"], record["count"]) != (first, count):
             raise ConfigError(
-                f"RunConfig.replay_schedule={self.path!r}: episode {episode}'s rollout run {index} was recorded "
+                f"{REPLAY}={self.path!r}: episode {episode}'s rollout run {index} was recorded "
                 f"with {record['count']} samples from id {record['first']}, this run has {count} from id {first}: "
                 "the run's settings differ from the recorded run's"
             )

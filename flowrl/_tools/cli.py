@@ -177,10 +177,16 @@ def _with_run_dir(spec: RunFile, args: argparse.Namespace) -> tuple[RunFile, Pat
     else:
         made = new_run_folder(run_name(spec, args.config))
         run = {**spec.run, "run_dir": str(made)}
-    if run.get("run_dir") and run.get("checkpoint_every") and run.get("checkpoint_dir") is None:
+    checkpoint = run.get("checkpoint")
+    if (
+        run.get("run_dir")
+        and isinstance(checkpoint, dict)
+        and checkpoint.get("every")
+        and checkpoint.get("dir") is None
+    ):
         # checkpoints are on (the file's choice) with nowhere to go: beside the run's other files,
         # so that resuming into the run folder finds them
-        run["checkpoint_dir"] = str(Path(run["run_dir"]) / CHECKPOINTS)
+        run["checkpoint"] = {**checkpoint, "dir": str(Path(run["run_dir"]) / CHECKPOINTS)}
     return msgspec.structs.replace(spec, run=run), made
 
 
@@ -189,16 +195,17 @@ def _resume_line(args: argparse.Namespace, spec: RunFile, run_dir: Path) -> str 
     writes checkpoints; without any there is nothing to resume, and the engine said so."""
     import shlex
 
-    if not spec.run.get("checkpoint_dir") or not spec.run.get("checkpoint_every"):
+    checkpoint = spec.run.get("checkpoint")
+    if not isinstance(checkpoint, dict) or not checkpoint.get("dir") or not checkpoint.get("every"):
         return None
 
-    redirect = ("run.run_dir=", "run.resume=")  # --run-dir names the folder; resume is auto below
+    redirect = ("run.run_dir=", "run.checkpoint.resume=")  # --run-dir names the folder; resume is auto below
     command = ["flowrl", "run", args.config, "--run-dir", str(run_dir)]
     for item in args.overrides:
         if not item.replace(" ", "").startswith(redirect):
             command += ["--set", item]
-    if spec.run.get("resume", "auto") != "auto":
-        command += ["--set", "run.resume=auto"]
+    if checkpoint.get("resume", "auto") != "auto":
+        command += ["--set", "run.checkpoint.resume=auto"]
     return f"resume into this folder with: {shlex.join(command)}"
 
 

@@ -62,7 +62,7 @@ def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluste
     for i, (backend, ranks, layout) in enumerate(setups):
         folder = tmp_path / f"ppo-{i}"
         engine = ppo.make_engine(
-            3, backend, ranks, rollout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
+            3, backend, ranks, rollout=layout, checkpoint={"dir": str(folder), "every": 3}, progress="off"
         )
         runs.append(trained(engine, ppo.reward_curve, folder))
     assert runs[0][1] and runs[1] == runs[0]
@@ -72,7 +72,7 @@ def test_the_tiny_examples_train_bitwise_the_same_whatever_the_layout(ray_cluste
     for backend, layout in [("inprocess", (3, 3, 3, 3)), ("ray", (2, 4, 2, 4))]:  # the other way round
         folder = tmp_path / f"grpo-{backend}"
         engine = grpo.make_engine(
-            3, backend, rollout_layout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
+            3, backend, rollout_layout=layout, checkpoint={"dir": str(folder), "every": 3}, progress="off"
         )
         grpo_runs.append(trained(engine, grpo.reward_curve, folder))
     assert grpo_runs[0][1] and grpo_runs[1] == grpo_runs[0]
@@ -88,7 +88,7 @@ def test_three_trainer_ranks_train_the_same_weights_whatever_the_rollout_layout(
     for i, layout in enumerate([(2, 4, 2, 4), (3, 3, 3, 3)]):
         folder = tmp_path / f"ppo-{i}"
         engine = ppo.make_engine(
-            3, "ray", 3, rollout=layout, checkpoint_dir=str(folder), checkpoint_every=3, progress="off"
+            3, "ray", 3, rollout=layout, checkpoint={"dir": str(folder), "every": 3}, progress="off"
         )
         runs.append(trained(engine, ppo.reward_curve, folder))
     assert runs[0][1] and runs[1] == runs[0]

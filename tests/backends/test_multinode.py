@@ -47,9 +47,10 @@ def test_outputs_stored_on_a_removed_node_are_computed_again_and_the_run_complet
     result = _run_script("_node_loss_script.py")
     two, one = result["two stages"], result["one stage"]
     assert two["ok"] and two["samples"] == {"gen": 48, "score": 48}  # each sample counted once per stage
-    # the worker node's gen outputs that waited for the scorer were computed again, and their
-    # scorer shards sent again
-    assert two["retried"]["gen"] > 0 and two["retried"]["score"] > 0
+    # the worker node's gen outputs that waited for the scorer were computed again. Whether a
+    # scorer shard that read them was in flight when the node went (and was sent again) is up to
+    # timing: on a loaded machine the loss can be found before any is cut, so it is not asserted
+    assert two["retried"]["gen"] > 0
     assert set(two["placement"]["score"]) == {result["head"]} and len(set(two["placement"]["gen"])) == 2
     # finished samples whose outputs were lost before delivery: computed again, delivered once
     assert one["ok"] and one["samples"] == {"gen": 48} and one["retried"]["gen"] > 0

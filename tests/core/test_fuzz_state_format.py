@@ -214,7 +214,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[CheckpointFormat, P
     root = tmp_path_factory.mktemp("fuzz")
     # the generators of engine_state's 2 ranks: load() checks there is one per rank
     (root / "learner.rng.msgpack").write_bytes(encode_state([encode_state(rng_state())] * 2))
-    config = flowrl.RunConfig(sample_per_episode=4, checkpoint_dir=str(root / "none"))
+    config = flowrl.RunConfig(sample_per_episode=4, checkpoint={"dir": str(root / "none")})
     return CheckpointFormat(config), root
 
 

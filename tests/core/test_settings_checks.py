@@ -300,12 +300,16 @@ def test_the_hf_ranges_keep_their_edges():
     hf_config.Sampling(temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=(0, 2))
 
 
-@pytest.mark.parametrize("key", ["run_dir", "checkpoint_dir", "resume"])
+@pytest.mark.parametrize("key", ["run_dir", "checkpoint.dir", "checkpoint.resume"])
 def test_a_nul_in_a_path_setting_is_refused_when_the_run_config_is_built(key):
-    with pytest.raises(ConfigError, match=rf"RunConfig\.{key} is a path and cannot hold a NUL character"):
-        RunConfig(sample_per_episode=1, **{key: "runs/a\x00b"})
-    with pytest.raises(ConfigError, match=rf"RunConfig\.{key} is a path"):
-        RunConfig.from_mapping({"sample_per_episode": 1, key: "x\x00"})
+    def setting(value: str) -> dict[str, Any]:  # "checkpoint.dir": {"checkpoint": {"dir": value}}
+        section, _, leaf = key.rpartition(".")
+        return {section: {leaf: value}} if section else {leaf: value}
+
+    with pytest.raises(ConfigError, match=rf"RunConfig\.{re.escape(key)} is a path and cannot hold a NUL character"):
+        RunConfig(sample_per_episode=1, **setting("runs/a\x00b"))
+    with pytest.raises(ConfigError, match=rf"RunConfig\.{re.escape(key)} is a path"):
+        RunConfig.from_mapping({"sample_per_episode": 1, **setting("x\x00")})
 
 
 def test_a_nan_in_a_nested_model_config_is_refused_from_a_run_config_mapping():

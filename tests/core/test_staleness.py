@@ -42,8 +42,8 @@ def test_lags_histogram_and_too_stale():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"max_staleness": -1}, "max_staleness must be >= 0"),
-        ({"on_stale": "skip"}, "on_stale must be one of"),
+        ({"staleness": {"max": -1}}, r"RunConfig\.staleness\.max must be >= 0"),
+        ({"staleness": {"on_stale": "skip"}}, r"RunConfig\.staleness\.on_stale must be one of"),
     ],
 )
 def test_bad_async_settings_are_named(bad, message):

@@ -15,7 +15,7 @@ from _resume_models import make_engine, trained
 def main() -> None:
     address, folder, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ray.init(address=address, log_to_driver=False)
-    engine, seen = make_engine(checkpoint_every=1, checkpoint_dir=folder, keep_checkpoints=0)
+    engine, seen = make_engine(checkpoint={"every": 1, "dir": folder, "keep": 0})
     relay = engine._learning.relay_fn
 
     def relay_then_die(episodes):

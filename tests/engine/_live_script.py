@@ -28,8 +28,7 @@ def main() -> None:
             "sample_per_episode": 8,
             "num_episode": 1000,
             "train_global_batch_size": 8,
-            "checkpoint_every": 1,
-            "checkpoint_dir": folder,
+            "checkpoint": {"every": 1, "dir": folder},
             "pipeline": {"backend": backend},
         },
     )

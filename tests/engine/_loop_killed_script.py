@@ -17,7 +17,7 @@ def main() -> None:
 
         ray.init(address=sys.argv[3], log_to_driver=False)
         backend = "ray"
-    engine(backend, die_in=(die_at, folder), checkpoint_every=1, checkpoint_dir=folder).learn()
+    engine(backend, die_in=(die_at, folder), checkpoint={"every": 1, "dir": folder}).learn()
 
 
 if __name__ == "__main__":

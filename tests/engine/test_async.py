@@ -53,7 +53,9 @@ def phases(engine: flowrl.Engine, name: str) -> list[tuple[int, float, float]]:
 def test_max_staleness_zero_is_the_synchronous_loop(ray_cluster):
     sync, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=4)
     sync.learn()
-    explicit, _ = make_engine(sync_every=1, max_relay_episode=0, num_episode=4, max_staleness=0, on_stale="wait")
+    explicit, _ = make_engine(
+        sync_every=1, max_relay_episode=0, num_episode=4, staleness={"max": 0, "on_stale": "wait"}
+    )
     stats = explicit.learn()
     assert trained(explicit) == trained(sync)  # same batches, losses, weights
     assert all(e.staleness == {"policy": {0: PER_EPISODE}} for e in stats.episodes)
@@ -70,7 +72,7 @@ def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cl
         sync_every=1,
         max_relay_episode=0,
         num_episode=EPISODES,
-        max_staleness=k,
+        staleness={"max": k},
         rollout_s=0.01,
         train_s=0.15,
         shuffle=False,
@@ -103,14 +105,14 @@ def test_stale_samples_are_dropped_or_generated_again_and_counted(ray_cluster, p
         sync_every=1,
         max_relay_episode=0,
         num_episode=EPISODES,
-        on_stale=policy,
+        staleness={"on_stale": policy},
         rollout_s=0.05,
         train_s=0.02,
         shuffle=False,
     )
     stats = engine.learn()
     rows = seen_staleness(engine)
-    assert all(seen == 0 for episode in rows for _, _, seen in episode)  # max_staleness=0 holds on every sample
+    assert all(seen == 0 for episode in rows for _, _, seen in episode)  # staleness.max=0 holds on every sample
     over = [e.dropped if policy == "drop" else e.regenerated for e in stats.episodes]
     # each rollout starts as the previous episode starts training: its first shards run on the
     # weights before that episode's sync, one version too old
@@ -131,14 +133,17 @@ def test_a_checkpoint_taken_while_a_rollout_ran_ahead_resumes_that_episode(tmp_p
     first, seen_first = make_engine(
         max_relay_episode=0,
         num_episode=4,
-        max_staleness=1,
-        checkpoint_every=2,
-        checkpoint_dir=str(tmp_path),
+        staleness={"max": 1},
+        checkpoint={"every": 2, "dir": str(tmp_path)},
         **INPROCESS,
     )
     first.learn()
     resumed, seen = make_engine(
-        max_relay_episode=0, num_episode=4, max_staleness=1, resume=str(tmp_path / "episode-000002"), **INPROCESS
+        max_relay_episode=0,
+        num_episode=4,
+        staleness={"max": 1},
+        checkpoint={"resume": str(tmp_path / "episode-000002")},
+        **INPROCESS,
     )
     resumed.learn()  # episodes 2 and 3: the rollouts the first run had drawn ahead are drawn again
     assert [(s["episode"], s["ids"], s["idx"]) for s in seen] == [
@@ -148,15 +153,14 @@ def test_a_checkpoint_taken_while_a_rollout_ran_ahead_resumes_that_episode(tmp_p
 
 @pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_a_trainer_rebuilt_under_overlap_trains_each_episode_once(ray_cluster, tmp_path):
-    ref, _ = make_engine(sync_every=1, max_relay_episode=0, max_staleness=1, train_s=0.05)
+    ref, _ = make_engine(sync_every=1, max_relay_episode=0, staleness={"max": 1}, train_s=0.05)
     ref.learn()
     engine, seen = make_engine(
         sync_every=1,
         max_relay_episode=0,
-        max_staleness=1,
+        staleness={"max": 1},
         train_s=0.05,
-        checkpoint_every=2,
-        checkpoint_dir=str(tmp_path),
+        checkpoint={"every": 2, "dir": str(tmp_path)},
         die_at=(3, 0),
         marker=str(tmp_path / "died"),
     )
@@ -184,7 +188,12 @@ def test_a_field_named_like_the_staleness_column_is_refused():
         rollout=lambda x: policy.forward_step(x),
         train=[learner],
         sync=[(learner, policy)],
-        config={"sample_per_episode": 4, "max_staleness": 1, "progress": "off", "pipeline": {"backend": "inprocess"}},
+        config={
+            "sample_per_episode": 4,
+            "staleness": {"max": 1},
+            "progress": "off",
+            "pipeline": {"backend": "inprocess"},
+        },
     )
     engine.set_dataset([{"idx": i, "prompt": np.zeros(4, dtype=np.float32)} for i in range(8)])
     with pytest.raises(flowrl.FlowDefinitionError, match="has a field 'policy_staleness': that name is reserved"):
@@ -221,7 +230,7 @@ def test_every_synced_model_carries_its_own_version_and_each_is_bounded(ray_clus
         SeenTrainer("ppo_value", {"num_replicas": 1, **cpu}),
     )
     engine = flowrl.RLHFEngine(
-        *models, {"sample_per_episode": 8, "num_episode": 5, "max_staleness": 1, "progress": "off"}
+        *models, {"sample_per_episode": 8, "num_episode": 5, "staleness": {"max": 1}, "progress": "off"}
     )
     engine.set_dataset([{"query": np.full(2, float(i))} for i in range(40)])
     stats = engine.learn()

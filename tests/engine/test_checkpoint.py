@@ -29,9 +29,9 @@ INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks"
 def test_resume_in_process_continues_exactly(tmp_path):
     ref, seen_ref = make_engine(**INPROCESS)
     ref.learn()
-    first, seen_first = make_engine(num_episode=3, checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
+    first, seen_first = make_engine(num_episode=3, checkpoint={"every": 1, "dir": str(tmp_path)}, **INPROCESS)
     first.learn()
-    resumed, seen = make_engine(checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
+    resumed, seen = make_engine(checkpoint={"every": 1, "dir": str(tmp_path)}, **INPROCESS)
     stats = resumed.learn()  # runs episodes 3..5: the first learn() ends at num_episode
     assert seen_first + seen == seen_ref
     assert trained(first) + trained(resumed) == trained(ref)
@@ -45,9 +45,9 @@ def test_resume_continues_evaluation_ids_and_iterations(tmp_path):
 
     ref, _ = make_engine(eval_every=2, **INPROCESS)
     ref.learn()
-    first, _ = make_engine(num_episode=3, checkpoint_every=3, checkpoint_dir=str(tmp_path), eval_every=2, **INPROCESS)
+    first, _ = make_engine(num_episode=3, checkpoint={"every": 3, "dir": str(tmp_path)}, eval_every=2, **INPROCESS)
     first.learn()
-    resumed, _ = make_engine(checkpoint_dir=str(tmp_path), eval_every=2, **INPROCESS)
+    resumed, _ = make_engine(checkpoint={"dir": str(tmp_path)}, eval_every=2, **INPROCESS)
     resumed.learn()
     assert evals(first) + evals(resumed) == evals(ref)  # ids 0-2, 3-5, 6-8; the policy's outputs too
     assert [ids for ids, _ in evals(ref)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
@@ -73,8 +73,7 @@ def test_a_nan_metric_in_the_episode_stats_does_not_break_resume(tmp_path):
             config={
                 "sample_per_episode": 2,
                 "num_episode": episodes,
-                "checkpoint_every": 1,
-                "checkpoint_dir": str(tmp_path),
+                "checkpoint": {"every": 1, "dir": str(tmp_path)},
                 "pipeline": {"backend": "inprocess"},
             },
         )
@@ -87,31 +86,31 @@ def test_a_nan_metric_in_the_episode_stats_does_not_break_resume(tmp_path):
 
 
 def test_resume_refuses_another_dataset_or_sampling(tmp_path):
-    first, _ = make_engine(num_episode=1, checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
+    first, _ = make_engine(num_episode=1, checkpoint={"every": 1, "dir": str(tmp_path)}, **INPROCESS)
     first.learn()
-    other, _ = make_engine(checkpoint_dir=str(tmp_path), **INPROCESS)
+    other, _ = make_engine(checkpoint={"dir": str(tmp_path)}, **INPROCESS)
     other.set_dataset(other._learning.dataset[:10])
     with pytest.raises(
         flowrl.CheckpointError, match=r"dataset_size=20, this run has dataset_size=10 \(the dataset's length\)"
     ):
         other.learn()
-    seeded, _ = make_engine(checkpoint_dir=str(tmp_path), seed=4, **INPROCESS)
+    seeded, _ = make_engine(checkpoint={"dir": str(tmp_path)}, seed=4, **INPROCESS)
     with pytest.raises(flowrl.CheckpointError, match=r"seed=3, this run has seed=4 \(RunConfig.seed\)"):
         seeded.learn()
 
 
 def test_resume_settings_are_checked_when_the_engine_is_made(tmp_path):
-    with pytest.raises(flowrl.ConfigError, match="checkpoint_every=2 needs RunConfig.checkpoint_dir"):
-        flowrl.RunConfig(sample_per_episode=4, checkpoint_every=2)
-    first, _ = make_engine(num_episode=1, checkpoint_every=1, checkpoint_dir=str(tmp_path), **INPROCESS)
+    with pytest.raises(flowrl.ConfigError, match="checkpoint.every=2 needs RunConfig.checkpoint.dir"):
+        flowrl.RunConfig(sample_per_episode=4, checkpoint={"every": 2})
+    first, _ = make_engine(num_episode=1, checkpoint={"every": 1, "dir": str(tmp_path)}, **INPROCESS)
     first.learn()
     with pytest.raises(
         flowrl.CheckpointError, match=r'resume="never" but .* already holds checkpoints \(after episodes \[0, 1\]\)'
     ):
-        make_engine(checkpoint_dir=str(tmp_path), resume="never", **INPROCESS)
+        make_engine(checkpoint={"dir": str(tmp_path), "resume": "never"}, **INPROCESS)
     with pytest.raises(flowrl.CheckpointError, match="not a checkpoint folder"):
-        make_engine(resume=str(tmp_path / "nowhere"), **INPROCESS)
-    resumed, seen = make_engine(num_episode=2, resume=str(tmp_path / "episode-000001"), **INPROCESS)
+        make_engine(checkpoint={"resume": str(tmp_path / "nowhere")}, **INPROCESS)
+    resumed, seen = make_engine(num_episode=2, checkpoint={"resume": str(tmp_path / "episode-000001")}, **INPROCESS)
     resumed.learn()  # from an explicit folder, without writing any
     assert [s["episode"] for s in seen] == [1]
 
@@ -146,7 +145,7 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
     assert proc.returncode == 1 and proc.stdout, proc.stderr[-3000:]  # killed mid-episode 4
     before = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [b["seen"]["episode"] for b in before] == [0, 1, 2, 3]
-    resumed, seen = make_engine(policy_replicas=3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    resumed, seen = make_engine(policy_replicas=3, checkpoint={"every": 1, "dir": str(tmp_path)})
     with resumed:
         resumed.learn()
         assert len([n for n in flowrl_actor_names() if "-policy-" in n]) == 3
@@ -179,8 +178,7 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
     learner = {"learner": {"num_replicas": 2, **CPU, "weight_transport": transport}}
     engine, seen = make_engine(
         sync_every=1,
-        checkpoint_every=2,
-        checkpoint_dir=str(tmp_path),
+        checkpoint={"every": 2, "dir": str(tmp_path)},
         models=learner,
         die_at=die_at,
         marker=str(tmp_path / "died"),
@@ -200,7 +198,7 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
 def test_a_dead_trainer_rank_without_checkpoints_fails_with_a_named_error(ray_cluster, tmp_path):
     engine, _ = make_engine(die_at=(1, 0), marker=str(tmp_path / "died"))
     with pytest.raises(
-        flowrl.ReplicaDiedError, match=r"(?s)'learner.train_step', replica 0.*set RunConfig.checkpoint_dir"
+        flowrl.ReplicaDiedError, match=r"(?s)'learner.train_step', replica 0.*set RunConfig.checkpoint.dir"
     ):
         engine.learn()
     assert flowrl_actor_names() == []
@@ -210,10 +208,10 @@ def test_trainer_rebuilds_are_bounded(ray_cluster, tmp_path):
     engine, _ = make_engine(
         die_at=(1, 1),
         marker=str(tmp_path / "died"),
-        checkpoint_every=1,
-        checkpoint_dir=str(tmp_path),
-        max_trainer_restarts=0,
+        checkpoint={"every": 1, "dir": str(tmp_path), "max_trainer_restarts": 0},
     )
-    with pytest.raises(flowrl.ReplicaDiedError, match=r"rebuilt 0 times already \(RunConfig.max_trainer_restarts=0\)"):
+    with pytest.raises(
+        flowrl.ReplicaDiedError, match=r"rebuilt 0 times already \(RunConfig.checkpoint.max_trainer_restarts=0\)"
+    ):
         engine.learn()
     assert flowrl_actor_names() == []

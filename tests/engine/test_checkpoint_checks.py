@@ -36,7 +36,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkpoints of 3 episodes (sync_every=2: the last falls between two syncs, so it
     holds the policy's synced weights too)."""
     root = tmp_path_factory.mktemp("written")
-    engine, _ = make_engine(num_episode=3, checkpoint_every=3, checkpoint_dir=str(root), **INPROCESS)
+    engine, _ = make_engine(num_episode=3, checkpoint={"every": 3, "dir": str(root)}, **INPROCESS)
     engine.learn()
     assert sorted(p.name for p in (root / "episode-000003").iterdir()) == [
         "engine.json",
@@ -56,7 +56,7 @@ def copy(written: Path, tmp_path: Path) -> Path:
 
 
 def resume(folder: Path, **config: Any) -> None:
-    engine, _ = make_engine(checkpoint_dir=str(folder.parent), **INPROCESS, **config)
+    engine, _ = make_engine(checkpoint={"dir": str(folder.parent)}, **INPROCESS, **config)
     engine.learn()
 
 
@@ -150,7 +150,8 @@ def test_a_renamed_synced_model_is_refused_instead_of_serving_its_initial_weight
     actor = Policy("actor", {"num_replicas": 1, "batch_size": 2, **CPU})  # the policy, renamed
     learner = Learner("learner", {"num_replicas": 1, **CPU})
     config = {"sample_per_episode": 8, "num_episode": 6, "train_global_batch_size": 4, "train_micro_batch_size": 2}
-    config |= {"shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2, "checkpoint_dir": str(copy.parent)}
+    config |= {"shuffle": True, "seed": 3, "sync_every": 2, "max_relay_episode": 2}
+    config |= {"checkpoint": {"dir": str(copy.parent)}}
     engine = flowrl.Engine(
         rollout=lambda x: actor.forward_step(x),
         train=[learner],
@@ -222,7 +223,7 @@ class Stub:
 @pytest.mark.parametrize("name", ["../evil", "a/b", "..", "a\\b"])
 def test_a_model_name_with_a_separator_names_no_checkpoint_file(copy, tmp_path, name):
     config = flowrl.RunConfig(
-        sample_per_episode=8, shuffle=True, seed=3, checkpoint_every=1, checkpoint_dir=str(tmp_path / "new")
+        sample_per_episode=8, shuffle=True, seed=3, checkpoint={"every": 1, "dir": str(tmp_path / "new")}
     )
     files = CheckpointFormat(config)
     state = files.load(copy, dataset_size=20, trainers=["learner"], targets=["policy"])[0]
@@ -241,7 +242,7 @@ def test_a_checkpoint_past_the_runs_end_is_refused_instead_of_skipping_training(
         flowrl.CheckpointError, match=r"is after episode 3, past this run's end: learn\(\) runs up to episode 2"
     ):
         resume(copy, num_episode=2)
-    engine, _ = make_engine(checkpoint_dir=str(copy.parent), num_episode=3, **INPROCESS)
+    engine, _ = make_engine(checkpoint={"dir": str(copy.parent)}, num_episode=3, **INPROCESS)
     assert len(engine.learn().episodes) == 3  # at its end: a rerun of a finished run trains nothing more
 
 
@@ -324,17 +325,19 @@ def test_a_generator_file_with_another_count_than_the_ranks_is_refused(copy, cou
 @pytest.mark.parametrize(
     "config, key",
     [
-        ({"checkpoint_dir": "a\0b"}, "checkpoint_dir"),
-        ({"checkpoint_dir": "x" * 5000}, "checkpoint_dir"),
-        ({"checkpoint_dir": "x" * 5000, "resume": "never"}, "checkpoint_dir"),
+        ({"dir": "a\0b"}, "dir"),
+        ({"dir": "x" * 5000}, "dir"),
+        ({"dir": "x" * 5000, "resume": "never"}, "dir"),
         ({"resume": "a\0b"}, "resume"),
         ({"resume": "x" * 5000}, "resume"),
     ],
 )
 def test_a_checkpoint_path_the_system_cannot_use_is_a_config_error(config, key):
     # a NUL is refused by RunConfig itself already; a name too long by the checkpoint folder
-    with pytest.raises(flowrl.ConfigError, match=rf"RunConfig.{key}(=.* cannot be used as a folder| is a path)"):
-        CheckpointFormat(flowrl.RunConfig(sample_per_episode=8, **config))
+    with pytest.raises(
+        flowrl.ConfigError, match=rf"RunConfig.checkpoint.{key}(=.* cannot be used as a folder| is a path)"
+    ):
+        CheckpointFormat(flowrl.RunConfig(sample_per_episode=8, checkpoint=config))
 
 
 # ---- the same on a Ray cluster: the model file is decoded by the trainer's actors ----
@@ -361,7 +364,7 @@ def test_a_tampered_checkpoint_is_refused_by_name_on_ray_and_leaves_no_actor(ray
     from flowrl.testing import flowrl_actor_names
 
     tamper(copy)
-    engine, _ = make_engine(checkpoint_dir=str(copy.parent), policy_replicas=1, ranks=2)
+    engine, _ = make_engine(checkpoint={"dir": str(copy.parent)}, policy_replicas=1, ranks=2)
     with pytest.raises(flowrl.CheckpointError, match=message):
         engine.learn()
     assert flowrl_actor_names() == []

@@ -1,4 +1,4 @@
-"""``RunConfig.deterministic`` in an engine: the rollout's shards are fixed blocks of each
+"""``RunConfig.reproducibility.deterministic`` in an engine: the rollout's shards are fixed blocks of each
 episode's sample ids whatever the layout and the backend, trainer ranks run torch's
 deterministic algorithms, and what cannot run deterministically is refused when the engine is
 built."""
@@ -43,7 +43,7 @@ def engine(backend: str, replicas: int, deterministic: bool = True, **model: Any
             "sample_per_episode": 10,
             "num_episode": 2,
             "shuffle": False,
-            "deterministic": deterministic,
+            "reproducibility": {"deterministic": deterministic},
             "pipeline": {"backend": backend, "inprocess_threads": True},
         },
     )
@@ -73,7 +73,9 @@ def test_an_engine_cuts_each_episode_into_blocks_and_its_trainer_runs_determinis
 
 
 def test_what_cannot_run_deterministically_is_refused_when_the_engine_is_built():
-    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.deterministic=True with model 'shards'.*on_spent='drop'"):
+    with pytest.raises(
+        flowrl.ConfigError, match=r"RunConfig.reproducibility.deterministic=True with model 'shards'.*on_spent='drop'"
+    ):
         engine("inprocess", 1, on_spent="drop")
     engine("inprocess", 1, deterministic=False, on_spent="drop")  # without it, built
     only = engine("inprocess", 1, deterministic=False)

@@ -364,8 +364,7 @@ def test_cuda_ipc_weights_from_a_cpu_trainer_travel_by_host_and_checkpoints_betw
             make_engine(
                 models={"learner": {"weight_transport": transport}},
                 sync_every=2,
-                checkpoint_every=1,
-                checkpoint_dir=str(tmp_path),
+                checkpoint={"every": 1, "dir": str(tmp_path)},
             )
     with pytest.raises(flowrl.ConfigError, match="weight_transport must be one of"):
         flowrl.ModelConfig(weight_transport="rdma")

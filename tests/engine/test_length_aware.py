@@ -34,7 +34,7 @@ def _engine(tmp_path=None, predict_cost=None, **config: Any) -> flowrl.Engine:
         **config,
     }
     if tmp_path is not None:
-        run |= {"checkpoint_dir": str(tmp_path), "checkpoint_every": 1}
+        run |= {"checkpoint": {"dir": str(tmp_path), "every": 1, **run.get("checkpoint", {})}}
     engine = flowrl.Engine(
         rollout=lambda x: policy.forward_step(x),
         train=[CountingTrainer("trainer", {"num_replicas": 1})],

@@ -71,7 +71,7 @@ def test_a_real_example_on_a_terminal_shows_startup_rows_metrics_and_eta_and_sto
     stop = _check_stopped(child, after)
     assert after == [after[0]]  # the message alone
     assert stop.group(2) == "40" and int(stop.group(3)) >= 1
-    assert stop.group(4) == "nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
+    assert stop.group(4) == "nothing to resume (set RunConfig.checkpoint.dir and checkpoint.every to write checkpoints)"
 
 
 @pytest.mark.slow  # ~18 s; Ctrl-C on Ray is tests/engine/test_interrupt.py's by default
@@ -85,7 +85,9 @@ def test_ctrl_c_on_ray_leaves_one_line_naming_the_last_checkpoint(tmp_path):
     after = _stop(child)
     stop = _check_stopped(child, after)
     assert after == [after[0]]  # (test_interrupt.py checks that no actor is left)
-    folder = re.fullmatch(r"last checkpoint (\S+); resume with the same command \(RunConfig.resume='auto'\)", stop[4])
+    folder = re.fullmatch(
+        r"last checkpoint (\S+); resume with the same command \(RunConfig.checkpoint.resume='auto'\)", stop[4]
+    )
     assert folder is not None and Path(folder[1]).parent == tmp_path
 
 

@@ -55,8 +55,8 @@ def test_the_newest_segment_may_count_instead():
 
 
 def test_a_bad_stale_segment_is_refused():
-    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.stale_segment must be one of \['oldest', 'newest'\]"):
-        flowrl.RunConfig(sample_per_episode=1, stale_segment="middle")
+    with pytest.raises(flowrl.ConfigError, match=r"RunConfig.staleness.segment must be one of \['oldest', 'newest'\]"):
+        flowrl.RunConfig(sample_per_episode=1, staleness={"segment": "middle"})
 
 
 @pytest.mark.parametrize("backend", ["inprocess", "ray"])
@@ -74,7 +74,7 @@ def test_a_run_killed_mid_turn_resumes_onto_another_replica_count_exactly(ray_cl
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (tmp_path / "died-mid-turn").read_text()  # in episode 3, while samples were between segments
-    resumed = engine(backend, replicas=3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    resumed = engine(backend, replicas=3, checkpoint={"every": 1, "dir": str(tmp_path)})
     stats = resumed.learn()
     assert [e.episode for e in stats.episodes][-2:] == [3, 4]
     assert trained(resumed) == trained(reference)[3:]  # same samples, segments, versions, staleness

@@ -26,10 +26,12 @@ def ppo(monkeypatch):
 def learn(
     ppo: Any, folder: Path, backend: str = "inprocess", ranks: int = 1, **extra: Any
 ) -> tuple[list[float], dict[str, bytes]]:
-    """The reward curve, and each trainer's model as the last checkpoint saved it."""
-    extra = {"checkpoint_every": EPISODES, **extra}
+    """The reward curve, and each trainer's model as the last checkpoint saved it (``extra``:
+    more RunConfig keys; a ``checkpoint`` or ``staleness`` section is merged into the one set here)."""
+    checkpoint = {"every": EPISODES, **extra.pop("checkpoint", {}), "dir": str(folder)}
+    staleness = {**extra.pop("staleness", {}), "max": 1}
     engine = ppo.make_engine(
-        EPISODES, backend, ranks, checkpoint_dir=str(folder), max_staleness=1, progress="off", **extra
+        EPISODES, backend, ranks, checkpoint=checkpoint, staleness=staleness, progress="off", **extra
     )
     rewards = ppo.reward_curve(engine.learn())
     last = sorted(folder.glob("episode-*"))[-1]
@@ -56,7 +58,7 @@ def test_an_asynchronous_run_replays_bit_for_bit(ray_cluster, ppo, tmp_path, mon
     """Recorded on Ray (trainers on 2 ranks), replayed in process with another layout of the
     rollout's replicas and random delays in the models' forward passes."""
     record = tmp_path / "schedule.jsonl"
-    first = learn(ppo, tmp_path / "a", "ray", 2, record_schedule=str(record))
+    first = learn(ppo, tmp_path / "a", "ray", 2, reproducibility={"record_schedule": str(record)})
     log = episodes(record)
     assert [e["episode"] for e in log] == list(range(EPISODES))
     versions = [v for e in log for run in e["runs"] for v in run["versions"]["policy"]]
@@ -66,7 +68,12 @@ def test_an_asynchronous_run_replays_bit_for_bit(ray_cluster, ppo, tmp_path, mon
 
     delayed(monkeypatch, ppo, 1)
     again = tmp_path / "again.jsonl"
-    second = learn(ppo, tmp_path / "b", rollout=(3, 5, 3, 7), replay_schedule=str(record), record_schedule=str(again))
+    second = learn(
+        ppo,
+        tmp_path / "b",
+        rollout=(3, 5, 3, 7),
+        reproducibility={"replay_schedule": str(record), "record_schedule": str(again)},
+    )
     assert second == first
     assert episodes(again) == log
 
@@ -77,7 +84,7 @@ def test_a_replay_generates_each_sample_with_the_version_the_file_says(ray_clust
     give; some samples meet the policy's old version and the value model's new one) is followed
     exactly in process and on Ray, and trains the same weights on both."""
     natural = tmp_path / "natural.jsonl"
-    plain = learn(ppo, tmp_path / "a", record_schedule=str(natural))
+    plain = learn(ppo, tmp_path / "a", reproducibility={"record_schedule": str(natural)})
     log = episodes(natural)
     for e in log:  # episode e may use versions e-1 and e: alternate them, by blocks of 8 samples
         for run in e["runs"]:
@@ -90,7 +97,13 @@ def test_a_replay_generates_each_sample_with_the_version_the_file_says(ray_clust
     for backend, ranks in [("inprocess", 1), ("ray", 2)]:
         replayed = tmp_path / f"replayed-{backend}.jsonl"
         runs.append(
-            learn(ppo, tmp_path / backend, backend, ranks, replay_schedule=str(wanted), record_schedule=str(replayed))
+            learn(
+                ppo,
+                tmp_path / backend,
+                backend,
+                ranks,
+                reproducibility={"replay_schedule": str(wanted), "record_schedule": str(replayed)},
+            )
         )
         assert episodes(replayed) == log
     assert runs[0] == runs[1]
@@ -100,33 +113,49 @@ def test_a_replay_generates_each_sample_with_the_version_the_file_says(ray_clust
 def test_replay_settings_are_checked_when_the_engine_is_built(ppo, tmp_path):
     path = tmp_path / "schedule.jsonl"
     with pytest.raises(ConfigError, match="replay_schedule.*cannot read"):
-        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(path))
+        ppo.make_engine(2, "inprocess", 1, reproducibility={"replay_schedule": str(path)})
     path.write_text('{"episode": 0, "runs": []}\n')
     with pytest.raises(ConfigError, match="its first line holds no settings"):
-        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(path))
+        ppo.make_engine(2, "inprocess", 1, reproducibility={"replay_schedule": str(path)})
     record = tmp_path / "record.jsonl"
-    learn(ppo, tmp_path / "a", record_schedule=str(record))
+    learn(ppo, tmp_path / "a", reproducibility={"record_schedule": str(record)})
     path.write_text(record.read_text() + '\n{"episode": 9}\n')  # blank lines are skipped
     with pytest.raises(ConfigError, match="line 7 is not a recorded episode"):
-        ppo.make_engine(2, "inprocess", 1, max_staleness=1, replay_schedule=str(path))
+        ppo.make_engine(2, "inprocess", 1, staleness={"max": 1}, reproducibility={"replay_schedule": str(path)})
     with pytest.raises(ConfigError, match="name the same file"):
-        ppo.make_engine(2, "inprocess", 1, max_staleness=1, replay_schedule=str(record), record_schedule=str(record))
+        ppo.make_engine(
+            2,
+            "inprocess",
+            1,
+            staleness={"max": 1},
+            reproducibility={"replay_schedule": str(record), "record_schedule": str(record)},
+        )
     with pytest.raises(ConfigError, match=r"other settings \(max_staleness: recorded 1, now 0\)"):
-        ppo.make_engine(2, "inprocess", 1, replay_schedule=str(record))  # synchronous: it would wait for ever
+        ppo.make_engine(
+            2, "inprocess", 1, reproducibility={"replay_schedule": str(record)}
+        )  # synchronous: it would wait for ever
     log = episodes(record)
     run = log[2]["runs"][0]  # one sample meets the policy's new version and the value's old one, another the reverse
     run["versions"]["policy"][:2], run["versions"]["value"][:2] = [2, 1], [1, 2]
     with pytest.raises(ConfigError, match="in episode 2, some samples met a newer version of one synced model"):
-        ppo.make_engine(2, "inprocess", 1, max_staleness=1, replay_schedule=str(written(path, settings(record), log)))
+        ppo.make_engine(
+            2,
+            "inprocess",
+            1,
+            staleness={"max": 1},
+            reproducibility={"replay_schedule": str(written(path, settings(record), log))},
+        )
 
 
 def test_a_replay_of_another_runs_record_says_where_it_differs(ppo, tmp_path):
     record = tmp_path / "schedule.jsonl"
-    learn(ppo, tmp_path / "a", record_schedule=str(record))
+    learn(ppo, tmp_path / "a", reproducibility={"record_schedule": str(record)})
     log = episodes(record)
     log[0]["runs"][0] = {"first": 0, "count": 32, "versions": {"policy": [0] * 32, "value": [0] * 32}}
     other = written(tmp_path / "other.jsonl", settings(record), log)
-    engine = ppo.make_engine(1, "inprocess", 1, max_staleness=1, replay_schedule=str(other), progress="off")
+    engine = ppo.make_engine(
+        1, "inprocess", 1, staleness={"max": 1}, reproducibility={"replay_schedule": str(other)}, progress="off"
+    )
     with pytest.raises(FlowError, match="recorded with 32 samples from id 0, this run has 64 from id 0"):
         engine.learn()
 
@@ -134,10 +163,15 @@ def test_a_replay_of_another_runs_record_says_where_it_differs(ppo, tmp_path):
 @pytest.mark.timeout(120)  # a sync waiting for an episode this learn() never rolls out would hang
 def test_a_replay_shorter_than_its_record_ends_with_the_records_first_episodes(ppo, tmp_path):
     record = tmp_path / "schedule.jsonl"
-    learn(ppo, tmp_path / "a", record_schedule=str(record))
+    learn(ppo, tmp_path / "a", reproducibility={"record_schedule": str(record)})
     again = tmp_path / "again.jsonl"
     engine = ppo.make_engine(
-        2, "inprocess", 1, max_staleness=1, replay_schedule=str(record), record_schedule=str(again), progress="off"
+        2,
+        "inprocess",
+        1,
+        staleness={"max": 1},
+        reproducibility={"replay_schedule": str(record), "record_schedule": str(again)},
+        progress="off",
     )
     engine.learn()
     assert episodes(again) == episodes(record)[:2]
@@ -149,16 +183,20 @@ def test_a_replay_resumed_from_a_checkpoint_says_which_version_it_cannot_give(pp
     whose samples were generated a version behind (rolled out ahead of training) stops with
     an error naming it, instead of waiting for weights that will not come."""
     record = tmp_path / "schedule.jsonl"
-    learn(ppo, tmp_path / "a", record_schedule=str(record), checkpoint_every=1, keep_checkpoints=0)
+    learn(
+        ppo,
+        tmp_path / "a",
+        reproducibility={"record_schedule": str(record)},
+        checkpoint={"every": 1, "keep": 0},
+    )
     assert all(v == 0 for v in episodes(record)[1]["runs"][0]["versions"]["policy"])  # in process: a version behind
     engine = ppo.make_engine(
         EPISODES,
         "inprocess",
         1,
-        checkpoint_dir=str(tmp_path / "b"),
-        resume=str(sorted((tmp_path / "a").glob("episode-*"))[1]),
-        max_staleness=1,
-        replay_schedule=str(record),
+        checkpoint={"dir": str(tmp_path / "b"), "resume": str(sorted((tmp_path / "a").glob("episode-*"))[1])},
+        staleness={"max": 1},
+        reproducibility={"replay_schedule": str(record)},
         progress="off",
     )
     with pytest.raises(FlowError, match="episode 1 recorded samples generated by version 0 of .policy.*hold version 1"):

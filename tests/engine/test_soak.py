@@ -26,9 +26,12 @@ def _rss_mib() -> float:
 
 
 def _plasma_mib() -> float:
+    import ray
     from ray._private.internal_api import memory_summary
 
-    found = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+    # this session's cluster, by address: another one running on the machine is not ours to read
+    address = ray.get_runtime_context().gcs_address
+    found = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(address=address, stats_only=True))
     return float(found.group(1)) if found else float("nan")
 
 
@@ -53,8 +56,7 @@ def test_two_hundred_episodes_keep_memory_flat_and_leave_nothing_behind(ray_clus
             "num_episode": EPISODES,
             "train_global_batch_size": 16,
             "max_relay_episode": 2,
-            "checkpoint_dir": str(tmp_path),
-            "checkpoint_every": 20,
+            "checkpoint": {"dir": str(tmp_path), "every": 20},
         },
     )
     rss, plasma = [], []

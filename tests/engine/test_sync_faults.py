@@ -86,7 +86,7 @@ def test_a_replica_killed_in_set_weights_is_retired_and_the_run_completes_on_the
     tokens = Queue(actor_options={"num_cpus": 0})
     tokens.put(True)  # replica 1 dies at the first sync
     probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(6)]
-    engine = _engine(tokens, (1,), transport, max_staleness=staleness)
+    engine = _engine(tokens, (1,), transport, staleness={"max": staleness})
     try:
         with engine:
             stats = engine.learn()

@@ -398,7 +398,7 @@ def test_a_resumed_run_leaves_each_episode_once_in_metrics_jsonl_and_tensorboard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir, ckpt = tmp_path / "run", str(tmp_path / "ckpt")
-    common = {"ranks": 1, "run_dir": str(run_dir), "checkpoint_dir": ckpt, "checkpoint_every": 2, **INPROCESS}
+    common = {"ranks": 1, "run_dir": str(run_dir), "checkpoint": {"dir": ckpt, "every": 2}, **INPROCESS}
     first, _ = make_engine(num_episode=3, loggers=["tensorboard"], **common)
     first.learn()  # episodes 0, 1, 2; the last checkpoint is after episode 1 (episode-000002)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -76,11 +76,10 @@ def engine(
         "sample_per_episode": 8,
         "num_episode": 5,
         "train_global_batch_size": 4,
-        "max_staleness": max_staleness,
-        "stale_segment": segment,
         "shuffle": True,
         "pipeline": {"backend": backend},
         **config,
+        "staleness": {"max": max_staleness, "segment": segment, **config.get("staleness", {})},
     }
     built = flowrl.Engine(rollout=rollout, train=[learner], sync=[(learner, policy)], config=settings)
     built.set_dataset([{"response": [], "length": 1 + (i * 3) % 7} for i in range(16)])

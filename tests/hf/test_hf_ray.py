@@ -4,7 +4,7 @@ that fails the engine by name, leaving no actor."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import hf_ranks
 import hf_tiny
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 CPU = {"cpus_per_replica": 0.5}
 
 
-def make_engine(tokenizer: str, tmp: Path, episodes: int, **run: Any) -> flowrl.Engine:
+def make_engine(tokenizer: str, tmp: Path, episodes: int, resume: str = "auto") -> flowrl.Engine:
     lm = {"config": hf_tiny.llama(), "tokenizer": tokenizer}
     sampling = {"max_new_tokens": 6, "stop_token_ids": tuple(range(5, 45))}
     policy = hf.HFPolicy("policy", {"num_replicas": 2, "batch_size": 4, **CPU}, lm=lm, sampling=sampling)
@@ -31,11 +31,8 @@ def make_engine(tokenizer: str, tmp: Path, episodes: int, **run: Any) -> flowrl.
         num_samples_per_prompt=4,
         num_episode=episodes,
         train_global_batch_size=16,  # one optimizer step an episode: its ratio is 1 iff the sync worked
-        checkpoint_every=1,
-        keep_checkpoints=0,
-        checkpoint_dir=str(tmp / "ckpt"),
+        checkpoint={"every": 1, "keep": 0, "dir": str(tmp / "ckpt"), "resume": resume},
         progress="off",
-        **run,
     )
     engine = hf_ranks.grpo_engine(policy, reward, trainer, config)
     return engine

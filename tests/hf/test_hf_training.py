@@ -180,9 +180,10 @@ def test_a_sharded_trainers_checkpoint_is_the_one_rank_format_and_restores_there
 PROMPTS = ["what is one", "the answer", "seven plus", "nine minus two", "yes or no", "three equals"]
 
 
-def make_engine(tokenizer: str, records: list[list[Any]], **config: Any) -> flowrl.Engine:
+def make_engine(tokenizer: str, records: list[list[Any]], **checkpoint: Any) -> flowrl.Engine:
     """A sampling HF policy, a rule reward that counts the letter "e" of each response, a GRPO
-    trainer synced to the policy; ``records`` gets each episode's (ids, responses, scores)."""
+    trainer synced to the policy; ``records`` gets each episode's (ids, responses, scores).
+    ``checkpoint``: more ``RunConfig.checkpoint`` keys (its ``dir``, a ``resume``)."""
     lm = {"config": hf_tiny.llama(), "tokenizer": tokenizer}
     # a random model seldom samples its eos: stopping on 40 of the ~300 tokens varies the lengths
     sampling = {"max_new_tokens": 8, "stop_token_ids": tuple(range(5, 45))}
@@ -197,11 +198,9 @@ def make_engine(tokenizer: str, records: list[list[Any]], **config: Any) -> flow
         "train_micro_batch_size": 4,
         "shuffle": True,
         "seed": 1,
-        "checkpoint_every": 1,
-        "keep_checkpoints": 0,
+        "checkpoint": {"every": 1, "keep": 0, **checkpoint},
         "progress": "off",
         "pipeline": {"backend": "inprocess"},
-        **config,
     }
     engine = flowrl.Engine(
         rollout=lambda p: reward.forward_step(policy.forward_step(p)),
@@ -240,13 +239,11 @@ def test_an_engine_of_hf_models_resumes_exactly_from_a_checkpoint(tmp_path: Path
     # in the same process), so even a sampling run continues exactly.
     tokenizer = hf_tiny.make_tokenizer(tmp_path / "tokenizer")
     whole_records: list[list[Any]] = []
-    whole = make_engine(tokenizer, whole_records, checkpoint_dir=str(tmp_path / "whole"))
+    whole = make_engine(tokenizer, whole_records, dir=str(tmp_path / "whole"))
     whole_stats = whole.learn()
     saved = CheckpointFolders(tmp_path / "whole")
     resumed_records: list[list[Any]] = []
-    resumed = make_engine(
-        tokenizer, resumed_records, checkpoint_dir=str(tmp_path / "resumed"), resume=str(saved.path(1))
-    )
+    resumed = make_engine(tokenizer, resumed_records, dir=str(tmp_path / "resumed"), resume=str(saved.path(1)))
     resumed_stats = resumed.learn()
 
     # the run learned: the weights moved after episode 1, so the rollouts after it depend on

@@ -127,14 +127,14 @@ def test_the_stop_and_resume_lines_say_where_and_how_to_go_on():
 
     assert stopped_line(12, 30, Path("runs/x/episode-000010"), "runs/x") == (
         "flowrl: stopped at episode 13 of 30 (12 done); last checkpoint runs/x/episode-000010; "
-        "resume with the same command (RunConfig.resume='auto')"
+        "resume with the same command (RunConfig.checkpoint.resume='auto')"
     )
     assert stopped_line(12, 30, Path("runs/x/episode-000010"), "runs/x", "never").endswith(
-        "last checkpoint runs/x/episode-000010; resume with RunConfig.resume='auto' (this run has 'never')"
+        "last checkpoint runs/x/episode-000010; resume with RunConfig.checkpoint.resume='auto' (this run has 'never')"
     )
     assert stopped_line(0, 30, None, "runs/x").endswith("no checkpoint written yet in runs/x, so nothing to resume")
     assert stopped_line(3, 30, None, None).endswith(
-        "nothing to resume (set RunConfig.checkpoint_dir and checkpoint_every to write checkpoints)"
+        "nothing to resume (set RunConfig.checkpoint.dir and checkpoint.every to write checkpoints)"
     )
     folder = Path("runs/x/episode-000020")
     assert resume_line(folder, 20, 30, {"policy": 20}) == (

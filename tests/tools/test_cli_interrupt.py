@@ -113,7 +113,7 @@ train: [trainer]
 models:
   gen: {class: gated_flow:Gate, batch_size: 4}
   trainer: {class: flowrl.testing:CountingTrainer}
-run: {sample_per_episode: 4, num_episode: 4, checkpoint_every: 1, progress: log, pipeline: {backend: inprocess}}
+run: {sample_per_episode: 4, num_episode: 4, checkpoint: {every: 1}, progress: log, pipeline: {backend: inprocess}}
 """
 
 # Holds the third episode's rollout while a file named "hold" exists, having said so in "held":

@@ -302,8 +302,8 @@ def test_a_run_that_fails_before_writing_leaves_no_empty_folder(tmp_path, monkey
     ("sets", "expected"),
     [
         ((), None),
-        (("run.checkpoint_every=1",), "checkpoints"),
-        (("run.checkpoint_every=1", "run.checkpoint_dir=ck"), "../../ck"),
+        (("run.checkpoint.every=1",), "checkpoints"),
+        (("run.checkpoint.every=1", "run.checkpoint.dir=ck"), "../../ck"),
     ],
     ids=["off", "in-the-run-folder", "the-files-own"],
 )
@@ -325,16 +325,16 @@ def test_a_run_that_fails_midway_prints_the_command_that_resumes_in_its_folder(t
         f"flow: {module}:rollout\ndataset: {module}:items\ntrain: [trainer]\n"
         "models:\n  gen: {class: flowrl.testing:Fail, batch_size: 2, args: {bad_id: 5}}\n"  # in episode 2
         "  trainer: {class: flowrl.testing:CountingTrainer}\n"
-        "run: {sample_per_episode: 4, num_episode: 3, checkpoint_every: 1, progress: off, "
+        "run: {sample_per_episode: 4, num_episode: 3, checkpoint: {every: 1}, progress: off, "
         "pipeline: {backend: inprocess, max_retries: 0}}\n"
     )
     monkeypatch.chdir(tmp_path)
-    assert main(["run", "fail.yaml", "--set", "run.num_episode=3", "--set", "run.resume=never"]) == 2
+    assert main(["run", "fail.yaml", "--set", "run.num_episode=3", "--set", "run.checkpoint.resume=never"]) == 2
     out, err = capsys.readouterr()
     (folder,) = (tmp_path / "runs").iterdir()
     assert "bad sample 5" in err
     assert out.splitlines()[-1] == (
         f"resume into this folder with: flowrl run fail.yaml --run-dir runs/{folder.name} "
-        "--set run.num_episode=3 --set run.resume=auto"  # the file's (here --set's) "never" would refuse it
+        "--set run.num_episode=3 --set run.checkpoint.resume=auto"  # the file's (here --set's) "never" would refuse it
     )
     assert (folder / "checkpoints").is_dir() and (folder / "metrics.jsonl").read_text().count("\n") == 1

@@ -22,7 +22,7 @@ def _processes(parsed) -> dict[int, str]:
 
 
 def test_the_trace_of_an_engine_run_with_overlap_evaluation_and_a_resize_is_one_perfetto_reads(tmp_path):
-    engine, _ = make_engine(**INPROCESS, num_episode=4, max_staleness=1, eval_every=2, run_dir=str(tmp_path))
+    engine, _ = make_engine(**INPROCESS, num_episode=4, staleness={"max": 1}, eval_every=2, run_dir=str(tmp_path))
     with engine:
         assert engine.resize("policy", 2) == [1]
         engine.learn()
