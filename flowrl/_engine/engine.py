@@ -39,7 +39,7 @@ from .engine_view import stopped_line
 from .episodes import EpisodeLoop
 from .learning import CostFn, LearningState, RelayFn, dataset_items
 from .models import all_models, apply_model_configs, check, sync_pairs, trainer_models
-from .overlap import Overlap, overlapped
+from .overlap import Overlap
 from .placement import Placement
 from .replay import Replay, ScheduleLog, check_schedule_settings, schedule_settings
 from .run_folder import RunDir
@@ -171,7 +171,7 @@ class Engine:
     @property
     def overlapped(self) -> bool:
         """Whether rollouts run ahead of training (``staleness.max`` > 0, or a drop/regenerate policy)."""
-        return overlapped(self.config)
+        return self.config.staleness.overlaps
 
     # ---- running ----
     def learn(self) -> EngineStats:

@@ -81,13 +81,8 @@ class Gate:
             await self._moved.wait()
 
 
-def overlapped(config: RunConfig) -> bool:
-    """Whether rollouts run ahead of training (``StalenessConfig.overlaps``)."""
-    return config.staleness.overlaps
-
-
 class Overlap:
-    """When rollouts and weight syncs run relative to training. Synchronous (``overlapped``
+    """When rollouts and weight syncs run relative to training. Synchronous (``StalenessConfig.overlaps``
     false): one episode's rollout, then its training, then the sync. Asynchronous: rollouts
     run ahead under the staleness bound, and a sync runs in the background while the next
     episode trains. Owns the gate and the background sync in flight."""
@@ -105,7 +100,7 @@ class Overlap:
     ) -> None:
         self.config = config
         self.record, self.replay = record, replay
-        self.enabled = overlapped(config)
+        self.enabled = config.staleness.overlaps
         self.learning = learning
         self.rollout = rollout
         self.weights = weights
