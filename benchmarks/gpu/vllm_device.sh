@@ -10,7 +10,8 @@
 #   then, carrying .whl:                      bash benchmarks/gpu/vllm_device.sh install ppo
 # Steps: stage (copy the parts here to /tmp/vw), install (assemble, install into the system Python, import
 # vllm), rollout (vllm_rollout.py for SmolLM2-135M and Qwen2.5-0.5B shapes, or $ARCHS; $PROMPTS prompts, 256 by default), own (the engine's
-# own generate, its core in a process of its own), ppo (seed_ppo.py, $ENGINES: vLLM and generate; $SCORERS
+# own generate, its core in a process of its own), invariance (a sample's tokens alone, reversed, in a call of 17;
+# without and with --batch-invariant), graphs ($PROMPTS prompts, CUDA graphs up to 512 sequences and up to $PROMPTS), ppo (seed_ppo.py, $ENGINES: vLLM and generate; $SCORERS
 # replicas of each scorer, 8 by default; $KV_GIB each engine's KV cache, 4 by default; $SLEEP its sleep level, 0 by
 # default; the H200 runs of docs/vllm.md used KV_GIB=1 SLEEP=1; the seed's layout outgrows an H100's 80 GB).
 # Logs and results under $OUT (or /tmp/flowrl-gpu). Exit status: 0 only if every step passed.
@@ -38,6 +39,19 @@ own() {  # the engine's own generate with its core in a process of its own (vLLM
       --out "$out" || return 1
   done
 }
+invariance() {  # does a sample draw the same tokens whatever call it lands in, without and with batch-invariant kernels
+  for flag in "" --batch-invariant; do
+    python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch qwen2.5-0.5b --invariance 64 \
+      --new 128 $flag --out "$out" || return 1
+  done
+}
+graphs() {  # $PROMPTS (1,024 by default) prompts with CUDA graphs captured up to vLLM's default 512 sequences, then up to $PROMPTS
+  local n=${PROMPTS:-1024}
+  for size in 512 "$n"; do
+    python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch qwen2.5-0.5b --prompts "$n" --skip-hf \
+      --engine-args "{\"compilation_config\": {\"max_cudagraph_capture_size\": $size}}" --out "$out/graphs-$size" || return 1
+  done
+}
 ppo() {
   source benchmarks/gpu/wheels_env.sh
   for engine in ${ENGINES:-vllm hf}; do
@@ -47,7 +61,7 @@ ppo() {
       --out "$out/ppo-$engine" || return 1
   done
 }
-export -f installed rollout own ppo
+export -f installed rollout own invariance graphs ppo
 # FlashInfer's sampler compiles kernels with nvcc, which the machine lacks
 export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for what in "$@"; do
@@ -56,6 +70,8 @@ for what in "$@"; do
     install) step installed 300 ;;
     rollout) step rollout 540 ;;
     own) step own 540 ;;
+    invariance) step invariance 540 ;;
+    graphs) step graphs 540 ;;
     ppo) step ppo 560 ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
