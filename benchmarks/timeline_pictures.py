@@ -15,7 +15,7 @@ import ray
 
 import flowrl._tools.scenarios as scen
 from flowrl import open_pipeline
-from flowrl._core.trace import chrome_trace, write_json
+from flowrl._core.observe.trace import chrome_trace, write_json
 from flowrl._tools.timeline_view import format_summary, render_png, summary
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "images"

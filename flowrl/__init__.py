@@ -5,9 +5,6 @@ from __future__ import annotations
 import inspect as _inspect
 from types import FunctionType as _FunctionType
 
-from ._core.autoscale import ScaleEvent
-from ._core.batch import Batch, Sample
-from ._core.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
 from ._core.errors import (
     CheckpointError,
     ClusterError,
@@ -22,14 +19,17 @@ from ._core.errors import (
     ReplicaDiedError,
     StageError,
 )
-from ._core.graph import FlowGraph
-from ._core.lengths import LengthMemory
-from ._core.loops import loop
-from ._core.model import Model, step
-from ._core.pipeline_stats import LoopStats, PipelineStats, ReplicaStats, StageStats
-from ._core.run_config import CheckpointConfig, LoggerConfig, ReproducibilityConfig, RunConfig, StalenessConfig
-from ._core.sampler import EpisodeBuffer
-from ._core.splitter import POLICIES as SPLITTERS
+from ._core.flow.batch import Batch, Sample
+from ._core.flow.graph import FlowGraph
+from ._core.flow.loops import loop
+from ._core.flow.model import Model, step
+from ._core.observe.pipeline_stats import LoopStats, PipelineStats, ReplicaStats, StageStats
+from ._core.scheduling.autoscale import ScaleEvent
+from ._core.scheduling.lengths import LengthMemory
+from ._core.scheduling.splitter import POLICIES as SPLITTERS
+from ._core.settings.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
+from ._core.settings.run_config import CheckpointConfig, LoggerConfig, ReproducibilityConfig, RunConfig, StalenessConfig
+from ._core.training.sampler import EpisodeBuffer
 from ._engine.engine import Engine
 from ._engine.engine_stats import EngineStats, EpisodeStats, RankStats, TrainerStats
 from ._engine.loggers import MLflowLogger, TensorBoardLogger, WandbLogger

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._core.model import Model
+from ._core.flow.model import Model
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ._core.batch import Batch
-    from ._core.config import ModelConfig
+    from ._core.flow.batch import Batch
+    from ._core.settings.config import ModelConfig
 
 
 class Scale(Model):

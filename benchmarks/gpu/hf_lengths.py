@@ -46,7 +46,7 @@ from hf_grpo import ARCHS, GpuBusy
 
 import flowrl
 from flowrl import hf
-from flowrl._core.lengths import LengthMemory  # not re-exported by flowrl (yet)
+from flowrl._core.scheduling.lengths import LengthMemory  # not re-exported by flowrl (yet)
 
 if TYPE_CHECKING:
     from collections.abc import Callable

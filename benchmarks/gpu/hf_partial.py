@@ -40,7 +40,7 @@ from hf_lengths import TINY, LengthPolicy, Push, epoch_items, make_prompts, make
 
 import flowrl
 from flowrl import hf
-from flowrl._core.lengths import LengthMemory
+from flowrl._core.scheduling.lengths import LengthMemory
 
 MODES = ("whole", "partial", "push", "whole+len", "partial+len")
 FIELDS = ["tokens", "steps", "waste"]  # per sample, summed over its segments

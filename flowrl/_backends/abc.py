@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
-    from .._core.config import CallMeta, ShardCall
+    from .._core.flow.batch import Batch
+    from .._core.settings.config import CallMeta, ShardCall
     from .specs import ActorCounts, ReplicaHandle, ReplicaSpec
     from .weight_share import Group
 

@@ -15,14 +15,14 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import ConfigError
-from .._core.model import sum_over_ranks
+from .._core.flow.model import sum_over_ranks
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     import torch
 
-    from .._core.model import Model
+    from .._core.flow.model import Model
 
 # parameters' elements, sum, sum of |w|, sum of w**2 (for people), blake2b of the bytes (compared)
 Checksum = tuple[float, float, float, float, str]

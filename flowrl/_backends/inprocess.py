@@ -22,8 +22,8 @@ from .trainer_runtime import TrainerRuntime
 from .weight_share import Broadcast, Group
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
-    from .._core.config import CallMeta, ShardCall
+    from .._core.flow.batch import Batch
+    from .._core.settings.config import CallMeta, ShardCall
 
 log = logging.getLogger("flowrl")
 T = TypeVar("T")

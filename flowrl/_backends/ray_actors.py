@@ -22,8 +22,8 @@ from .replica import ReplicaRuntime
 from .trainer_runtime import TrainerRuntime
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
-    from .._core.model import Model
+    from .._core.flow.batch import Batch
+    from .._core.flow.model import Model
 
 
 def _where() -> tuple[int, list[int]]:

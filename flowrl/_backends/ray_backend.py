@@ -23,9 +23,9 @@ from ray.util.metrics import Gauge
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .._core.batch import Batch, approx_nbytes
-from .._core.config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
 from .._core.errors import ClusterError, InputLostError, ReplicaDiedError
+from .._core.flow.batch import Batch, approx_nbytes
+from .._core.settings.config import CallMeta, PipelineConfig, ShardCall, decode_meta, encode_message
 from .local_channel import ERR, ChannelLost, ChannelServer, DriverEnd
 from .ray_actors import ReplicaActor, TrainerActor
 from .ray_shipping import check_picklable, ship_by_value

@@ -11,7 +11,7 @@ import ray
 from .._core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .._core.model import Model
+    from .._core.flow.model import Model
 
 
 def ship_by_value(model: Model) -> None:

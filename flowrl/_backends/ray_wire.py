@@ -24,8 +24,6 @@ import ray.cloudpickle
 from ray.cloudpickle import cloudpickle as _cloudpickle
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
-from .._core.batch import approx_nbytes
-from .._core.config import CallMeta, Piece, ShardCall, decode_call, encode_message
 from .._core.errors import (
     FlowError,
     InputLostError,
@@ -34,10 +32,12 @@ from .._core.errors import (
     StageError,
     _shorten,
 )
+from .._core.flow.batch import approx_nbytes
+from .._core.settings.config import CallMeta, Piece, ShardCall, decode_call, encode_message
 from .local_channel import RemoteTraceback
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
+    from .._core.flow.batch import Batch
     from .replica import ReplicaRuntime
 
 INLINE_BYTES = 1 << 20

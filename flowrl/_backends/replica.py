@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from .._core.batch import Batch, Stream, approx_nbytes
-from .._core.columns import column_length, copy_column, like, signature
-from .._core.config import CallMeta, ShardCall
 from .._core.errors import FlowDefinitionError, FlowError, MissingFieldError, OutputError, StageError
-from .._core.loops import DONE, flags
-from .._core.model import Model, step_info, step_target
-from .._core.overlap import BusyClock
-from .._core.staleness import versions_field
+from .._core.flow.batch import Batch, Stream, approx_nbytes
+from .._core.flow.columns import column_length, copy_column, like, signature
+from .._core.flow.loops import DONE, flags
+from .._core.flow.model import Model, step_info, step_target
+from .._core.scheduling.overlap import BusyClock
+from .._core.settings.config import CallMeta, ShardCall
+from .._core.training.staleness import versions_field
 from .determinism import use_deterministic_torch
 from .weight_arrays import check_weight_hooks, to_tensors, weights_of
 from .weight_share import Broadcast, CudaShare, Groups

@@ -8,7 +8,7 @@ from .inprocess import InProcessBackend
 from .specs import debugging
 
 if TYPE_CHECKING:
-    from .._core.config import PipelineConfig
+    from .._core.settings.config import PipelineConfig
     from .abc import Backend
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._core.errors import ClusterError
 
 if TYPE_CHECKING:
-    from .._core.model import Model
+    from .._core.flow.model import Model
 
 
 @dataclass(frozen=True)

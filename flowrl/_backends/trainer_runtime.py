@@ -10,16 +10,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import CheckpointError, FlowError, OutputError, StageError
-from .._core.rng_state import rng_state, set_rng_state
-from .._core.state_format import decode_state, encode_state
+from .._core.training.rng_state import rng_state, set_rng_state
+from .._core.training.state_format import decode_state, encode_state
 from .determinism import use_deterministic_torch
 from .grad_sync import GradReducer, check_scaler, checksum, unchecked
 from .weight_arrays import check_weight_hooks, to_arrays, weights_of
 from .weight_share import Broadcast, CudaShare, Group, Sender, on_cuda, read_all
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
-    from .._core.model import Model
+    from .._core.flow.batch import Batch
+    from .._core.flow.model import Model
 
 log = logging.getLogger("flowrl")
 

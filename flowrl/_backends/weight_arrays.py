@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._core.errors import StageError
-from .._core.model import Model, weight_hooks_problem
+from .._core.flow.model import Model, weight_hooks_problem
 
 
 def check_weight_hooks(model: Model, replica: int) -> None:

@@ -1,8 +1,9 @@
-"""The core wing: flowrl's vocabulary and its pure logic.
+"""The core wing: flowrl's vocabulary and its pure logic, grouped by purpose.
 
-Errors, configs and control messages, batches, flow tracing and the graph, the ``Model`` base,
-the splitter and scheduler, stats, the staleness bound, the autoscaling policy, the episode
-sampler, the simulator, timelines and the checkpoint encoding. No event loop, no Ray, no I/O
-beyond files a caller names: everything here is tested with plain function calls. Imports
-nothing from the other wings.
+At the root, what every group uses: the ``FlowError`` tree (``errors``), the argument checks of
+the public entry points (``checks``) and the model-name rule (``names``). Then ``settings``
+(configs and run files), ``flow`` (batches, models, tracing, the graph), ``scheduling`` (the
+splitters, the pull scheduler, autoscaling), ``training`` (episodes, staleness, checkpoint
+state) and ``observe`` (stats, traces). No event loop, no Ray, no I/O beyond files a caller
+names: everything here is tested with plain function calls. Imports nothing from the other wings.
 """

@@ -6,7 +6,7 @@ train counters, episode stats), the relay episodes the next relay call will see
 (``relay.msgpack``), per trainer its rank 0 state (weights, optimiser) and every rank's random
 generators, and the weights last sent to an inference model when they are not the trainer's
 current ones (the checkpoint falls between two syncs). Every file is JSON or the safe
-msgpack format of ``_core.state_format``.
+msgpack format of ``_core.training.state_format``.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import msgspec
 
 from .._backends.weight_arrays import unviewed
 from .._core.errors import CheckpointError, ConfigError, ReplicaDiedError, StageError
-from .._core.state_format import CheckpointFolders, decode_state, encode_state
+from .._core.training.state_format import CheckpointFolders, decode_state, encode_state
 from .checkpoint_state import RELAY, STATE, EngineState, check_state, read_relay, read_rngs, read_state
 
 if TYPE_CHECKING:
     from .._backends.abc import TrainerGroups
     from .._backends.specs import ReplicaHandle
-    from .._core.run_config import RunConfig
-    from .._core.sampler import EpisodeBuffer
+    from .._core.settings.run_config import RunConfig
+    from .._core.training.sampler import EpisodeBuffer
     from .deployment import Deployment
 
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._core.batch import Sample
-from .._core.columns import COLUMN_KINDS
 from .._core.errors import CheckpointError
-from .._core.rng_state import check_rng_state
-from .._core.sampler import EpisodeBuffer
-from .._core.state_format import CheckpointFolders, decode_state, shown
+from .._core.flow.batch import Sample
+from .._core.flow.columns import COLUMN_KINDS
+from .._core.training.rng_state import check_rng_state
+from .._core.training.sampler import EpisodeBuffer
+from .._core.training.state_format import CheckpointFolders, decode_state, shown
 from .engine_stats import Counts, EpisodeStats
 
 if TYPE_CHECKING:

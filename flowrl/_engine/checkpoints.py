@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from pathlib import Path
 
-    from .._core.model import Model
-    from .._core.run_config import RunConfig
+    from .._core.flow.model import Model
+    from .._core.settings.run_config import RunConfig
     from .checkpoint_files import CheckpointFormat
     from .checkpoint_state import EngineState
     from .deployment import Deployment

@@ -10,8 +10,8 @@ import anyio
 import msgspec
 
 from .._backends.select import make_backend
-from .._core.pipeline_stats import PipelineStats
-from .._core.streams import derived_seed
+from .._core.flow.streams import derived_seed
+from .._core.observe.pipeline_stats import PipelineStats
 from .._pipeline.opening import plain_errors, running
 from .._pipeline.parts import Joining
 from .._pipeline.progress import showing_startup
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle, ReplicaSpec
     from .._core.errors import ReplicaDiedError
-    from .._core.graph import FlowGraph
-    from .._core.model import Model
-    from .._core.run_config import RunConfig
+    from .._core.flow.graph import FlowGraph
+    from .._core.flow.model import Model
+    from .._core.settings.run_config import RunConfig
     from .._pipeline.pipeline import AsyncPipeline
     from .placement import Placement
 

@@ -23,12 +23,12 @@ import anyio.from_thread
 import msgspec
 
 from .._core.checks import file_path
-from .._core.config import to_config
 from .._core.errors import ConfigError, FlowError, PipelineClosedError
-from .._core.graph import check_one_argument
+from .._core.flow.graph import check_one_argument
 from .._core.names import check_name
-from .._core.run_config import RunConfig
-from .._core.trace import ENGINE, Span, Timeline, chrome_trace, write_json
+from .._core.observe.trace import ENGINE, Span, Timeline, chrome_trace, write_json
+from .._core.settings.config import to_config
+from .._core.settings.run_config import RunConfig
 from .._pipeline.opening import Flow, build_flow, plain_errors
 from .._pipeline.progress import interrupted
 from .checkpoint_files import CheckpointFormat
@@ -52,10 +52,10 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from .._backends.specs import ReplicaHandle
-    from .._core.batch import Sample
-    from .._core.graph import FlowGraph
-    from .._core.model import Model
-    from .._core.sampler import EpisodeBuffer
+    from .._core.flow.batch import Sample
+    from .._core.flow.graph import FlowGraph
+    from .._core.flow.model import Model
+    from .._core.training.sampler import EpisodeBuffer
     from .engine_stats import EngineStats
     from .learning import TrainResults
     from .tracking import Callback, Logger

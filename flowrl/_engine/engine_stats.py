@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._core.pipeline_stats import PipelineStats
+from .._core.observe.pipeline_stats import PipelineStats
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._core.errors import CheckpointError
-from .._core.loops import turn_counts
-from .._core.staleness import histogram, segment_histogram
-from .._core.trace import ENGINE
+from .._core.flow.loops import turn_counts
+from .._core.observe.trace import ENGINE
+from .._core.training.staleness import histogram, segment_histogram
 from .engine_stats import EpisodeStats, mean_metrics
 from .engine_view import Progress
 from .run_folder import metric_values
 
 if TYPE_CHECKING:
-    from .._core.batch import Sample
-    from .._core.run_config import RunConfig
-    from .._core.trace import Timeline
+    from .._core.flow.batch import Sample
+    from .._core.observe.trace import Timeline
+    from .._core.settings.run_config import RunConfig
     from .checkpoints import CheckpointManager
     from .deployment import Deployment
     from .elastic import Elasticity

@@ -7,17 +7,17 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
-from .._core.batch import Sample
 from .._core.checks import item_source
 from .._core.errors import ConfigError, FlowDefinitionError
-from .._core.lengths import LengthMemory, length_of
-from .._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
+from .._core.flow.batch import Sample
+from .._core.scheduling.lengths import LengthMemory, length_of
+from .._core.training.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer
 from .checkpoint_files import sampling
 from .checkpoint_state import EngineState
 from .engine_stats import EngineStats, TrainCounters
 
 if TYPE_CHECKING:
-    from .._core.run_config import RunConfig
+    from .._core.settings.run_config import RunConfig
     from .deployment import PipelineStatsPair
     from .engine_stats import EpisodeStats
 

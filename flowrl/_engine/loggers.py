@@ -22,7 +22,7 @@ from .._core.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
 
-    from .._core.run_config import LoggerConfig
+    from .._core.settings.run_config import LoggerConfig
 
 # kind -> (the module it imports, what pip installs)
 PACKAGES = {

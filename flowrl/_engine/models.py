@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .._core.errors import ConfigError, FlowDefinitionError
-from .._core.model import Model, mark_synced
-from .._core.sampler import EpisodeSampler, check_train_sizes
+from .._core.flow.model import Model, mark_synced
+from .._core.training.sampler import EpisodeSampler, check_train_sizes
 from .._pipeline.blocks import check_deterministic
 from .._pipeline.opening import Flow, build_flow
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .._core.graph import FlowGraph
-    from .._core.run_config import RunConfig
+    from .._core.flow.graph import FlowGraph
+    from .._core.settings.run_config import RunConfig
 
 
 def trainer_models(train: Sequence[Model] | Flow) -> list[Model]:

@@ -3,7 +3,7 @@
 A rollout task produces episodes in order and hands them to the training loop through a
 bounded stream (``staleness.max + 1`` episodes). Before episode ``e``'s rollout starts it waits
 at the gate until enough episodes are trained and synced that every replica of every synced
-model holds a version within the bound (``_core.staleness.rollout_needs``); a sync loads weights
+model holds a version within the bound (``_core.training.staleness.rollout_needs``); a sync loads weights
 between two shards of a replica, never in one. With ``on_stale="drop"`` or ``"regenerate"`` the
 rollout starts one version earlier, and the samples that would train more than
 ``staleness.max`` versions behind are dropped, or generated again once the bound holds.
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core.batch import Sample
 from .._core.errors import FlowDefinitionError, FlowError
-from .._core.staleness import lags, rollout_needs, staleness_field, too_stale, train_version
-from .._core.trace import ENGINE
+from .._core.flow.batch import Sample
+from .._core.observe.trace import ENGINE
+from .._core.training.staleness import lags, rollout_needs, staleness_field, too_stale, train_version
 from .._pipeline.opening import plain_errors
 from .replay import run_record
 
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from anyio.streams.memory import MemoryObjectSendStream
 
-    from .._core.run_config import RunConfig
-    from .._core.trace import Timeline
+    from .._core.observe.trace import Timeline
+    from .._core.settings.run_config import RunConfig
     from .._pipeline.pipeline import AsyncPipeline
     from .checkpoint_files import CheckpointFormat
     from .learning import LearningState

@@ -11,8 +11,8 @@ from .._core.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping
 
-    from .._core.model import Model
-    from .._core.run_config import RunConfig
+    from .._core.flow.model import Model
+    from .._core.settings.run_config import RunConfig
 
 
 class Placement:

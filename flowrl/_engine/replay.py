@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._core.errors import ConfigError, FlowError
-from .._core.staleness import generated_with, versions_field
+from .._core.training.staleness import generated_with, versions_field
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from .._core.batch import Sample
-    from .._core.graph import FlowGraph
-    from .._core.run_config import RunConfig
+    from .._core.flow.batch import Sample
+    from .._core.flow.graph import FlowGraph
+    from .._core.settings.run_config import RunConfig
     from .._pipeline.pipeline import AsyncPipeline
 
 RECORD, REPLAY = "RunConfig.reproducibility.record_schedule", "RunConfig.reproducibility.replay_schedule"

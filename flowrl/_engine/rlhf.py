@@ -9,8 +9,8 @@ from .engine import Engine
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from .._core.model import Model
-    from .._core.run_config import RunConfig
+    from .._core.flow.model import Model
+    from .._core.settings.run_config import RunConfig
     from .._pipeline.opening import Flow
     from .learning import CostFn
     from .tracking import Callback, Logger

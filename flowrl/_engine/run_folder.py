@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 import msgspec
 
 from .._core.errors import ConfigError, FlowError
-from .._core.trace import Span, chrome_trace
+from .._core.observe.trace import Span, chrome_trace
 from .._pipeline.progress import say
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .._core.pipeline_stats import PipelineStats
+    from .._core.observe.pipeline_stats import PipelineStats
     from .engine_stats import EngineStats, EpisodeStats, TrainerStats
 
 METRICS, TRACE, LIVE = "metrics.jsonl", "trace.json", "live.json"

@@ -20,14 +20,14 @@ import anyio.to_thread
 import msgspec
 
 from .._core.errors import ConfigError, FlowError
-from .._core.graph import check_one_argument
-from .._core.run_config import logger_config
+from .._core.flow.graph import check_one_argument
+from .._core.settings.run_config import logger_config
 from .engine_stats import EpisodeStats
 from .loggers import MLflowLogger, Outcome, TensorBoardLogger, WandbLogger, build, check_installed, check_wandb_login
 
 if TYPE_CHECKING:
-    from .._core.pipeline_stats import PipelineStats
-    from .._core.run_config import RunConfig
+    from .._core.observe.pipeline_stats import PipelineStats
+    from .._core.settings.run_config import RunConfig
     from .engine_stats import EngineStats, TrainerStats
 
 log = logging.getLogger("flowrl")

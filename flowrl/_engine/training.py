@@ -7,17 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core.batch import Batch, Sample
 from .._core.errors import RankDivergenceError
-from .._core.sampler import TrainStep, plan_steps
+from .._core.flow.batch import Batch, Sample
+from .._core.training.sampler import TrainStep, plan_steps
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from .._backends.specs import ReplicaHandle
-    from .._core.model import Model
-    from .._core.run_config import RunConfig
-    from .._core.trace import Timeline
+    from .._core.flow.model import Model
+    from .._core.observe.trace import Timeline
+    from .._core.settings.run_config import RunConfig
     from .deployment import Deployment
     from .engine_stats import TrainCounters
     from .learning import TrainResults

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from .._backends.specs import ReplicaHandle
-    from .._core.model import Model
-    from .._core.run_config import RunConfig
+    from .._core.flow.model import Model
+    from .._core.settings.run_config import RunConfig
     from .deployment import Deployment
     from .replay import Replay
 

@@ -15,10 +15,10 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from .._core.batch import Batch
-from .._core.columns import FieldTypes
 from .._core.errors import FlowDefinitionError
-from .._core.graph import SOURCE
+from .._core.flow.batch import Batch
+from .._core.flow.columns import FieldTypes
+from .._core.flow.graph import SOURCE
 from .blocks import seal
 
 if TYPE_CHECKING:

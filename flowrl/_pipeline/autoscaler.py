@@ -1,5 +1,5 @@
 """The autoscaler: a control loop that reads each autoscaled pool's queue and starvation and
-resizes it within its limits (the policy itself is pure: ``_core/autoscale.py``)."""
+resizes it within its limits (the policy itself is pure: ``_core/scheduling/autoscale.py``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .._core.autoscale import AutoscalePolicy, Reading
 from .._core.errors import FlowError
+from .._core.scheduling.autoscale import AutoscalePolicy, Reading
 
 if TYPE_CHECKING:
     from .._backends.abc import Cluster
-    from .._core.config import Autoscale
+    from .._core.settings.config import Autoscale
     from .parts import Parts
     from .resizer import Resizer
     from .runs import Runs

@@ -15,8 +15,8 @@ from .._core.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .._core.config import PipelineConfig
-    from .._core.graph import FlowGraph
+    from .._core.flow.graph import FlowGraph
+    from .._core.settings.config import PipelineConfig
     from .inflight import Run
     from .ledger import Ledger
     from .pools import AsyncPool

@@ -11,7 +11,7 @@ from .._core.errors import ReplicaDiedError, StageError
 if TYPE_CHECKING:
     from .._backends.abc import Cluster, Shards
     from .._backends.specs import ReplicaHandle
-    from .._core.config import CallMeta, ShardCall
+    from .._core.settings.config import CallMeta, ShardCall
     from .parts import Parts
 
 

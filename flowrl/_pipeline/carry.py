@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .._core.graph import FlowGraph
-    from .._core.loops import LoopSpec
+    from .._core.flow.graph import FlowGraph
+    from .._core.flow.loops import LoopSpec
 
 
 class Carry:

@@ -19,8 +19,8 @@ from .pools import Retired
 
 if TYPE_CHECKING:
     from .._backends.specs import ReplicaHandle
-    from .._core.config import CallMeta
-    from .._core.scheduler import Assignment
+    from .._core.scheduling.scheduler import Assignment
+    from .._core.settings.config import CallMeta
     from .calls import ShardCaller
     from .parts import Parts
     from .recovery import Recovery

@@ -10,7 +10,7 @@ import anyio
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._core.batch import Sample
+    from .._core.flow.batch import Sample
 
 Loc = tuple[Any, int]  # (object reference, row)
 

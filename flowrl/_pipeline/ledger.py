@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._core.columns import FieldTypes
-from .._core.config import LoopCall, Piece, ShardCall
 from .._core.errors import FlowDefinitionError, FlowError, OutputError
-from .._core.graph import SOURCE
-from .._core.loops import DEADLINE, MAX_TURNS
-from .._core.staleness import versions_field
+from .._core.flow.columns import FieldTypes
+from .._core.flow.graph import SOURCE
+from .._core.flow.loops import DEADLINE, MAX_TURNS
+from .._core.settings.config import LoopCall, Piece, ShardCall
+from .._core.training.staleness import versions_field
 from .carry import Carry
 from .inflight import SampleState
 
@@ -26,10 +26,10 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from .._backends.specs import ReplicaHandle
-    from .._core.config import CallMeta, PipelineConfig
-    from .._core.graph import FlowGraph, StageSpec
-    from .._core.loops import LoopSpec
-    from .._core.scheduler import Assignment
+    from .._core.flow.graph import FlowGraph, StageSpec
+    from .._core.flow.loops import LoopSpec
+    from .._core.scheduling.scheduler import Assignment
+    from .._core.settings.config import CallMeta, PipelineConfig
     from .inflight import Loc, Run, Turns
 
 

@@ -12,11 +12,11 @@ import anyio.from_thread
 from .._backends.select import make_backend
 from .._backends.specs import ReplicaSpec, default_spec
 from .._core.checks import field_names, file_path, item_costs, item_source
-from .._core.config import PipelineConfig, to_config
 from .._core.errors import FlowError, PipelineClosedError
-from .._core.graph import FlowGraph, trace
-from .._core.model import Model
-from .._core.node import Node
+from .._core.flow.graph import FlowGraph, trace
+from .._core.flow.model import Model
+from .._core.flow.node import Node
+from .._core.settings.config import PipelineConfig, to_config
 from .blocks import check_deterministic
 from .pipeline import AsyncPipeline
 
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from .._backends.abc import Backend
-    from .._core.batch import Sample
-    from .._core.pipeline_stats import PipelineStats
-    from .._core.trace import Timeline
+    from .._core.flow.batch import Sample
+    from .._core.observe.pipeline_stats import PipelineStats
+    from .._core.observe.trace import Timeline
     from .parts import Joining
 
 Flow = Callable[[Node], Any]

@@ -30,11 +30,11 @@ if TYPE_CHECKING:
 
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle, ReplicaSpec
-    from .._core.config import PipelineConfig
-    from .._core.graph import FlowGraph
-    from .._core.model import Model
-    from .._core.pipeline_stats import StatsRecorder
-    from .._core.trace import Timeline
+    from .._core.flow.graph import FlowGraph
+    from .._core.flow.model import Model
+    from .._core.observe.pipeline_stats import StatsRecorder
+    from .._core.observe.trace import Timeline
+    from .._core.settings.config import PipelineConfig
     from .ledger import Ledger
     from .pools import AsyncPool, Window
     from .roster import Roster

@@ -22,9 +22,9 @@ import anyio
 
 from .._core import checks
 from .._core.errors import PipelineClosedError, ReplicaDiedError
-from .._core.pipeline_stats import PipelineStats, StatsRecorder
-from .._core.scheduler import PoolScheduler
-from .._core.trace import Timeline, chrome_trace, write_json
+from .._core.observe.pipeline_stats import PipelineStats, StatsRecorder
+from .._core.observe.trace import Timeline, chrome_trace, write_json
+from .._core.scheduling.scheduler import PoolScheduler
 from .admission import Admission
 from .autoscaler import Autoscaler
 from .blocks import place_blocks
@@ -48,10 +48,10 @@ if TYPE_CHECKING:
 
     from .._backends.abc import Backend
     from .._backends.specs import ReplicaHandle
-    from .._core.autoscale import Reading, ScaleEvent
-    from .._core.batch import Sample
-    from .._core.config import PipelineConfig
-    from .._core.graph import FlowGraph
+    from .._core.flow.batch import Sample
+    from .._core.flow.graph import FlowGraph
+    from .._core.scheduling.autoscale import Reading, ScaleEvent
+    from .._core.settings.config import PipelineConfig
     from .inflight import Run
     from .runs import Items
 

@@ -11,7 +11,7 @@ import anyio
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._core.scheduler import Assignment, PoolScheduler
+    from .._core.scheduling.scheduler import Assignment, PoolScheduler
 
     Places = Callable[[str, list[int]], "list[tuple[int, int]] | None"]
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from .._backends.specs import ActorCounts
-    from .._core.pipeline_stats import PipelineStats
+    from .._core.observe.pipeline_stats import PipelineStats
     from .inflight import Run
 
 log = logging.getLogger("flowrl")

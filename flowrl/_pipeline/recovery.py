@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .._core.config import ShardCall
 from .._core.errors import FlowError, InputLostError, ReplicaDiedError
-from .._core.scheduler import Assignment
+from .._core.scheduling.scheduler import Assignment
+from .._core.settings.config import ShardCall
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._core import checks
-from .._core.autoscale import ScaleEvent
 from .._core.errors import ConfigError, FlowError
+from .._core.scheduling.autoscale import ScaleEvent
 
 if TYPE_CHECKING:
     from .._backends.abc import Cluster
     from .._backends.specs import ReplicaHandle
-    from .._core.autoscale import Reading
+    from .._core.scheduling.autoscale import Reading
     from .dispatch import Dispatcher
     from .parts import Parts
     from .pools import AsyncPool

@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection
 
     from .._backends.specs import ReplicaHandle
-    from .._core.pipeline_stats import StatsRecorder
+    from .._core.observe.pipeline_stats import StatsRecorder
 
 Key = tuple[str, int]  # (model, replica)
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from .._core.batch import Sample
 from .._core.checks import item_source
 from .._core.errors import FlowDefinitionError, InputLostError, PipelineClosedError
+from .._core.flow.batch import Sample
 from .inflight import Run
 
 Items = Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]

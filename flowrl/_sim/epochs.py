@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .._core.lengths import LengthMemory
+from .._core.scheduling.lengths import LengthMemory
 from .simulate import SimResult, Workload, simulate, tails
 
 

@@ -20,9 +20,9 @@ import msgspec
 import numpy as np
 
 from .._core.checks import at_most, non_negative, positive, struct_types
-from .._core.config import MAX_PREFETCH, Settings
 from .._core.errors import ConfigError
-from .._core.scheduler import Assignment, PoolScheduler
+from .._core.scheduling.scheduler import Assignment, PoolScheduler
+from .._core.settings.config import MAX_PREFETCH, Settings
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

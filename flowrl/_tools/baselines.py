@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._core.model import Model
+from .._core.flow.model import Model
 from .._pipeline.opening import open_pipeline
 from .._sim.simulate import INPUT, StageCost, Workload, tails
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
-    from .._core.batch import Batch
+    from .._core.flow.batch import Batch
 
 
 def model_sleep(cost: StageCost, tail: np.ndarray, ids: list[int] | np.ndarray) -> None:

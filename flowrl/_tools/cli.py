@@ -229,7 +229,7 @@ def scale_main(args: argparse.Namespace) -> int:
 
 
 def trace_main(args: argparse.Namespace) -> int:
-    from .._core.trace import read_trace_file
+    from .._core.observe.trace import read_trace_file
     from .timeline_view import format_summary, render_png, summary
 
     source = Path(args.run_dir)

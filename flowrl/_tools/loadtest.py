@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._core.lengths import LengthMemory
+from .._core.scheduling.lengths import LengthMemory
 from .._pipeline.opening import open_pipeline
 from .._sim.epochs import prompt_keys, simulate_epochs
 from .._sim.simulate import Workload, cost_hints, tails
@@ -28,7 +28,7 @@ from .loop_scenarios import loop_report, loop_scenarios, run_loops
 from .scenarios import EPOCHS, items, scenarios, workload_flow
 
 if TYPE_CHECKING:
-    from .._core.pipeline_stats import PipelineStats, StageStats
+    from .._core.observe.pipeline_stats import PipelineStats, StageStats
 
 __all__ = ["loadtest_main", "run_flowrl", "scenarios"]
 

@@ -26,15 +26,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .._core.loops import loop
-from .._core.model import Model, step
+from .._core.flow.loops import loop
+from .._core.flow.model import Model, step
 from .._pipeline.opening import open_pipeline
 from .._sim.turns import MODES, Turn, TurnWorkload, heavy_tailed, lower_bound, simulate_turns
 from .baselines import nominal_sleep, sleep_slack
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
-    from .._core.node import Node
+    from .._core.flow.batch import Batch
+    from .._core.flow.node import Node
 
 __all__ = ["LoopScenario", "loop_report", "loop_scenarios", "run_loop_scenario", "run_loops", "run_mode"]
 

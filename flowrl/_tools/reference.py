@@ -13,8 +13,8 @@ from typing import Literal, get_args, get_origin
 
 import msgspec
 
-from .._core.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
-from .._core.run_config import (
+from .._core.settings.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
+from .._core.settings.run_config import (
     CheckpointConfig,
     LoggerConfig,
     ReproducibilityConfig,
@@ -193,7 +193,7 @@ def _type(t: object) -> str:
         return "`None`"
     if isinstance(t, type) and not get_args(t):
         return f"`{t.__name__}`"
-    return "`" + str(t).replace("flowrl._core.config.", "").replace("flowrl.", "") + "`"
+    return "`" + str(t).replace("flowrl._core.settings.config.", "").replace("flowrl.", "") + "`"
 
 
 def _default(field: msgspec.structs.FieldInfo) -> str:

@@ -34,11 +34,11 @@ from typing import Annotated, Any, cast
 
 import msgspec
 
-from .._core.config import ModelConfig, to_config
-from .._core.config_files import apply_override, read_config_file
 from .._core.errors import ConfigError, FlowError
-from .._core.model import Model
-from .._core.run_config import RunConfig
+from .._core.flow.model import Model
+from .._core.settings.config import ModelConfig, to_config
+from .._core.settings.config_files import apply_override, read_config_file
+from .._core.settings.run_config import RunConfig
 from .._engine.engine import Engine
 from .._engine.rlhf import RLHFEngine
 

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from .._core.model import Model
+from .._core.flow.model import Model
 from .._sim.simulate import INPUT, SimStage, StageCost, Workload, tails
 from .baselines import model_sleep, nominal_sleep, sleep_slack
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._core.batch import Batch
-    from .._core.node import Node
+    from .._core.flow.batch import Batch
+    from .._core.flow.node import Node
 
 # Scenarios run for several epochs over the same prompts (the length memory's case), and how many.
 EPOCHS = {"heavy-tail-epochs": 3}

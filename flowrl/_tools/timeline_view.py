@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import ConfigError
-from .._core.trace import ENGINE, Span, is_scale_event, lane_label
+from .._core.observe.trace import ENGINE, Span, is_scale_event, lane_label
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

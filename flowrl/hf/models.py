@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from .._core.config import ModelConfig, to_config
 from .._core.errors import ConfigError
-from .._core.model import Model, step
+from .._core.flow.model import Model, step
+from .._core.settings.config import ModelConfig, to_config
 from .config import LM, Sampling
 from .loading import Head, checked_paths, context_length, load_module, load_tokenizer, shape_of
 from .sampling import RowSampler, seeded
@@ -29,7 +29,7 @@ from .tokens import cut_at_stop, join, left_pad, response_values, sequence_logpr
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from .._core.batch import Batch
+    from .._core.flow.batch import Batch
 
 Config = ModelConfig | Mapping[str, Any] | None
 LOGIT_BUDGET = 1 << 28  # logits per forward pass when scoring responses (1 GiB in fp32)

@@ -12,7 +12,7 @@ from .._core.errors import ConfigError
 from .tokens import response_mask, right_pad
 
 if TYPE_CHECKING:
-    from .._core.batch import Batch
+    from .._core.flow.batch import Batch
     from .config import GRPO, PPO
 
 

@@ -25,7 +25,7 @@ from .tokens import join, response_mask, response_values, right_pad, sequence_lo
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
 
-    from .._core.batch import Batch
+    from .._core.flow.batch import Batch
     from .loading import Head
 
 
@@ -344,7 +344,7 @@ def _take(extra: Mapping[str, Any], rows: list[int]) -> dict[str, Any]:
 
 
 def _to(cls: Any, value: Any, model: str, key: str) -> Any:
-    from .._core.config import to_config
+    from .._core.settings.config import to_config
 
     return to_config(cls, value, f"model {model!r} {key}")
 

@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 
 from .._core.checks import positive, struct_types
-from .._core.config import Settings
 from .._core.errors import ConfigError
+from .._core.settings.config import Settings
 
 # the engine arguments flowrl.vllm sets, and where each comes from
 OWNED = {

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from .._core.config import to_config
 from .._core.errors import ConfigError
-from .._core.model import step
+from .._core.flow.model import step
+from .._core.settings.config import to_config
 from ..hf import LM, HFPolicy, Sampling, convert_gguf
 from ..hf.convert import cache_folder, saved_random
 from ..hf.loading import dtype_of, load_tokenizer
@@ -29,8 +29,8 @@ from .loop import EngineLoop, StepLock
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .._core.batch import Batch
-    from .._core.model import Model
+    from .._core.flow.batch import Batch
+    from .._core.flow.model import Model
     from ..hf.models import Config
 
 

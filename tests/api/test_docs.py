@@ -94,7 +94,7 @@ def test_docs_run_files_are_valid(page, tmp_path):
     import yaml
 
     from flowrl import ModelConfig, RunConfig
-    from flowrl._core.config import to_config
+    from flowrl._core.settings.config import to_config
     from flowrl._tools.run_file import load_run_file, resolve
 
     for i, block in enumerate(YAML.findall(page.read_text())):

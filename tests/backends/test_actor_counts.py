@@ -8,7 +8,7 @@ import pytest
 
 import flowrl
 from flowrl._backends.specs import ActorCounts, Bundle, ReplicaSpec
-from flowrl._core.config import PipelineConfig
+from flowrl._core.settings.config import PipelineConfig
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 
@@ -34,7 +34,7 @@ async def test_the_ray_backend_counts_actors_ready_and_their_placement_group_res
 
 async def test_the_in_process_backend_counts_ranks_in_a_train_call_and_none_after_it():
     from flowrl._backends.inprocess import InProcessBackend
-    from flowrl._core.batch import Batch
+    from flowrl._core.flow.batch import Batch
 
     trainer = CountingTrainer("t")
     backend = InProcessBackend()
@@ -64,8 +64,8 @@ def test_counts_start_empty_and_expect_adds_up_by_model():
 
 async def test_an_in_process_replica_stopped_takes_no_more_shards():
     from flowrl._backends.inprocess import InProcessBackend
-    from flowrl._core.batch import Batch
-    from flowrl._core.config import Piece, ShardCall
+    from flowrl._core.flow.batch import Batch
+    from flowrl._core.settings.config import Piece, ShardCall
 
     backend = InProcessBackend(threads=True)
     (handle,) = await backend.start([ReplicaSpec(Scale("s", {}, srcs=["x"], dst="y"), 0, 1, 0)])

@@ -13,8 +13,8 @@ import torch
 
 from flowrl import Batch, Model
 from flowrl._backends.replica import ReplicaRuntime, micro_batches
-from flowrl._core.config import ShardCall
 from flowrl._core.errors import OutputError, StageError
+from flowrl._core.settings.config import ShardCall
 
 
 class Seen(Model):

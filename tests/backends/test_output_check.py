@@ -8,7 +8,7 @@ import torch
 
 import flowrl
 from flowrl._backends.replica import new_fields
-from flowrl._core.config import ShardCall
+from flowrl._core.settings.config import ShardCall
 
 IDS = [40, 41, 42]
 

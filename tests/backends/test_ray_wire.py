@@ -106,7 +106,7 @@ def test_a_shard_of_inline_rows_and_stored_objects_reaches_the_step_joined_in_it
     from flowrl import Batch, Model
     from flowrl._backends.ray_wire import Inline, call_args, dumps, frame, run_call, unframe
     from flowrl._backends.replica import ReplicaRuntime
-    from flowrl._core.config import Piece, ShardCall, encode_message
+    from flowrl._core.settings.config import Piece, ShardCall, encode_message
 
     ids = [7, 3, 5]
     first = Inline(Batch([3, 9, 7], {"q": ["q3", "q9", "q7"]}))
@@ -140,7 +140,7 @@ def test_a_replica_calls_the_users_function_past_the_tracing_wrapper_but_keeps_i
     import functools
 
     from flowrl import Batch, Model
-    from flowrl._core.model import step_target
+    from flowrl._core.flow.model import step_target
 
     seen = []
 
@@ -171,7 +171,7 @@ def test_a_small_inline_batch_is_pickled_once_and_sent_whole_a_large_one_in_slic
 
     from flowrl import Batch
     from flowrl._backends.ray_wire import WHOLE_BYTES, Inline, call_args
-    from flowrl._core.config import Piece, ShardCall
+    from flowrl._core.settings.config import Piece, ShardCall
 
     def sent(ref: Inline, rows: list[int], pieces: int = 1) -> tuple[list[bytes], list[Piece]]:
         call = ShardCall(

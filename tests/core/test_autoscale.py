@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import flowrl
-from flowrl._core.autoscale import AutoscalePolicy, Reading
-from flowrl._core.scheduler import PoolScheduler
+from flowrl._core.scheduling.autoscale import AutoscalePolicy, Reading
+from flowrl._core.scheduling.scheduler import PoolScheduler
 
 STAGE = "m.forward_step"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl._core.config import to_config
+from flowrl._core.settings.config import to_config
 
 # ---- Batch ----
 

@@ -9,9 +9,9 @@ import random
 import msgspec
 import pytest
 
-from flowrl._core.call_cost import CallCost
-from flowrl._core.scheduler import PoolScheduler
-from flowrl._core.splitter import shard_size
+from flowrl._core.scheduling.call_cost import CallCost
+from flowrl._core.scheduling.scheduler import PoolScheduler
+from flowrl._core.scheduling.splitter import shard_size
 from flowrl._sim.simulate import simulate
 from flowrl._tools.scenarios import scenarios
 

@@ -9,14 +9,14 @@ import re
 import pytest
 import yaml
 
-from flowrl._core.config_files import (
+from flowrl._core.errors import ConfigError
+from flowrl._core.settings.config_files import (
     MAX_CONFIG_BYTES,
     MAX_NESTING,
     MAX_YAML_NODES,
     parse_yaml,
     read_config_file,
 )
-from flowrl._core.errors import ConfigError
 
 WITH_LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
 NO_LIBYAML = "PyYAML was built without libyaml: its C parser is not installed"

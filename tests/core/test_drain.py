@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowrl._core.call_cost import drain_share
-from flowrl._core.scheduler import PoolScheduler
+from flowrl._core.scheduling.call_cost import drain_share
+from flowrl._core.scheduling.scheduler import PoolScheduler
 from flowrl._sim.epochs import prompt_keys
 from flowrl._sim.simulate import _Sim, tails
 from flowrl._tools.scenarios import scenarios

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flowrl
-from flowrl._core.columns import FieldTypes, signature
+from flowrl._core.flow.columns import FieldTypes, signature
 
 # ---- input items: one value per item ----
 
@@ -218,7 +218,7 @@ def test_a_list_field_of_equal_rows_stays_a_list_and_numbers_become_an_array():
 
 
 def test_a_replicas_report_of_its_fields_types_crosses_the_wire_unchanged():
-    from flowrl._core.config import CallMeta, decode_meta, encode_message
+    from flowrl._core.settings.config import CallMeta, decode_meta, encode_message
 
     out = flowrl.Batch([0, 1], {"r": [torch.zeros(2), torch.zeros(3)], "lp": torch.zeros(2, 4, dtype=torch.bfloat16)})
     meta = CallMeta(rows=2, fields=["lp", "r"], busy_s=0.0, types={n: signature(v) for n, v in out.items()})

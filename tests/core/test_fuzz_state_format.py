@@ -22,8 +22,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import flowrl
-from flowrl._core.rng_state import rng_state
-from flowrl._core.state_format import MAX_DEPTH, decode_state, encode_state
+from flowrl._core.training.rng_state import rng_state
+from flowrl._core.training.state_format import MAX_DEPTH, decode_state, encode_state
 from flowrl._engine.checkpoint_files import CheckpointFormat
 from flowrl._engine.checkpoint_state import RELAY, STATE, EngineState
 from flowrl._engine.engine_stats import EpisodeStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import flowrl
-from flowrl._core.graph import SOURCE, trace
+from flowrl._core.flow.graph import SOURCE, trace
 
 
 class Policy(flowrl.Model):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flowrl
-from flowrl._core.lengths import LengthMemory, length_of
+from flowrl._core.scheduling.lengths import LengthMemory, length_of
 from flowrl._sim.epochs import simulate_epochs
 from flowrl._sim.push import simulate_push
 from flowrl._sim.simulate import simulate, tails

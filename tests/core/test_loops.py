@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl._core.graph import SOURCE, trace
-from flowrl._core.loops import flags
+from flowrl._core.flow.graph import SOURCE, trace
+from flowrl._core.flow.loops import flags
 
 
 class M(flowrl.Model):
@@ -177,7 +177,7 @@ def test_until_values_are_read_as_one_boolean_per_row(value, expected):
     ids=["ints-to-int64", "floats-to-float32", "ints-to-float64", "array-to-list", "lists-to-tensor"],
 )
 def test_an_update_of_the_state_keeps_the_type_the_input_gave_it(value, reference, expected):
-    from flowrl._core.columns import like, signature
+    from flowrl._core.flow.columns import like, signature
 
     out = like("x", value, reference)
     assert signature(out) == signature(reference)
@@ -194,7 +194,7 @@ def test_an_update_of_the_state_keeps_the_type_the_input_gave_it(value, referenc
     ids=["floats-for-ints", "shape", "floats-for-a-long-tensor"],
 )
 def test_an_update_that_would_lose_something_is_refused(value, reference, message):
-    from flowrl._core.columns import like
+    from flowrl._core.flow.columns import like
 
     with pytest.raises(flowrl.FlowDefinitionError, match=message):
         like("x", value, reference)

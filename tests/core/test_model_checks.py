@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import flowrl
-from flowrl._core.model import mark_synced, weight_hooks_problem
+from flowrl._core.flow.model import mark_synced, weight_hooks_problem
 
 
 class Forgetful(flowrl.Model):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowrl._core.overlap import BusyClock, merged
+from flowrl._core.scheduling.overlap import BusyClock, merged
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._core.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, plan_steps
+from flowrl._core.training.sampler import EpisodeBuffer, EpisodeSampler, RelayBuffer, plan_steps
 
 
 def test_episodes_draw_consecutive_prompts_and_wrap_around():

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._core.scheduler import Assignment, PoolScheduler
+from flowrl._core.scheduling.scheduler import Assignment, PoolScheduler
 
 STAGE = "m.forward_step"
 

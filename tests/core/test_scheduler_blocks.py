@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from flowrl._core.scheduler import Assignment, PoolScheduler
+from flowrl._core.scheduling.scheduler import Assignment, PoolScheduler
 
 A, B = "m.first", "m.second"
 

@@ -16,12 +16,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from flowrl._core import config as core_config
-from flowrl._core import run_config
-from flowrl._core.config import to_config
 from flowrl._core.errors import ConfigError, FlowDefinitionError
-from flowrl._core.graph import trace
-from flowrl._core.run_config import RunConfig
+from flowrl._core.flow.graph import trace
+from flowrl._core.settings import config as core_config
+from flowrl._core.settings import run_config
+from flowrl._core.settings.config import to_config
+from flowrl._core.settings.run_config import RunConfig
 from flowrl._sim import simulate as sim
 from flowrl.hf import config as hf_config
 

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 import flowrl
-from flowrl._core.call_cost import CallCost
-from flowrl._core.splitter import shard_size
+from flowrl._core.scheduling.call_cost import CallCost
+from flowrl._core.scheduling.splitter import shard_size
 
 POLICIES = sorted(flowrl.SPLITTERS)
 ADAPTIVE = ["guided", "factoring"]

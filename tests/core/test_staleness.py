@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import flowrl
-from flowrl._core.staleness import histogram, lags, rollout_needs, too_stale, train_version
+from flowrl._core.training.staleness import histogram, lags, rollout_needs, too_stale, train_version
 
 
 @pytest.mark.parametrize("slack", [0, 1])

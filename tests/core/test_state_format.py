@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl._core.rng_state import rng_state, set_rng_state
-from flowrl._core.state_format import CheckpointFolders, decode_state, encode_state
+from flowrl._core.training.rng_state import rng_state, set_rng_state
+from flowrl._core.training.state_format import CheckpointFolders, decode_state, encode_state
 
 
 @pytest.mark.parametrize(

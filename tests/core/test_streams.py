@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl._core.batch import Batch, Stream
-from flowrl._core.streams import derived_seed, row_seeds
+from flowrl._core.flow.batch import Batch, Stream
+from flowrl._core.flow.streams import derived_seed, row_seeds
 from flowrl.rl import sample_rows
 
 
@@ -39,7 +39,7 @@ def test_each_part_of_the_key_gives_another_stream(other):
 
 def test_seeds_are_the_same_in_another_process_whatever_its_hash_seed():
     code = (
-        "from flowrl._core.streams import row_seeds, derived_seed;"
+        "from flowrl._core.flow.streams import row_seeds, derived_seed;"
         "print(row_seeds(3, 'm.s', [5], [2])[0], derived_seed(3, 'eval'))"
     )
     out = subprocess.run(

@@ -6,7 +6,7 @@ import json
 
 from _traces import run_spans
 
-from flowrl._core.trace import Span, chrome_trace, read_chrome_trace
+from flowrl._core.observe.trace import Span, chrome_trace, read_chrome_trace
 
 
 def test_chrome_trace_names_tracks_and_round_trips():

@@ -14,7 +14,7 @@ import numpy as np
 import ray
 
 import flowrl
-from flowrl._core.state_format import CheckpointFolders, decode_state
+from flowrl._core.training.state_format import CheckpointFolders, decode_state
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 

@@ -11,8 +11,8 @@ import pytest
 from _resume_models import make_engine, trained
 
 import flowrl
-from flowrl._core.sampler import EpisodeSampler
-from flowrl._core.staleness import histogram, train_version
+from flowrl._core.training.sampler import EpisodeSampler
+from flowrl._core.training.staleness import histogram, train_version
 from flowrl.testing import CountingTrainer, Scale, flowrl_actor_names
 
 INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}

@@ -20,7 +20,7 @@ import pytest
 from _resume_models import CPU, Learner, Policy, dataset, make_engine
 
 import flowrl
-from flowrl._core.state_format import decode_state, encode_state
+from flowrl._core.training.state_format import decode_state, encode_state
 from flowrl._engine.checkpoint_files import CheckpointFormat
 from flowrl._engine.checkpoint_state import read_relay, read_state
 

@@ -18,7 +18,7 @@ import pytest
 from _loop_models import TOKENS, engine, trained
 
 import flowrl
-from flowrl._core.staleness import train_version
+from flowrl._core.training.staleness import train_version
 from flowrl.testing import flowrl_actor_names
 
 EPISODES, PER_EPISODE = 5, 8

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from flowrl._core.trace import Span
+from flowrl._core.observe.trace import Span
 
 
 def trace_tracks(trace: dict) -> dict[tuple[str, int], list[dict]]:

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import flowrl
 from flowrl import hf
-from flowrl._core.state_format import CheckpointFolders, decode_state
+from flowrl._core.training.state_format import CheckpointFolders, decode_state
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

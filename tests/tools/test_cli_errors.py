@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import flowrl
-from flowrl._core.config_files import MAX_CONFIG_BYTES, MAX_NESTING
-from flowrl._core.trace import Span, chrome_trace, read_trace_file
+from flowrl._core.observe.trace import Span, chrome_trace, read_trace_file
+from flowrl._core.settings.config_files import MAX_CONFIG_BYTES, MAX_NESTING
 from flowrl._tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,10 +15,10 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowrl._core.config import to_config
-from flowrl._core.config_files import MAX_NESTING, MAX_YAML_NODES, override_value, parse_yaml
 from flowrl._core.errors import ConfigError, FlowError
-from flowrl._core.run_config import RunConfig
+from flowrl._core.settings.config import to_config
+from flowrl._core.settings.config_files import MAX_NESTING, MAX_YAML_NODES, override_value, parse_yaml
+from flowrl._core.settings.run_config import RunConfig
 from flowrl._tools.run_file import load_run_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flowrl._core.errors import ConfigError
-from flowrl._core.trace import Span, chrome_trace, read_chrome_trace, read_trace_file
+from flowrl._core.observe.trace import Span, chrome_trace, read_chrome_trace, read_trace_file
 from flowrl._tools.cli import main
 
 NAMES = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)

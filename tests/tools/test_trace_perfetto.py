@@ -11,7 +11,7 @@ from _resume_models import make_engine
 from _traces import Complete, Counter, Instant, Metadata, assert_trace_event_format
 
 import flowrl
-from flowrl._core.trace import read_trace_file
+from flowrl._core.observe.trace import read_trace_file
 from flowrl.testing import Scale
 
 INPROCESS = {"pipeline": {"backend": "inprocess"}, "policy_replicas": 1, "ranks": 1}

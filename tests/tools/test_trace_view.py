@@ -12,7 +12,7 @@ import pytest
 from _traces import assert_trace_event_format, run_spans, scale_event
 
 import flowrl
-from flowrl._core.trace import Span
+from flowrl._core.observe.trace import Span
 from flowrl._tools.timeline_view import PALETTE, PHASE_COLOURS, draw_timeline, format_summary, model_colours, summary
 from flowrl.testing import CountingTrainer, Scale
 
@@ -54,7 +54,7 @@ def test_flowrl_trace_names_what_is_missing(tmp_path, capsys):
 
 
 def test_a_chart_of_more_rows_than_a_png_holds_is_refused_in_one_line_and_the_summary_still_prints(tmp_path, capsys):
-    from flowrl._core.trace import Span, chrome_trace, write_json
+    from flowrl._core.observe.trace import Span, chrome_trace, write_json
     from flowrl._tools.cli import main
     from flowrl._tools.timeline_view import MAX_CHART_ROWS
 

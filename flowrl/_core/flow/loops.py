@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, FlowDefinitionError
-from .names import NAME_RULE, check_name
+from ..errors import ConfigError, FlowDefinitionError
+from ..names import NAME_RULE, check_name
 from .node import Node
 
 if TYPE_CHECKING:

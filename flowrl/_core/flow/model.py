@@ -14,10 +14,10 @@ import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
-from .checks import field_names
-from .config import ModelConfig, to_config
-from .errors import ConfigError, FlowDefinitionError
-from .names import check_name
+from ..checks import field_names
+from ..errors import ConfigError, FlowDefinitionError
+from ..names import check_name
+from ..settings.config import ModelConfig, to_config
 from .node import Node, StepInfo
 
 if TYPE_CHECKING:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..errors import FlowDefinitionError, FlowError, MissingFieldError
 from .columns import (
     RAGGED_FIX,
     Column,
@@ -21,7 +22,6 @@ from .columns import (
     stack_alike,
     take_rows,
 )
-from .errors import FlowDefinitionError, FlowError, MissingFieldError
 from .streams import numpy_generators, row_seeds, torch_generators
 
 

@@ -11,7 +11,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from pathlib import Path

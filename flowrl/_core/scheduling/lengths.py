@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence, Sized
 from numbers import Real
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 WEIGHT = 0.25  # of the latest rollout, once 4 have been seen
 

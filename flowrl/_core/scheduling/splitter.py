@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def _ceil_div(a: int, b: int) -> int:

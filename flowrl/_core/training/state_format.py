@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 _ARRAY, _TENSOR, _SCALAR = 1, 2, 3
 _HEAD = struct.Struct("<I")

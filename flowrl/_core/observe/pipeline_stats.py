@@ -10,7 +10,7 @@ import msgspec
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .config import CallMeta
+    from ..settings.config import CallMeta
 
 
 class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):

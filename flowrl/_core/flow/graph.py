@@ -12,7 +12,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import FlowDefinitionError
+from ..errors import FlowDefinitionError
 from .loops import LoopSpec
 from .node import Node, StepInfo
 

@@ -7,8 +7,8 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from .checks import at_most, non_negative, one_of, positive, struct_types
-from .errors import ConfigError
+from ..checks import at_most, non_negative, one_of, positive, struct_types
+from ..errors import ConfigError
 
 SplitterName = Literal["cost", "guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]

@@ -20,7 +20,7 @@ import msgspec
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .config import Autoscale
+    from ..settings.config import Autoscale
 
 
 class Reading(msgspec.Struct, frozen=True, kw_only=True):

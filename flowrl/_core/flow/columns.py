@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
-from .errors import FlowDefinitionError
+from ..errors import FlowDefinitionError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .state_format import shown
 
 

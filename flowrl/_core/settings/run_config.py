@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .checks import non_negative, positive, struct_types
+from ..checks import non_negative, positive, struct_types
+from ..errors import ConfigError
+from ..names import check_name
+from ..training.staleness import SEGMENTS, STALE_POLICIES
 from .config import (
     ModelConfig,
     PipelineConfig,
@@ -16,9 +19,6 @@ from .config import (
     to_config,
 )
 from .config_files import apply_override, deep_copy, read_config_file
-from .errors import ConfigError
-from .names import check_name
-from .staleness import SEGMENTS, STALE_POLICIES
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

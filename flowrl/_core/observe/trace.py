@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

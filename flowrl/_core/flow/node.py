@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import FlowDefinitionError
+from ..errors import FlowDefinitionError
 
 
 @dataclass(frozen=True)
