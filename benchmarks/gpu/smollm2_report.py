@@ -1,5 +1,5 @@
 """The table of docs/hf.md's GPU runs of examples/grpo_smollm2.py, from what
-benchmarks/gpu/smollm2_seeds.sh leaves in a folder: per seed its summary (seed-N.json) and
+benchmarks/gpu/run.sh seeds leaves in a folder: per seed its summary (seed-N.json) and
 nvidia-smi's samples (smi-N.csv: timestamp, utilization %, memory MiB, every 0.2 s).
 
     python benchmarks/gpu/smollm2_report.py FOLDER      # prints a Markdown table

@@ -3,7 +3,7 @@ through the object store between actors on one GPU, weight sync trainer -> polic
 (through host memory, and by CUDA IPC), and all six PPO models colocated on one GPU with
 fractional GPU resources.
 
-    python -m pytest -q -m gpu tests/engine/test_gpu.py        # benchmarks/gpu/run.sh runs it
+    python -m pytest -q -m gpu tests/engine/test_gpu.py        # benchmarks/gpu/run.sh tests runs it
 
 These tests start their own Ray cluster with the machine's real GPUs, so run them in a pytest
 session of their own (the default session's cluster has 8 logical GPUs)."""

@@ -3,7 +3,7 @@ one): a Hugging Face Llama of SmolLM2-135M's shape with random weights, the poli
 evaluation pool and the GRPO trainer on one GPU, weights by CUDA IPC; an episode and an
 evaluation end to end, on a machine of one GPU or more.
 
-    python -m pytest -q -m gpu tests/hf/test_smollm2_layout_gpu.py    # benchmarks/gpu/run.sh runs it
+    python -m pytest -q -m gpu tests/hf/test_smollm2_layout_gpu.py    # benchmarks/gpu/run.sh tests runs it
 
 It starts its own Ray cluster with the machine's GPUs: run it in a pytest session of its own."""
 

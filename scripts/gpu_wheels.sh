@@ -2,11 +2,11 @@
 # Wheels that a bare GPU machine without a package index needs to run flowrl (Python 3.12,
 # x86-64), written to .whl/ (ignored by git). Ray's wheel is repacked without ray/jars/
 # (Java worker support, unused from Python), which brings it under what one call may carry.
-#   bash benchmarks/gpu/wheels.sh          # here, where pip reaches the registry
+#   bash scripts/gpu_wheels.sh          # here, where pip reaches the registry
 # There:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #         export PYTHONPATH=$PWD:/tmp/site
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 mkdir -p .whl
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
@@ -14,7 +14,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl "$@"; }
 get ray==2.60.0 msgspec jsonschema jsonschema-specifications referencing rpds-py
-get gguf==0.19.0 py-spy  # transformers reads SmolLM2's GGUF with gguf (smollm2_seeds.sh); py-spy dumps a hung actor
+get gguf==0.19.0 py-spy  # transformers reads SmolLM2's GGUF with gguf (benchmarks/gpu/run.sh seeds); py-spy dumps a hung actor
 python3 - .whl/ray-2.60.0-*.whl <<'PY'
 import os, sys, zipfile
 wheel = sys.argv[1]
