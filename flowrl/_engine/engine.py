@@ -37,6 +37,7 @@ from .deployment import Deployment, deploy
 from .elastic import Elasticity
 from .engine_view import stopped_line
 from .episodes import EpisodeLoop
+from .interrupts import until_interrupted
 from .learning import CostFn, LearningState, RelayFn, dataset_items
 from .models import all_models, apply_model_configs, check, sync_pairs, trainer_models
 from .overlap import Overlap
@@ -182,7 +183,7 @@ class Engine:
         try:
             if self._portal is not None:
                 return self._learn_in_portal(self._portal)
-            return anyio.run(self.alearn)
+            return anyio.run(until_interrupted, self.alearn)
         except KeyboardInterrupt:
             raise interrupted(self._stopped_line()) from None
 
