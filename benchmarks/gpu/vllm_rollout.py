@@ -236,6 +236,7 @@ def main() -> None:
     parser.add_argument("--own-process", action="store_true", help="only the breakdown, engine in its own process")
     parser.add_argument("--invariance", type=int, default=0, help="only the batch-invariance check, of N prompts")
     parser.add_argument("--batch-invariant", action="store_true", help="VLLMConfig.batch_invariant")
+    parser.add_argument("--no-logprobs", action="store_true", help="VLLMConfig.logprobs=False")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.own_process:
@@ -254,7 +255,7 @@ def main() -> None:
     sampling = {"max_new_tokens": args.new, "temperature": 1.0, "chat_template": False}
     busy = GpuBusy() if cuda else None
     record: dict[str, Any] = {"arch": args.arch, "prompts": args.prompts, "new": args.new, "cuda": cuda}
-    record |= {"sleep": args.sleep, "engine_args": json.loads(args.engine_args)}
+    record |= {"sleep": args.sleep, "engine_args": json.loads(args.engine_args), "logprobs": not args.no_logprobs}
     start = time.perf_counter()
     fast = VLLMPolicy(
         "vllm",
@@ -266,6 +267,7 @@ def main() -> None:
             "sleep": args.sleep,
             "engine_args": json.loads(args.engine_args),
             "batch_invariant": args.batch_invariant,
+            "logprobs": not args.no_logprobs,
         },
     )
     fast.gpu_ids = [0] if cuda else []

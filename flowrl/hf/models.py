@@ -204,7 +204,7 @@ class HFPolicy(HFModel):
         return {
             "prompt_ids": prompts,
             "response_ids": responses,
-            "logprobs": logprobs,
+            **({} if logprobs is None else {"logprobs": logprobs}),
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
             "finish_reason": reasons,
             "weight_version": torch.full((len(prompts),), self.weight_version, dtype=torch.long),
@@ -233,10 +233,14 @@ class HFPolicy(HFModel):
         room = [max(0, total - len(r)) for r in done]  # never past the total: a cut row ends by length
         reasons = [why if len(n) <= k else "length" for why, n, k in zip(reasons, new, room, strict=True)]
         new = [n[:k] for n, k in zip(new, room, strict=True)]
-        more = [lp[:k] for lp, k in zip(more, room, strict=True)]
         responses = [torch.cat([r, n]) for r, n in zip(done, new, strict=True)]
         finished = [why == "stop" or len(r) >= total for why, r in zip(reasons, responses, strict=True)]
         out: dict[str, Any] = {}
+        if more is not None:  # each segment's log-probs, after those of the segments before
+            out["logprobs"] = [
+                torch.cat([torch.as_tensor(a, dtype=torch.float32), b[:k]])
+                for a, b, k in zip(batch["logprobs"], more, room, strict=True)
+            ]
         if "loss_mask" in batch:  # a multi-turn rollout: the policy's tokens count in the losses
             out["loss_mask"] = [
                 torch.cat([torch.as_tensor(m, dtype=torch.float32), torch.ones(len(n))])
@@ -245,10 +249,6 @@ class HFPolicy(HFModel):
         return out | {
             "prompt_ids": prompts,
             "response_ids": responses,
-            "logprobs": [
-                torch.cat([torch.as_tensor(a, dtype=torch.float32), b])
-                for a, b in zip(batch["logprobs"], more, strict=True)
-            ],
             "finished": finished,
             "finish_reason": ["stop" if why == "stop" else "length" for why in reasons],
             "response_text": [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses],
@@ -256,10 +256,10 @@ class HFPolicy(HFModel):
 
     def sample(
         self, prompts: list[torch.Tensor], s: Sampling, batch: Batch
-    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor] | None]:
         """Each prompt's response (up to and including its first stop token), why it ended
         (``"stop"`` or ``"length"``) and the log-probs of its tokens at the sampling
-        temperature (greedy: the model's own)."""
+        temperature (greedy: the model's own; None: a sampler that does not give them)."""
         responses, reasons = cut_at_stop(self.generate(prompts, s, batch), self.stop_ids)
         return responses, reasons, self.response_logprobs(prompts, responses, s.temperature or 1.0)
 

@@ -17,21 +17,32 @@ if TYPE_CHECKING:
 
 
 def old_logprobs(
-    g: GRPO, lp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+    g: GRPO, lp: torch.Tensor, rollout: torch.Tensor | None, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """The log-probs the ratio is taken against, the tokens' importance weights and what they
     say: with ``old_logprobs="recompute"`` the trainer's own (the weights before this step,
     which one step per batch leaves unchanged over its micro-batches), and the mean gap to the
-    rollout's (``logprob_gap``: how far the engine's numbers are from the trainer's)."""
+    rollout's (``logprob_gap``: how far the engine's numbers are from the trainer's). A rollout
+    without log-probs (None: an engine told not to compute them) leaves only the trainer's."""
     if g.old_logprobs == "rollout":
-        return rollout, None, {}
+        return need_rollout(rollout, "GRPO.old_logprobs='rollout'"), None, {}
     old = lp.detach()
+    if rollout is None:
+        if g.tis_cap is not None:
+            need_rollout(rollout, f"GRPO.tis_cap={g.tis_cap}")
+        return old, None, {}
     valid = mask > 0
     gap = float((old - rollout).abs()[valid].mean()) if bool(valid.any()) else 0.0
     if g.tis_cap is None:
         return old, None, {"logprob_gap": gap}
     weights, stats = rl.tis_weights(old, rollout, mask, cap=g.tis_cap)
     return old, weights, {"logprob_gap": gap, **stats}
+
+
+def need_rollout(rollout: torch.Tensor | None, why: str) -> torch.Tensor:
+    if rollout is None:
+        raise ConfigError(f"{why} needs the rollout's log-probs (field 'logprobs'), and the samples have none")
+    return rollout
 
 
 def ppo_targets(batch: Batch, ppo: PPO) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -239,7 +239,8 @@ class GRPOTrainer(HFTrainer):
     def objective(self, mb: Batch, extra: Mapping[str, Any], counts: Counts) -> tuple[torch.Tensor, dict[str, float]]:
         g = self.grpo
         lp, mask = self.logprobs(mb)
-        old, weights, stats = old_logprobs(g, lp, right_pad(mb["logprobs"]).to(lp), mask)
+        rollout = right_pad(mb["logprobs"]).to(lp) if "logprobs" in mb else None
+        old, weights, stats = old_logprobs(g, lp, rollout, mask)
         adv = extra["advantage"].to(lp)
         loss, more = rl.policy_loss(
             lp,

@@ -117,10 +117,18 @@ class VLLMPolicy(HFPolicy):
 
     def check_weights_from(self, trainer: Model) -> None:
         """Also: with ``top_p`` or ``top_k`` the engine's log-probs are not the trainer's kind,
-        so the trainer must recompute them (``old_logprobs="recompute"``)."""
+        so the trainer must recompute them (``old_logprobs="recompute"``); without log-probs
+        (``VLLMConfig.logprobs=False``) nothing of the trainer may read them."""
         super().check_weights_from(trainer)
         s = self.sampling
         objective = getattr(trainer, "grpo", None)
+        if not self.engine_config.logprobs:
+            needs = rollout_logprobs_needed(trainer)
+            if needs:
+                raise ConfigError(
+                    f"sync pair ({trainer.name!r} -> {self.name!r}): VLLMConfig.logprobs=False leaves the samples "
+                    f"without 'logprobs', but {needs}"
+                )
         if (s.top_p < 1 or s.top_k) and getattr(objective, "old_logprobs", "recompute") != "recompute":
             raise ConfigError(
                 f"sync pair ({trainer.name!r} -> {self.name!r}): with Sampling.top_p={s.top_p}, top_k={s.top_k} "
@@ -130,7 +138,7 @@ class VLLMPolicy(HFPolicy):
 
     def sample(
         self, prompts: list[torch.Tensor], s: Sampling, batch: Batch
-    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor] | None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -141,7 +149,7 @@ class VLLMPolicy(HFPolicy):
             "top_p": s.top_p,
             "top_k": s.top_k or -1,
             "stop_token_ids": self.stop_ids,
-            "logprobs": 0,  # the sampled token's
+            "logprobs": 0 if self.engine_config.logprobs else None,  # the sampled token's, or none
             "flat_logprobs": True,  # a few lists a request instead of a dict a token: less Python a step
             "detokenize": False,
             "output_kind": RequestOutputKind.FINAL_ONLY,  # a request's tokens once, when it ends
@@ -165,8 +173,9 @@ class VLLMPolicy(HFPolicy):
             ids = list(done.token_ids)
             responses.append(torch.tensor(ids, dtype=torch.long))
             reasons.append("stop" if done.finish_reason == "stop" else "length")
-            logprobs.append(torch.tensor(sampled_logprobs(ids, done.logprobs)))
-        return responses, reasons, logprobs
+            if self.engine_config.logprobs:
+                logprobs.append(torch.tensor(sampled_logprobs(ids, done.logprobs)))
+        return responses, reasons, logprobs if self.engine_config.logprobs else None
 
     def request_params(self, s: Sampling, batch: Batch) -> list[dict[str, Any]]:
         """Per sample, ``vllm.SamplingParams`` arguments over those of ``Sampling`` (override
@@ -205,6 +214,20 @@ class VLLMPolicy(HFPolicy):
             self.loop.use(lambda _: self.llm.sleep(level=level))
             self.weights_lost = level == 2
             self.asleep_tags = ["weights", "kv_cache"]
+
+
+def rollout_logprobs_needed(trainer: Model) -> str:
+    """What of ``trainer`` reads the rollout's log-probs ("" if nothing that flowrl knows of)."""
+    if getattr(trainer, "ppo", None) is not None:
+        return "PPO's KL-penalised rewards read them; use GRPO, or keep VLLMConfig.logprobs=True"
+    grpo = getattr(trainer, "grpo", None)
+    if grpo is None:
+        return ""
+    if grpo.old_logprobs != "recompute":
+        return f"GRPO.old_logprobs={grpo.old_logprobs!r} takes the ratio against them; set old_logprobs='recompute'"
+    if grpo.tis_cap is not None:
+        return f"GRPO.tis_cap={grpo.tis_cap} weighs each token by them; leave tis_cap unset"
+    return ""
 
 
 def sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:

@@ -101,3 +101,35 @@ def test_ppo_passes_the_settings_to_its_ratio(tokenizer: str) -> None:
     lm = {"config": hf_tiny.llama(), "tokenizer": tokenizer}
     t = hf.PPOTrainer("p", lm=lm, ppo={"old_logprobs": "recompute", "tis_cap": 3.0})
     assert (t.grpo.old_logprobs, t.grpo.tis_cap) == ("recompute", 3.0)
+
+
+def without_rollout_logprobs(b: flowrl.Batch) -> flowrl.Batch:
+    """``b`` as an engine told not to compute log-probs writes it (``VLLMConfig.logprobs=False``)."""
+    return b.only([name for name in b if name != "logprobs"])
+
+
+def test_recomputing_needs_no_rollout_log_probs_and_steps_as_with_them(tokenizer: str) -> None:
+    with_them = trainer(tokenizer, old_logprobs="recompute")
+    without = trainer(tokenizer, old_logprobs="recompute")
+    full = batch(with_them, 0.5)
+    out = with_them.train_step(full, 0)
+    bare = without.train_step(without_rollout_logprobs(full), 0)
+    assert "logprob_gap" in out and "logprob_gap" not in bare  # nothing to compare the trainer's with
+    assert bare["loss"] == pytest.approx(out["loss"], rel=1e-6)
+    for a, b in zip(with_them.module.parameters(), without.module.parameters(), strict=True):
+        assert torch.equal(a, b)  # the same step: the rollout's numbers only measured the gap
+
+
+@pytest.mark.parametrize(
+    ("grpo", "words"),
+    [
+        ({}, "GRPO.old_logprobs='rollout' needs"),
+        ({"old_logprobs": "recompute", "tis_cap": 2.0}, "GRPO.tis_cap=2.0 needs"),
+    ],
+)
+def test_a_step_that_reads_the_rollouts_log_probs_says_they_are_missing(
+    tokenizer: str, grpo: dict[str, Any], words: str
+) -> None:
+    t = trainer(tokenizer, **grpo)
+    with pytest.raises(ConfigError, match=words):
+        t.train_step(without_rollout_logprobs(batch(t, 0.0)), 0)

@@ -223,3 +223,34 @@ def test_top_p_needs_a_trainer_that_recomputes_its_log_probs() -> None:
     with pytest.raises(ConfigError, match="old_logprobs='recompute'"):
         policy.check_weights_from(hf.GRPOTrainer("trainer", lm=folder))
     policy.check_weights_from(hf.GRPOTrainer("trainer", lm=folder, grpo={"old_logprobs": "recompute"}))
+
+
+def test_without_log_probs_the_engine_draws_the_same_tokens_and_writes_every_other_field(
+    policy: VLLMPolicy, first: dict[str, Any]
+) -> None:
+    import msgspec
+
+    bare = variant(policy)
+    bare.engine_config = msgspec.structs.replace(policy.engine_config, logprobs=False)
+    out = bare.forward_step(prompts(list(range(16))), 0)
+    assert sorted(out) == sorted(k for k in first if k != "logprobs")
+    for mine, theirs in zip(out["response_ids"], first["response_ids"], strict=True):
+        assert torch.equal(mine, theirs)  # the log-probs are read off the sampling, not part of it
+
+
+@pytest.mark.parametrize(
+    ("trainer", "words"),
+    [
+        ({"ppo": {"old_logprobs": "recompute"}}, "PPO's KL-penalised rewards read them"),
+        ({"grpo": {}}, "GRPO.old_logprobs='rollout' takes the ratio against them"),
+        ({"grpo": {"old_logprobs": "recompute", "tis_cap": 2.0}}, "GRPO.tis_cap=2.0 weighs each token by them"),
+    ],
+)
+def test_without_log_probs_the_trainer_must_compute_its_own(trainer: dict[str, Any], words: str) -> None:
+    policy = VLLMPolicy("policy", lm=smollm2(), engine={"logprobs": False})
+    cls = hf.PPOTrainer if "ppo" in trainer else hf.GRPOTrainer
+    with pytest.raises(ConfigError, match=r"VLLMConfig.logprobs=False leaves the samples without 'logprobs', but "):
+        policy.check_weights_from(cls("trainer", lm=policy.served, **trainer))
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        policy.check_weights_from(cls("trainer", lm=policy.served, **trainer))
+    policy.check_weights_from(hf.GRPOTrainer("trainer", lm=policy.served, grpo={"old_logprobs": "recompute"}))
