@@ -41,8 +41,8 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     use the memory; the engine wakes before its next call. ``batch_invariant``: vLLM's
     batch-invariant kernels, where the installed version has them (the same tokens for a
     request whatever its batch). ``logprobs``: return each sampled token's log-prob (the field
-    ``logprobs``); False leaves the field out and the engine skips computing it, which made
-    1,024 prompts 1.5x faster on an H200 (docs/vllm.md); the trainer then computes its own
+    ``logprobs``); False leaves the field out and the engine skips computing it (1.24x the
+    tokens/s at 1,024 prompts on an H200, docs/vllm.md); the trainer then computes its own
     (GRPO with ``old_logprobs="recompute"`` and no ``tis_cap``; PPO's rewards need them).
     ``cpu_kv_cache_gb``: the KV cache of an engine on the CPU (GiB).
     ``engine_args``: further ``vllm.LLM`` arguments, as they are (e.g.

@@ -254,3 +254,23 @@ def test_without_log_probs_the_trainer_must_compute_its_own(trainer: dict[str, A
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         policy.check_weights_from(cls("trainer", lm=policy.served, **trainer))
     policy.check_weights_from(hf.GRPOTrainer("trainer", lm=policy.served, grpo={"old_logprobs": "recompute"}))
+
+
+@pytest.mark.parametrize(
+    ("device", "engine", "graphs"),
+    [
+        ("cuda", {"max_num_seqs": 1024}, {"max_cudagraph_capture_size": 1024}),
+        ("cuda", {"max_num_seqs": 256}, None),  # within vLLM's own 512
+        ("cuda", {"max_num_seqs": 1024, "enforce_eager": True}, None),  # no graphs at all
+        ("cpu", {"max_num_seqs": 1024}, None),
+        ("cuda", {"max_num_seqs": 1024, "engine_args": {"compilation_config": {"mode": 0}}}, {"mode": 0}),
+    ],
+)
+def test_cuda_graphs_cover_every_running_sequence_unless_the_user_says_otherwise(
+    device: str, engine: dict[str, Any], graphs: dict[str, Any] | None
+) -> None:
+    from flowrl.vllm.policy import engine_args
+
+    args = engine_args(smollm2(), VLLMConfig(**engine), None, torch.device(device))
+    assert args.get("compilation_config") == graphs
+    assert args["max_num_seqs"] == engine["max_num_seqs"]
