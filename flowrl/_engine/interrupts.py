@@ -1,24 +1,25 @@
 """A Ctrl-C during a blocking ``learn()`` is never lost, whatever the load.
 
 ``anyio.run`` on asyncio turns SIGINT into a native cancellation of the main task and raises
-KeyboardInterrupt only if that task then ends cancelled. A cancel scope of the flow that is being
-cancelled at the same moment (a deadline, a failing task group) may take that cancellation for its
-own, and the run then goes on to its last episode and exits 0. Here SIGINT is received as an
-event instead: the first one cancels the run through a scope of our own and, however the run
-ends after it, KeyboardInterrupt is raised; the handler is then removed, so a second Ctrl-C
-interrupts at once.
+KeyboardInterrupt only if that task then ends cancelled. A run that shields a step (a checkpoint
+written whole) or whose own cancel scope is being cancelled at that moment can absorb it, and
+the run then goes on and exits 0. Here a handler of our own notes the SIGINT at once, in the
+main thread, and cancels the run through a scope of our own; however the run ends after it,
+KeyboardInterrupt is raised. A second Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
+    from types import FrameType
 
 T = TypeVar("T")
 
@@ -28,25 +29,26 @@ async def until_interrupted(run: Callable[[], Awaitable[T]]) -> T:
     signal handler can be set nowhere else, and Ctrl-C reaches only the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return await run()
-    seen = anyio.Event()
-    result: list[T] = []
+    loop = asyncio.get_running_loop()
+    seen: list[int] = []
+    scope = anyio.CancelScope()
+
+    def on_sigint(signum: int, frame: FrameType | None) -> Any:
+        if seen:
+            raise KeyboardInterrupt  # a second Ctrl-C: at once
+        seen.append(signum)  # noted before any more of the run's code runs
+        loop.call_soon_threadsafe(scope.cancel)  # cancelled from inside the loop
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                with anyio.open_signal_receiver(signal.SIGINT) as signals:
-                    async for _ in signals:
-                        seen.set()
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            result.append(await run())
-            tg.cancel_scope.cancel()
+        with scope:
+            result = await run()
     except BaseException as err:
-        if seen.is_set():
+        if seen:
             raise KeyboardInterrupt from err
         raise
-    if seen.is_set():
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
         raise KeyboardInterrupt
-    return result[0]
+    return result

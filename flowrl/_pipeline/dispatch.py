@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._core.errors import InputLostError, ReplicaDiedError
-from .calls import Hung
 from .pools import Retired
 
 if TYPE_CHECKING:
@@ -70,10 +69,8 @@ class Dispatcher:
                 try:
                     if await self._execute(handle, assignment):
                         pool.finish(assignment)
+                        self._replacements.served(handle.model, r)
                 except ReplicaDiedError as err:
-                    hung = isinstance(err, Hung) and handle.replica_id not in pool.scheduler.retired
-                    if hung:
-                        self._replacements.ask(handle.model)  # the first of its shards to time out asks once
                     self._runs.dropped(self._recovery.lost(handle, assignment, err))
                     return
                 if not pool.scheduler.in_flight[r]:  # nothing left to run: starved from now on

@@ -9,8 +9,8 @@ components it calls.
 Two requests run against the order in which the components are built; each goes through a
 queue instead of a callback set afterwards:
 
-- a slot whose call hung asks for a replica in place of the one stopped (``Replacements``,
-  served by ``Resizer``);
+- a replica that died or hung asks for one in its place (``Replacements``, which asks the
+  pool's ``RestartPolicy``, served by ``Resizer``);
 - samples dropped once their retries are spent are returned by ``Recovery`` to its caller,
   who ends them in their run.
 """
@@ -18,12 +18,14 @@ queue instead of a callback set afterwards:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
 
 from .._backends.specs import default_spec
+from .._core.scheduling.restarts import RestartPolicy
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -41,18 +43,61 @@ if TYPE_CHECKING:
     from .supervisor import Supervisor
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """A replica stopped (``old``): start one in its place after ``delay_s``, or, with
+    ``delay_s`` None, report that none is started (``reason`` says why)."""
+
+    model: str
+    old: int
+    delay_s: float | None
+    reason: str
+
+
 class Replacements:
-    """Models that need a replica started in place of one stopped, in the order asked."""
+    """Replicas to start in place of those stopped, in the order asked; the pools' policies."""
 
-    def __init__(self, pools: Mapping[str, AsyncPool]) -> None:
+    def __init__(self, pools: Mapping[str, AsyncPool], graph: FlowGraph) -> None:
         self._pools = pools
-        self._send, self.requests = anyio.create_memory_object_stream[str](math.inf)  # Resizer reads them
+        self.policies = {name: RestartPolicy(name, m.config.healing) for name, m in graph.models.items()}
+        self._send, self.requests = anyio.create_memory_object_stream[Replacement](math.inf)  # Resizer reads them
+        self._idle = anyio.Event()
+        self._idle.set()
 
-    def ask(self, model: str) -> None:
-        """Ask for one replica of ``model``. Counted at once: until it serves, the pool does not
-        count as dead when its last other replica dies."""
-        self._pools[model].replacing += 1
-        self._send.send_nowait(model)
+    def hung(self, handle: ReplicaHandle) -> None:
+        """``handle`` was stopped because a call hung (``on_timeout="retry"``): always replaced."""
+        self._ask(Replacement(handle.model, handle.replica_id, 0.0, "replaced a replica whose call hung"))
+
+    def died(self, handle: ReplicaHandle) -> None:
+        """``handle``'s process died: replaced as its pool's ``Healing`` says, or reported."""
+        answer = self.policies[handle.model].died(handle.replica_id, time.monotonic())
+        request = Replacement(handle.model, handle.replica_id, answer.delay_s, answer.reason)
+        if answer.delay_s is None:
+            self._send.send_nowait(request)
+        else:
+            self._ask(request)
+
+    def served(self, model: str, replica: int) -> None:
+        self.policies[model].served(replica)
+
+    def _ask(self, request: Replacement) -> None:
+        """Counted at once: until the new replica serves, the pool does not count as dead when
+        its last other replica dies."""
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        self._pools[request.model].replacing += 1
+        self._send.send_nowait(request)
+
+    def finished(self, model: str) -> None:
+        """A replacement of ``model`` serves now, or will not."""
+        self._pools[model].replacing -= 1
+        if not any(pool.replacing for pool in self._pools.values()):
+            self._idle.set()
+
+    async def settled(self) -> None:
+        """Returns once no replacement is starting (at once if none is)."""
+        while not self._idle.is_set():
+            await self._idle.wait()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -102,6 +102,7 @@ class AsyncPipeline:
         if config.deterministic:
             place_blocks(graph, self._ledger, self._pools)  # shards are fixed blocks of each run's samples
         self._roster = Roster(handles, self._recorder)
+        self._replacements = Replacements(self._pools, graph)
         parts = Parts(
             graph=graph,
             config=config,
@@ -113,7 +114,7 @@ class AsyncPipeline:
             recorder=self._recorder,
             timeline=self.timeline,
             supervisor=self._supervisor,
-            replacements=Replacements(self._pools),
+            replacements=self._replacements,
             joining=joining or Joining(),
         )
         call = ShardCaller(parts)
@@ -297,6 +298,11 @@ class AsyncPipeline:
         """Stop ``count`` replicas of ``model`` (the least busy, then the newest): each is cut no
         new shard, finishes those it holds, then its actor stops."""
         return await self._resizer.remove_replicas(model, count)
+
+    async def healed(self) -> None:
+        """Returns once no replica is starting in place of one that died or hung (at once if
+        none is): each pool is then back at its size, but the replicas left out."""
+        await self._replacements.settled()
 
     @property
     def scale_events(self) -> list[ScaleEvent]:

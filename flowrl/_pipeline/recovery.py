@@ -23,6 +23,7 @@ import anyio
 from .._core.errors import FlowError, InputLostError, ReplicaDiedError
 from .._core.scheduling.scheduler import Assignment
 from .._core.settings.config import ShardCall
+from .calls import Hung
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -47,6 +48,7 @@ class Recovery:
         self._pools = parts.pools
         self._roster = parts.roster
         self._recorder = parts.recorder
+        self._replacements = parts.replacements
         self._call = call
         self._recovering = anyio.Lock()  # a second shard that lost the same outputs finds them redone
 
@@ -62,8 +64,9 @@ class Recovery:
     def retire(
         self, handle: ReplicaHandle, err: ReplicaDiedError, stage: str = "", ids: list[int] | None = None
     ) -> None:
-        """``handle``'s process died (in a shard of ``stage``, or loading weights): its pool
-        carries on without it. The shards it still holds fail on their own and come back
+        """``handle``'s process died (in a shard of ``stage``, or loading weights), or hung and
+        was stopped: its pool carries on without it, and a replica is started in its place as
+        ``Replacements`` says. The shards it still holds fail on their own and come back
         through ``lost``; ReplicaDiedError if it was the last replica of its model (and none is
         starting in place of a stopped one)."""
         pool = self._pools[handle.model]
@@ -71,6 +74,10 @@ class Recovery:
         if handle.replica_id in pool.scheduler.retired:
             return  # seen dead already (or being removed)
         pool.retire(handle.replica_id)
+        if isinstance(err, Hung):
+            self._replacements.hung(handle)
+        else:
+            self._replacements.died(handle)
         if not pool.scheduler.serving and not pool.replacing:
             raise ReplicaDiedError(
                 f"{err.message}; every replica of model {handle.model!r} has died",

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .._backends.specs import ReplicaHandle
     from .._core.scheduling.autoscale import Reading
     from .dispatch import Dispatcher
-    from .parts import Parts
+    from .parts import Parts, Replacement
     from .pools import AsyncPool
     from .runs import Runs
 
@@ -91,22 +91,39 @@ class Resizer:
         log.info("%s %s: %d -> %d replicas (%s)", event.action, event.model, event.before, event.after, event.reason)
 
     async def replace(self) -> None:
-        """Start a replica in the background for each one stopped (``Replacements``: a call that
-        hung past ``call_timeout_s`` with ``on_timeout="retry"``), for the pipeline's life."""
-        async for model in self._replacements.requests:
-            self._supervisor.start_soon(self._replace, model)
+        """For the pipeline's life, start a replica in the background for each one stopped
+        (``Replacements``: a replica that died, or whose call hung past ``call_timeout_s`` with
+        ``on_timeout="retry"``), or report that none is started."""
+        async for request in self._replacements.requests:
+            if request.delay_s is None:
+                log.warning("%s", request.reason)
+                before = len(self.serving(request.model))
+                self._note(
+                    ScaleEvent(
+                        model=request.model,
+                        action="left out",
+                        before=before + 1,
+                        after=before,
+                        reason=request.reason,
+                        time=time.time(),
+                    )
+                )
+            else:
+                self._supervisor.start_soon(self._replace, request)
 
-    async def _replace(self, model: str) -> None:
+    async def _replace(self, request: Replacement) -> None:
         try:
+            await anyio.sleep(request.delay_s or 0.0)  # Healing's backoff: a line that keeps dying waits longer
             async with self._resizing:
                 if self._supervisor.closed:
                     return  # the pipeline closed before its turn: no replica is needed any more
-                await self._add(model, 1, "replaced a replica whose call hung", None)
+                (new,) = await self._add(request.model, 1, request.reason, None)
+            self._replacements.policies[request.model].replaced(request.old, new)
         except Exception as err:
             self._supervisor.fail(err)
             raise
         finally:
-            self._pools[model].replacing -= 1
+            self._replacements.finished(request.model)
 
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:
         """Start ``count`` replicas of ``model``; they pull shards as soon as they are set up."""

@@ -22,7 +22,8 @@ import numpy as np
 from .._core.checks import at_most, non_negative, positive, struct_types
 from .._core.errors import ConfigError
 from .._core.scheduling.scheduler import Assignment, PoolScheduler
-from .._core.settings.config import MAX_PREFETCH, Settings
+from .._core.settings.base import Settings
+from .._core.settings.config import MAX_PREFETCH
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

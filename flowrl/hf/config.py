@@ -9,7 +9,7 @@ import msgspec
 
 from .._core.checks import non_negative, one_of, positive, struct_types
 from .._core.errors import ConfigError
-from .._core.settings.config import Settings
+from .._core.settings.base import Settings
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Schedule = Literal["constant", "linear", "cosine"]

@@ -9,7 +9,7 @@ import msgspec
 
 from .._core.checks import positive, struct_types
 from .._core.errors import ConfigError
-from .._core.settings.config import Settings
+from .._core.settings.base import Settings
 
 # the engine arguments flowrl.vllm sets, and where each comes from
 OWNED = {

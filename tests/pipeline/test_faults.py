@@ -67,11 +67,44 @@ async def test_a_sample_whose_replicas_keep_dying_fails_the_run_once_the_retry_b
 
 
 async def test_when_every_replica_of_a_model_has_died_the_run_fails_naming_the_model(ray_cluster, tmp_path):
-    dying = DieOn("a", {"num_replicas": 2, "batch_size": 1, **CPU}, die_on=3, marks=str(tmp_path), times=10)
+    config = {"num_replicas": 2, "batch_size": 1, "healing": None, **CPU}  # a dead replica is not replaced
+    dying = DieOn("a", config, die_on=3, marks=str(tmp_path), times=10)
     with pytest.raises(flowrl.ReplicaDiedError, match="every replica of model 'a' has died"):
         async with flowrl.open_pipeline(lambda x: dying.forward_step(x), {"max_retries": 5}) as pipe:
             await pipe.run([{"x": [i]} for i in range(8)])
     assert _deaths(tmp_path) == 2
+    assert flowrl_actor_names() == []
+
+
+async def test_a_replica_that_dies_is_replaced_and_the_pool_keeps_its_size(ray_cluster, tmp_path):
+    dying = DieOn("a", {"num_replicas": 3, "batch_size": 2, **CPU}, die_on=5, marks=str(tmp_path))
+    items = [{"x": [i]} for i in range(24)]
+    async with flowrl.open_pipeline(lambda x: dying.forward_step(x)) as pipe:
+        first = await pipe.run(items)
+        await pipe.healed()  # the replacement starts in the background
+        serving = pipe.serving("a")
+        second = await pipe.run(items)  # the new replica takes shards like the others
+        stats, events = pipe.stats()["a.forward_step"], pipe.scale_events
+    assert _deaths(tmp_path) == 1
+    assert [s["a_out"] for s in first] == [s["a_out"] for s in second] == [i + 1 for i in range(24)]
+    assert stats.samples == 48  # each sample once per run: the dead replica's shard counted when it completed
+    (event,) = events
+    assert (event.action, event.before, event.after) == ("grow", 2, 3)
+    assert event.reason.startswith("replaced replica ") and event.reason.endswith(", which died (1 in a row)")
+    (new,) = set(serving) - {0, 1, 2}
+    assert new == 3  # ids are never reused
+    assert flowrl_actor_names() == []
+
+
+async def test_a_replica_that_keeps_dying_is_replaced_up_to_its_limit_then_left_out(ray_cluster, tmp_path, caplog):
+    healing = {"max_restarts": 1, "backoff_s": 0.0}
+    dying = DieOn("a", {"num_replicas": 2, "batch_size": 1, "healing": healing, **CPU}, 0, str(tmp_path), times=99)
+    with pytest.raises(flowrl.ReplicaDiedError, match="every replica of model 'a' has died"):
+        async with flowrl.open_pipeline(lambda x: dying.forward_step(x), {"max_retries": 10}) as pipe:
+            await pipe.run([{"x": [0]}])  # every replica that takes this sample dies
+    assert _deaths(tmp_path) == 4  # two replicas, each replaced once: 2 x (1 + max_restarts)
+    left = [r.getMessage() for r in caplog.records if r.getMessage().endswith("left out")]
+    assert len(left) == 2 and all("after 1 replacements in a row (Healing.max_restarts=1)" in m for m in left)
     assert flowrl_actor_names() == []
 
 

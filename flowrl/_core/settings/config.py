@@ -9,6 +9,8 @@ import msgspec
 
 from ..checks import at_most, non_negative, one_of, positive, struct_types
 from ..errors import ConfigError
+from .base import Settings, moved_hint
+from .healing import Healing
 
 SplitterName = Literal["cost", "guided", "factoring", "greedy"]
 BackendName = Literal["ray", "inprocess"]
@@ -16,29 +18,6 @@ WeightTransport = Literal["host", "cuda_ipc", "nccl"]
 OnTimeout = Literal["fail", "retry"]
 OnSpent = Literal["fail", "drop"]
 S = TypeVar("S", bound=msgspec.Struct)
-
-
-class Settings(msgspec.StructMeta):
-    """The metaclass of the config Structs: a keyword a Struct does not have, a missing required
-    one or a positional argument is a ``ConfigError`` naming the Struct and its keys (msgspec's
-    ``__init__`` raises ``TypeError``), like every other config mistake."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().__call__(*args, **kwargs)
-        except TypeError as err:
-            keys = ", ".join(getattr(cls, "__struct_fields__", ()))
-            raise ConfigError(f"{cls.__name__}: {err}{moved_hint(cls, kwargs)}; its keys are {keys}") from err
-
-
-def moved_hint(cls: type, given: Mapping[str, Any] | object) -> str:
-    """Where the keys of ``given`` that ``cls`` no longer has went (its ``moved_keys``), as
-    the tail of an error message; empty when none did."""
-    moved: dict[str, str] = getattr(cls, "moved_keys", {})
-    if not isinstance(given, Mapping):
-        return ""
-    found = [f"{key} is now {cls.__name__}.{moved[key]}" for key in given if key in moved]
-    return f" ({'; '.join(found)})" if found else ""
 
 
 # Shards in flight per replica: each one is a slot the scheduler keeps and loops over, so a huge
@@ -127,6 +106,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     or ``"drop"`` the sample alone (the run goes on with the others; ``PipelineStats.dropped``
     records it, with the stage, the turn and the reason).
     ``autoscale``: grow and shrink the pool from its measured queue and starvation.
+    ``healing``: a replica that dies is replaced, so that the pool keeps its size (``Healing``:
+    restarts in a row per replica, per minute, backoff); None leaves it out and the pool runs
+    smaller.
     ``splitter``: how shards are cut; ``cost`` (the default) learns a call's fixed and per-sample
     cost and sizes shards to finish soonest, ``call_cost`` seeding it (see concepts.md).
     ``weight_transport`` (trainers): ``"host"`` sends weights as numpy arrays through Ray's
@@ -151,6 +133,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     on_timeout: OnTimeout = "fail"
     on_spent: OnSpent = "fail"
     autoscale: Autoscale | None = None
+    healing: Healing | None = msgspec.field(default_factory=Healing)
     weight_transport: WeightTransport = "host"
 
     def __post_init__(self) -> None:
@@ -194,6 +177,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if isinstance(scale, Mapping):  # ModelConfig(autoscale={...}) built directly
             scale = msgspec.convert(dict(scale), Autoscale)
             msgspec.structs.force_setattr(self, "autoscale", scale)
+        if isinstance(self.healing, Mapping):
+            msgspec.structs.force_setattr(self, "healing", msgspec.convert(dict(self.healing), Healing))
         if scale is not None and not scale.min_replicas <= self.replicas <= scale.max_replicas:
             raise ConfigError(
                 f"ModelConfig: {self.replicas} replicas to start with, outside autoscale's "

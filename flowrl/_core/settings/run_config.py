@@ -11,13 +11,8 @@ from ..checks import non_negative, positive, struct_types
 from ..errors import ConfigError
 from ..names import check_name
 from ..training.staleness import SEGMENTS, STALE_POLICIES
-from .config import (
-    ModelConfig,
-    PipelineConfig,
-    Settings,
-    check_progress,
-    to_config,
-)
+from .base import Settings
+from .config import ModelConfig, PipelineConfig, check_progress, to_config
 from .config_files import apply_override, deep_copy, read_config_file
 
 if TYPE_CHECKING:
