@@ -57,10 +57,15 @@ class Policy(flowrl.Model):
 
 
 def _engine(
-    tokens: Any, dying: tuple[int, ...], transport: str, in_shard: bool = False, **config: Any
+    tokens: Any, dying: tuple[int, ...], transport: str, in_shard: bool = False, healing: Any = None, **config: Any
 ) -> flowrl.Engine:
+    """Healing off by default: these tests follow the pool that runs on without the dead replica."""
     policy = Policy(
-        "policy", {"num_replicas": 2, "batch_size": 1, **CPU}, tokens=tokens, dying=dying, in_shard=in_shard
+        "policy",
+        {"num_replicas": 2, "batch_size": 1, "healing": healing, **CPU},
+        tokens=tokens,
+        dying=dying,
+        in_shard=in_shard,
     )
     trainer = LinearTrainer("trainer", {"weight_transport": transport, **CPU})
     engine = flowrl.Engine(
@@ -144,6 +149,38 @@ def test_a_replica_that_died_in_a_shard_gets_no_later_sync_and_the_run_completes
     assert [e.weight_versions["policy"] for e in stats.episodes] == [1, 2, 3]  # every sync sent to replica 0 only
     assert stats.rollout.serving == {"policy": 1}
     assert {(s["policy_replica"], round(s["policy_w"], 5)) for s in after} == {(0, round(trained, 5))}
+    assert flowrl_actor_names() == []
+
+
+@pytest.mark.parametrize("in_shard", [False, True], ids=["in-set_weights", "in-a-shard"])
+def test_a_dead_replica_is_replaced_by_one_that_gets_the_current_weights_before_any_shard(ray_cluster, in_shard):
+    from ray.util.queue import Queue
+
+    tokens = Queue(actor_options={"num_cpus": 0})
+    tokens.put(True)  # replica 1 dies once: at the first sync, or in its first shard
+    engine = _engine(tokens, (1,), "host", in_shard=in_shard, healing={})
+    probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(8)]
+    try:
+        with engine:
+            stats = engine.learn()
+            trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
+            rollout = engine._session.deployment.rollout
+            engine._portal.call(rollout.healed)
+            serving = rollout.serving("policy")
+            after = engine._portal.call(rollout.run, probe)
+            events = rollout.scale_events
+        left_empty = tokens.empty()
+    finally:
+        tokens.shutdown()
+    assert left_empty  # the death happened
+    assert serving == [0, 2]  # the pool is back at its size, with a new replica (ids are not reused)
+    ((action, reason),) = [(e.action, e.reason) for e in events]
+    assert action == "grow" and reason == "replaced replica 1, which died (1 in a row)"
+    assert stats.rollout.stages["policy.forward_step"].samples == EPISODES * PER_EPISODE  # each sample once
+    # whenever it joined, it computed with the weights the others hold: the trainer's last
+    assert {s["policy_replica"] for s in after} == {0, 2}
+    assert {round(s["policy_w"], 5) for s in after} == {round(trained, 5)}
+    assert {s["policy_version"] for s in after} == {EPISODES}
     assert flowrl_actor_names() == []
 
 
