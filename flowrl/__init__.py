@@ -28,6 +28,7 @@ from ._core.scheduling.autoscale import ScaleEvent
 from ._core.scheduling.lengths import LengthMemory
 from ._core.scheduling.splitter import POLICIES as SPLITTERS
 from ._core.settings.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
+from ._core.settings.healing import Healing
 from ._core.settings.run_config import CheckpointConfig, LoggerConfig, ReproducibilityConfig, RunConfig, StalenessConfig
 from ._core.training.sampler import EpisodeBuffer
 from ._engine.engine import Engine
@@ -58,6 +59,7 @@ __all__ = [
     "FlowDefinitionError",
     "FlowError",
     "FlowGraph",
+    "Healing",
     "InputLostError",
     "LengthMemory",
     "Logger",

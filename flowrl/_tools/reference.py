@@ -14,6 +14,7 @@ from typing import Literal, get_args, get_origin
 import msgspec
 
 from .._core.settings.config import Autoscale, CallCostPrior, ModelConfig, PipelineConfig
+from .._core.settings.healing import Healing
 from .._core.settings.run_config import (
     CheckpointConfig,
     LoggerConfig,
@@ -48,6 +49,8 @@ MEANING: dict[type[msgspec.Struct], dict[str, str]] = {
         "`PipelineConfig.max_retries` retries: `fail` the run, or `drop` that sample alone (the run goes on; "
         "`PipelineStats.dropped` records the stage, turn and reason)",
         "autoscale": "an `Autoscale`: grow and shrink this model's pool while runs go on (below)",
+        "healing": "a `Healing`: replace a replica that dies, so that the pool keeps its size (below); "
+        "`null`: the pool runs smaller",
         "weight_transport": "trainers: `host` (numpy through the object store), `cuda_ipc` (handles to a GPU "
         "snapshot, copied on the GPU by replicas on the same GPU: colocated models) or `nccl` "
         "(a broadcast from rank 0 in a process group with the replicas: replicas on other GPUs; "
@@ -157,6 +160,14 @@ MEANING[Autoscale] = {
     "every_s": "seconds between readings, while a run is active",
 }
 
+MEANING[Healing] = {
+    "max_restarts": "replacements in a row of one replica (a replacement that completes a shard ends the row); "
+    "past it the replica is left out and reported",
+    "per_minute": "the most replacements a pool starts within any 60 s",
+    "backoff_s": "seconds before a replica's second replacement in a row, doubled for each further one",
+    "max_backoff_s": "the longest wait before a replacement",
+}
+
 MEANING[LoggerConfig] = {
     "kind": "`tensorboard`, `wandb` or `mlflow`",
     "dir": "the logger's folder; default: `<run_dir>/tensorboard`, `<run_dir>/wandb`, `<run_dir>/mlruns` (without "
@@ -174,6 +185,7 @@ WHERE: dict[type[msgspec.Struct], str] = {
     RunConfig: "`Engine(config=...)`, `RunConfig.load(path)`, a run file's `run`",
     Autoscale: '`ModelConfig.autoscale`, e.g. `{"max_replicas": 8}`',
     CallCostPrior: '`ModelConfig.call_cost`, e.g. `{"fixed_s": 0.05, "per_sample_s": 0.002}`',
+    Healing: '`ModelConfig.healing`, e.g. `{"max_restarts": 5}`',
     LoggerConfig: "`RunConfig.loggers`, e.g. `[tensorboard, {kind: wandb, mode: offline}]`",
     CheckpointConfig: "`RunConfig.checkpoint`, e.g. `{dir: runs/ckpt, every: 2}`",
     StalenessConfig: "`RunConfig.staleness`, e.g. `{max: 1, on_stale: drop}`",
