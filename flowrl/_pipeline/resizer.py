@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._core import checks
-from .._core.errors import ConfigError, FlowError
+from .._core.errors import ConfigError, FlowError, ReplicaDiedError
 from .._core.scheduling.autoscale import ScaleEvent
 
 if TYPE_CHECKING:
@@ -96,34 +96,41 @@ class Resizer:
         ``on_timeout="retry"``), or report that none is started."""
         async for request in self._replacements.requests:
             if request.delay_s is None:
-                log.warning("%s", request.reason)
-                before = len(self.serving(request.model))
-                self._note(
-                    ScaleEvent(
-                        model=request.model,
-                        action="left out",
-                        before=before + 1,
-                        after=before,
-                        reason=request.reason,
-                        time=time.time(),
-                    )
-                )
+                self._left_out(request.model, request.reason)
             else:
                 self._supervisor.start_soon(self._replace, request)
 
+    def _left_out(self, model: str, reason: str) -> None:
+        log.warning("%s", reason)
+        now = len(self.serving(model))
+        self._note(
+            ScaleEvent(model=model, action="left out", before=now + 1, after=now, reason=reason, time=time.time())
+        )
+
     async def _replace(self, request: Replacement) -> None:
+        model, why = request.model, ""
         try:
             await anyio.sleep(request.delay_s or 0.0)  # Healing's backoff: a line that keeps dying waits longer
             async with self._resizing:
                 if self._supervisor.closed:
                     return  # the pipeline closed before its turn: no replica is needed any more
-                (new,) = await self._add(request.model, 1, request.reason, None)
-            self._replacements.policies[request.model].replaced(request.old, new)
+                (new,) = await self._add(model, 1, request.reason, None)
+            self._replacements.policies[model].replaced(request.old, new)
+        except FlowError as err:  # no room left for it, or its setup failed: the pool runs smaller
+            why = f"no replacement could start ({type(err).__name__}: {err})"
+            self._left_out(model, f"replica {request.old} of {model!r} died and {why}: left out")
         except Exception as err:
             self._supervisor.fail(err)
             raise
         finally:
-            self._replacements.finished(request.model)
+            self._replacements.finished(model)
+        pool = self._pools[model]
+        if why and not pool.scheduler.serving and not pool.replacing:
+            # the runs waiting on this pool would wait for ever: they fail, as when its last replica died
+            stage = next(name for name, spec in self._graph.stages.items() if spec.model == model)
+            self._supervisor.fail(
+                ReplicaDiedError(f"every replica of model {model!r} has died and {why}", stage, request.old, [])
+            )
 
     async def add_replicas(self, model: str, count: int = 1) -> list[int]:
         """Start ``count`` replicas of ``model``; they pull shards as soon as they are set up."""

@@ -108,6 +108,25 @@ async def test_a_replica_that_keeps_dying_is_replaced_up_to_its_limit_then_left_
     assert flowrl_actor_names() == []
 
 
+class NoRoomAfter(DieOn):
+    """``DieOn`` whose replicas past the first ``num_replicas`` fail in setup (no room for a replacement)."""
+
+    def setup(self) -> None:
+        if self.replica_id >= self.config.replicas:
+            raise RuntimeError("no room for a replacement")
+
+
+async def test_when_no_replacement_can_start_for_the_last_replica_the_run_fails_instead_of_waiting(
+    ray_cluster, tmp_path
+):
+    dying = NoRoomAfter("a", {"num_replicas": 1, "batch_size": 1, **CPU}, die_on=2, marks=str(tmp_path))
+    with pytest.raises(flowrl.ReplicaDiedError, match=r"every replica of model 'a' has died and no replacement could"):
+        async with flowrl.open_pipeline(lambda x: dying.forward_step(x)) as pipe:
+            await pipe.run([{"x": [i]} for i in range(4)])
+    assert _deaths(tmp_path) == 1
+    assert flowrl_actor_names() == []
+
+
 def test_max_retries_must_not_be_negative():
     with pytest.raises(flowrl.ConfigError, match="max_retries"):
         flowrl.PipelineConfig(max_retries=-1)
