@@ -47,6 +47,7 @@ from hf_grpo import ARCHS, GpuBusy
 import flowrl
 from flowrl import hf
 from flowrl._core.scheduling.lengths import LengthMemory  # not re-exported by flowrl (yet)
+from flowrl._sim.push import push_batches, push_replica
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -202,10 +203,9 @@ class Push:
 
     def run(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         done = []
-        for i, lo in enumerate(range(0, len(items), self.batch)):
-            part = items[lo : lo + self.batch]
-            batch = flowrl.Batch.from_samples(list(range(lo, lo + len(part))), part)
-            out, _span = self.actors[i % len(self.actors)].run.remote(batch)
+        for i, ids in enumerate(push_batches(len(items), self.batch)):
+            batch = flowrl.Batch.from_samples(list(ids), [items[j] for j in ids])
+            out, _span = self.actors[push_replica(i, len(self.actors))].run.remote(batch)
             done.append(out)
         rounds = math.ceil(len(done) / len(self.actors))  # the calls queued on one replica
         batches = ray.get(done, timeout=self.timeout_s * rounds)

@@ -31,6 +31,7 @@ import torch
 
 import flowrl
 from flowrl._backends.replica import micro_batches
+from flowrl._sim.push import push_batches, push_replica
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpt  # noqa: E402
@@ -118,13 +119,12 @@ class Push:
     def run(self, items: list[dict[str, Any]]) -> tuple[int, list[Span]]:
         policy, reference, value, reward = (self.actors[m] for m in ROLES)
         done, spans = [], []
-        for i, lo in enumerate(range(0, len(items), self.batch)):
-            part = items[lo : lo + self.batch]
-            batch = flowrl.Batch.from_samples(list(range(lo, lo + len(part))), part)
-            out, s1 = policy[i % len(policy)].run.remote(batch)
-            ref, s2 = reference[i % len(reference)].run.remote(out)
-            val, s3 = value[i % len(value)].run.remote(out)
-            score, s4 = reward[i % len(reward)].run.remote(out, ref, val)
+        for i, ids in enumerate(push_batches(len(items), self.batch)):
+            batch = flowrl.Batch.from_samples(list(ids), [items[j] for j in ids])
+            out, s1 = policy[push_replica(i, len(policy))].run.remote(batch)
+            ref, s2 = reference[push_replica(i, len(reference))].run.remote(out)
+            val, s3 = value[push_replica(i, len(value))].run.remote(out)
+            score, s4 = reward[push_replica(i, len(reward))].run.remote(out, ref, val)
             done.append(score)
             spans += [s1, s2, s3, s4]
         return sum(len(b) for b in ray.get(done)), ray.get(spans)

@@ -17,10 +17,21 @@ import numpy as np
 from .simulate import INPUT, SimResult, Workload, lower_bound, tails
 
 
+def push_batches(samples: int, batch_size: int) -> list[range]:
+    """Static push's batches: the first stage's batch size of samples each, in input order. Each
+    keeps its identity through the flow. The one rule of the simulator, the load test's push
+    (``_tools/baselines.run_push``) and the GPU baselines (``benchmarks/gpu/pull_push.py``)."""
+    return [range(lo, min(lo + batch_size, samples)) for lo in range(0, samples, batch_size)]
+
+
+def push_replica(turn: int, replicas: int) -> int:
+    """The replica a stage's ``turn``-th call goes to: round robin over its replicas."""
+    return turn % replicas
+
+
 def simulate_push(workload: Workload) -> SimResult:
     w, tail = workload, tails(workload)
-    first = w.stages[0].batch_size
-    batches = [np.arange(i, min(i + first, w.samples)) for i in range(0, w.samples, first)]
+    batches = [np.arange(b.start, b.stop) for b in push_batches(w.samples, w.stages[0].batch_size)]
     free_at = {st.name: [0.0] * st.replicas for st in w.stages}
     busy = {st.name: [0.0] * st.replicas for st in w.stages}
     sizes: dict[str, dict[int, int]] = {st.name: {} for st in w.stages}
@@ -40,7 +51,7 @@ def simulate_push(workload: Workload) -> SimResult:
         if any(i != INPUT and (b, i) not in done for i in st.inputs):
             continue
         pending.discard((b, k))
-        r = turn[st.name] % st.replicas
+        r = push_replica(turn[st.name], st.replicas)
         turn[st.name] += 1
         ids = batches[b]
         # an input's call is entered when it is sent, with its end: the batch waits for it

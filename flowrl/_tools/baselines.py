@@ -14,6 +14,7 @@ import numpy as np
 
 from .._core.flow.model import Model
 from .._pipeline.opening import open_pipeline
+from .._sim.push import push_batches, push_replica
 from .._sim.simulate import INPUT, StageCost, Workload, tails
 
 if TYPE_CHECKING:
@@ -74,11 +75,10 @@ async def run_push(w: Workload) -> dict[str, Any]:
     await asyncio.gather(*(a.ping.remote() for group in actors.values() for a in group))
     counters = {st.name: 0 for st in w.stages}
     used: dict[str, set[int]] = {st.name: set() for st in w.stages}
-    first = w.stages[0]
-    batches = [list(range(i, min(i + first.batch_size, w.samples))) for i in range(0, w.samples, first.batch_size)]
+    batches = [list(b) for b in push_batches(w.samples, w.stages[0].batch_size)]
 
     async def call(stage: str, ids: list[int]) -> None:
-        r = counters[stage] % len(actors[stage])
+        r = push_replica(counters[stage], len(actors[stage]))
         counters[stage] += 1
         used[stage].add(r)
         await actors[stage][r].work.remote(ids)
