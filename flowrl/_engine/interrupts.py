@@ -25,9 +25,14 @@ T = TypeVar("T")
 
 
 async def until_interrupted(run: Callable[[], Awaitable[T]]) -> T:
-    """``await run()``; KeyboardInterrupt if SIGINT came meanwhile (in the main thread only: a
-    signal handler can be set nowhere else, and Ctrl-C reaches only the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
+    """``await run()``; KeyboardInterrupt if SIGINT came meanwhile. Only where Python's own
+    Ctrl-C handler is in place, as asyncio does: in the main thread (a signal handler can be set
+    nowhere else), and not where SIGINT is ignored (a job started in the background) or handled
+    by the user's code."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         return await run()
     loop = asyncio.get_running_loop()
     seen: list[int] = []

@@ -6,12 +6,27 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 import pytest
 
 from flowrl._engine.interrupts import until_interrupted
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_handled() -> Iterator[None]:
+    """Python's Ctrl-C handler, as a terminal's foreground process has it (a test runner started
+    in the background hands its children SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_the_runs_result_and_its_own_error_come_out_as_they_are() -> None:
@@ -40,7 +55,7 @@ def test_a_sigint_cancels_the_run_and_raises_keyboard_interrupt() -> None:
     with pytest.raises(KeyboardInterrupt):
         anyio.run(until_interrupted, run)
     assert reached == ["cancelled"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before it, back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own, back
 
 
 def test_a_sigint_is_not_lost_when_the_run_finishes_anyway() -> None:
@@ -52,3 +67,16 @@ def test_a_sigint_is_not_lost_when_the_run_finishes_anyway() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         anyio.run(until_interrupted, shielded)
+
+
+def test_where_sigint_is_ignored_or_handled_by_the_user_it_is_left_alone() -> None:
+    async def answer() -> int:
+        assert signal.getsignal(signal.SIGINT) is mine  # not replaced during the run
+        return 42
+
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    signal.signal(signal.SIGINT, mine)
+    assert anyio.run(until_interrupted, answer) == 42
+    assert signal.getsignal(signal.SIGINT) is mine
