@@ -41,6 +41,7 @@ class WeightSync:
         self.groups: dict[str, tuple[list[Any], Group]] = {}  # model -> (members, group) of its last broadcast
         self._first: dict[str, Any] = {}  # model -> its weights before the first sync (or the error reading them)
         self._keep_first = False
+        self._touched: set[str] = set()  # models some replica of which may have loaded a sync
         self.watch = watch  # a replayed schedule: told of each sync, may hold it back
 
     @property
@@ -90,6 +91,7 @@ class WeightSync:
         deployment = self.deployment
         if self.watch is not None and not restoring:  # a restore gives back what was held: nothing to wait for
             await self.watch.before_send(name, version)
+        self._touched.add(name)
         try:
             async with deployment.members:  # no replica joins or leaves meanwhile
                 await self._deliver_all(name, version, weights)
@@ -134,6 +136,9 @@ class WeightSync:
         rebuilt = isinstance(self._sent.get(target), Broadcast)
         if want == self._versions[target] and not rebuilt:
             return  # they hold them already (a fresh start, or no sync since the checkpoint)
+        if want == 0 and target not in self._touched:
+            self._versions[target] = 0  # nothing was ever sent to them: they hold the weights they started with
+            return
         if saved is not None:
             weights = self.deployment.backend.share(saved())
         elif want:  # written right after a sync: the restored trainer's weights are the ones sent
