@@ -58,9 +58,11 @@ async def test_join_by_sample_id_whatever_the_finishing_order(ray_cluster, backe
         # each field derived from the sample's own x: joined by id, not by position in a shard
         assert np.allclose(s["a"], 10 * s.id) and np.allclose(s["b"], 100 * s.id)
         assert np.allclose(s["c"], 110 * s.id)
-    for stage, batch in (("a.forward_step", 3), ("b.forward_step", 5), ("c.forward_step", 4)):
+    # a shard of the cost splitter holds at most ModelConfig.shard_micro_batches (8) micro-batches
+    # (it merges them when a call's fixed cost dominates, which timing decides); greedy's, one
+    for stage, most in (("a.forward_step", 8 * 3), ("b.forward_step", 5), ("c.forward_step", 8 * 4)):
         assert stats[stage].samples == n
-        assert 0 < stats[stage].max_shard <= batch
+        assert 0 < stats[stage].max_shard <= most
     if backend != "inprocess":
         assert flowrl_actor_names() == []
 
