@@ -152,7 +152,9 @@ def test_a_replica_that_died_in_a_shard_gets_no_later_sync_and_the_run_completes
     assert flowrl_actor_names() == []
 
 
-@pytest.mark.parametrize("in_shard", [False, True], ids=["in-set_weights", "in-a-shard"])
+@pytest.mark.parametrize(
+    "in_shard", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["in-set_weights", "in-a-shard"]
+)
 def test_a_dead_replica_is_replaced_by_one_that_gets_the_current_weights_before_any_shard(ray_cluster, in_shard):
     from ray.util.queue import Queue
 

@@ -113,7 +113,11 @@ def interrupt_and_resume(folder: Path, phase: str, call: int, backend: str) -> N
     assert sorted(set(episodes)) == episodes and len(episodes) == EPISODES, (where, episodes)
 
 
-@pytest.mark.parametrize("phase", PHASES)
+# start-up and checkpoint in the default run; the other phases, each a few seconds more, in the slow set
+FAST = ("start-up", "checkpoint")
+
+
+@pytest.mark.parametrize("phase", [p if p in FAST else pytest.param(p, marks=pytest.mark.slow) for p in PHASES])
 def test_ctrl_c_anywhere_exits_130_and_the_run_resumes_to_its_end(tmp_path, phase):
     # start-up happens once; the other phases come back each episode: a seeded draw of which call
     call = 1 if phase == "start-up" else random.Random(f"ctrl-c {phase}").randint(1, EPISODES - 1)
