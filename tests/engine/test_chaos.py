@@ -39,12 +39,12 @@ def claim_death(marks: str, limit: int) -> bool:
     return False
 
 
-class Chaotic:
+class Chaotic(flowrl.Model):
     """Dies, now and then, as its seed says, until its model's deaths are spent."""
 
-    chaos: dict[str, Any]
-    name: str
-    replica_id: int
+    def __init__(self, name: str, config: Any, chaos: dict[str, Any]) -> None:
+        super().__init__(name, config)
+        self.chaos = chaos
 
     def maybe_die(self) -> None:
         c = self.chaos
@@ -54,12 +54,8 @@ class Chaotic:
             os._exit(1)
 
 
-class Policy(Chaotic, flowrl.Model):
+class Policy(Chaotic):
     """``y = w.x`` plus noise from each sample's own stream (the same draw on any replica)."""
-
-    def __init__(self, name: str, config: Any, chaos: dict[str, Any]) -> None:
-        super().__init__(name, config)
-        self.chaos = chaos
 
     def setup(self) -> None:
         torch.manual_seed(1)  # every replica starts from the same weights, as a real policy loads them
@@ -74,22 +70,14 @@ class Policy(Chaotic, flowrl.Model):
         return {"y": [float(v + 0.1 * n) for v, n in zip(y, noise, strict=True)]}
 
 
-class Scorer(Chaotic, flowrl.Model):
-    def __init__(self, name: str, config: Any, chaos: dict[str, Any]) -> None:
-        super().__init__(name, config)
-        self.chaos = chaos
-
+class Scorer(Chaotic):
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         self.maybe_die()
         return {"score": [1.0 - min((float(y) - 1.0) ** 2, 4.0) for y in batch["y"]]}
 
 
-class Trainer(Chaotic, flowrl.Model):
+class Trainer(Chaotic):
     """Fits ``Linear(4, 1)`` to the scores; reports its weights, exactly."""
-
-    def __init__(self, name: str, config: Any, chaos: dict[str, Any]) -> None:
-        super().__init__(name, config)
-        self.chaos = chaos
 
     def setup(self) -> None:
         torch.manual_seed(0)

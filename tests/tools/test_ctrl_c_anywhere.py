@@ -9,6 +9,7 @@ line, and the printed command resumes into the same folder and finishes every ep
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
 import subprocess
@@ -94,8 +95,6 @@ def flowrl_run(folder: Path, args: list[str], env: dict[str, str]) -> subprocess
 
 
 def interrupt_and_resume(folder: Path, phase: str, call: int, backend: str) -> None:
-    import os
-
     (folder / "anywhere_flow.py").write_text(MODULE)
     (folder / "run.yaml").write_text(RUN_FILE)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PHASE": phase, "CALL": str(call)}
