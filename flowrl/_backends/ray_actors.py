@@ -84,8 +84,9 @@ class ReplicaActor:
     def take(self, seq: int) -> Batch:
         return self.held.pop(seq)
 
-    def get_weights(self) -> list[Any]:
-        return [ray.put(self.worker.submit(self.runtime.get_weights).result())]
+    @ray.method(num_returns=2)
+    def get_weights(self) -> tuple[bool, Any]:
+        return True, self.worker.submit(self.runtime.get_weights).result()
 
     def load_weights(self, version: int, weights: Any) -> None:
         # right after the shard running now, before any queued behind it: a sync waits for
@@ -117,10 +118,9 @@ class TrainerActor:
     def train(self, batch: Batch, step_size: int, micro_batch: int, iteration: int) -> dict[str, Any]:
         return self.runtime.train(batch, step_size, micro_batch, iteration)
 
-    def get_weights(self) -> list[Any]:
-        # Stored here, returned by reference: the driver learns of a failure at once, and
-        # every receiver reads this one copy.
-        return [ray.put(self.runtime.get_weights())]
+    @ray.method(num_returns=2)
+    def get_weights(self) -> tuple[bool, Any]:
+        return True, self.runtime.get_weights()
 
     # a broadcast waits for each replica's running shard: on a thread of its own, so the next
     # train steps go on meanwhile (its snapshot is memory of its own)

@@ -268,8 +268,15 @@ class RayBackend:
             self.counts.training_ended(rank.model)
 
     async def get_weights(self, rank: ReplicaHandle) -> Any:
-        (ref,) = await _ask(rank, "get_weights", "get_weights")
-        return ref
+        # Two returns, both owned by the driver: the small one tells of a failure at once, the
+        # weights stay in the object store unread and outlive the process that made them (a
+        # replica replaced while its trainer is rebuilt still reads what the others hold).
+        done, weights = rank.ref.get_weights.remote()
+        try:
+            await done
+        except (RayTaskError, RayActorError) as err:
+            raise translate(err, f"{rank.model}.get_weights", rank.replica_id, []) from err
+        return weights
 
     async def load_weights(self, replica: ReplicaHandle, version: int, weights: Any) -> None:
         await _ask(replica, "load_weights", "set_weights", version, weights)

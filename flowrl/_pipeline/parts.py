@@ -77,6 +77,15 @@ class Replacements:
         else:
             self._ask(request)
 
+    def start_failed(self, request: Replacement, why: str) -> str | None:
+        """``request``'s replica could not start: asked again as the pool's policy says (None),
+        or the reason none is."""
+        answer = self.policies[request.model].start_failed(request.old, time.monotonic())
+        if answer.delay_s is None:
+            return answer.reason
+        self._ask(Replacement(request.model, request.old, answer.delay_s, f"{answer.reason}; the last start: {why}"))
+        return None
+
     def served(self, model: str, replica: int) -> None:
         self.policies[model].served(replica)
 

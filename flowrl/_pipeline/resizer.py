@@ -116,9 +116,16 @@ class Resizer:
                     return  # the pipeline closed before its turn: no replica is needed any more
                 (new,) = await self._add(model, 1, request.reason, None)
             self._replacements.policies[model].replaced(request.old, new)
-        except FlowError as err:  # no room left for it, or its setup failed: the pool runs smaller
-            why = f"no replacement could start ({type(err).__name__}: {err})"
-            self._left_out(model, f"replica {request.old} of {model!r} died and {why}: left out")
+        except FlowError as err:  # no room left for it, or its setup or weights failed: again, within limits
+            failed = f"{type(err).__name__}: {err}"
+            stop = self._replacements.start_failed(request, failed)
+            if stop is None:
+                log.warning(
+                    "replica %d of %r: its replacement failed to start (%s); trying again", request.old, model, failed
+                )
+            else:
+                why = f"no replacement could start ({failed})"
+                self._left_out(model, f"replica {request.old} of {model!r} died and {why}; {stop}")
         except Exception as err:
             self._supervisor.fail(err)
             raise

@@ -36,6 +36,14 @@ def test_a_replacement_that_completes_a_shard_ends_the_row() -> None:
     assert p.died(4, now=100.0).delay_s == 0.0  # a fresh row: replaced again, at once
 
 
+def test_a_replacement_that_fails_to_start_is_tried_again_within_the_same_row() -> None:
+    p = policy(max_restarts=2, backoff_s=1.0)
+    assert p.died(0, now=0.0).delay_s == 0.0
+    assert p.start_failed(0, now=1.0).delay_s == 1.0  # its start failed: the second of the row, after a wait
+    last = p.start_failed(0, now=2.0)
+    assert last.delay_s is None and "after 2 replacements in a row (Healing.max_restarts=2)" in last.reason
+
+
 def test_other_replicas_have_rows_of_their_own() -> None:
     p = policy(max_restarts=1)
     assert p.died(0, now=0.0).delay_s == 0.0

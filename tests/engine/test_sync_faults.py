@@ -186,6 +186,32 @@ def test_a_dead_replica_is_replaced_by_one_that_gets_the_current_weights_before_
     assert flowrl_actor_names() == []
 
 
+def test_weights_sent_by_host_outlive_the_trainer_process_that_made_them(ray_cluster):
+    """A replica that joins while its trainer's process is gone (killed, not yet rebuilt) still
+    gets the weights the others hold: the driver owns them, not the trainer."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    engine = _engine(None, (), "host")
+    probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(8)]
+    with engine:
+        engine.learn()
+        trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
+        (rank,) = engine._session.deployment.trainers["trainer"]
+        ray.kill(rank.ref, no_restart=True)
+        with pytest.raises(RayActorError):  # the kill lands after the calls already on their way
+            for _ in range(10_000):
+                ray.get(rank.ref.ping.remote())
+        assert engine.resize("policy", 3) == [2]  # a new replica, id 2
+        rollout = engine._session.deployment.rollout
+        after = engine._portal.call(rollout.run, probe)
+        serving = rollout.serving("policy")
+    assert serving == [0, 1, 2]
+    assert {round(s["policy_w"], 5) for s in after} == {round(trained, 5)}
+    assert {s["policy_version"] for s in after} == {EPISODES}
+    assert flowrl_actor_names() == []
+
+
 def test_when_every_replica_dies_in_set_weights_the_run_fails_naming_the_model(ray_cluster):
     from ray.util.queue import Queue
 

@@ -127,6 +127,39 @@ async def test_when_no_replacement_can_start_for_the_last_replica_the_run_fails_
     assert flowrl_actor_names() == []
 
 
+class FailsToStartOnce(DieOn):
+    """``DieOn`` whose first replacement fails in setup (a marker file in ``starts``)."""
+
+    def __init__(self, *args: Any, starts: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.starts = starts
+
+    def setup(self) -> None:
+        if self.replica_id >= self.config.replicas and not os.listdir(self.starts):
+            Path(self.starts, "failed").touch()
+            raise RuntimeError("the first replacement's setup fails")
+
+
+async def test_a_replacement_that_fails_to_start_is_tried_again_and_the_pool_gets_back_its_size(ray_cluster, tmp_path):
+    marks, starts = tmp_path / "marks", tmp_path / "starts"
+    marks.mkdir(), starts.mkdir()
+    config = {"num_replicas": 2, "batch_size": 1, "healing": {"backoff_s": 0.0}, **CPU}
+    dying = FailsToStartOnce("a", config, die_on=2, marks=str(marks), starts=str(starts))
+    async with flowrl.open_pipeline(lambda x: dying.forward_step(x)) as pipe:
+        out = await pipe.run([{"x": [i]} for i in range(6)])
+        await pipe.healed()
+        serving = pipe.serving("a")
+        events = [(e.action, e.reason) for e in pipe.scale_events]
+    failed = "StageError: stage 'a.setup', replica 2, samples []: setup() failed: RuntimeError: "
+    failed += "the first replacement's setup fails"
+    assert _deaths(marks) == 1 and _deaths(starts) == 1
+    assert [s["a_out"] for s in out] == [i + 1 for i in range(6)]
+    (dead,) = {0, 1} - set(serving)
+    assert sorted(serving) == sorted({0, 1, 2} - {dead})  # the id of a replica that never served is given again
+    assert events == [("grow", f"replaced replica {dead}, which died (2 in a row); the last start: {failed}")]
+    assert flowrl_actor_names() == []
+
+
 def test_max_retries_must_not_be_negative():
     with pytest.raises(flowrl.ConfigError, match="max_retries"):
         flowrl.PipelineConfig(max_retries=-1)

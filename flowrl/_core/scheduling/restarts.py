@@ -58,6 +58,12 @@ class RestartPolicy:
         delay = 0.0 if row == 0 else min(c.backoff_s * 2 ** (row - 1), c.max_backoff_s)
         return Restart(delay, f"replaced replica {replica}, which died ({row + 1} in a row)")
 
+    def start_failed(self, replica: int, now: float) -> Restart:
+        """The replacement of ``replica`` failed to start (its setup or its weights): an attempt
+        of its line like one that died, so the same bounds and backoff decide whether to try again."""
+        self._row[replica] = self._row.get(replica, 0) + 1
+        return self.died(replica, now)
+
     def replaced(self, old: int, new: int) -> None:
         """``new`` started in place of ``old``: it continues ``old``'s row."""
         self._row[new] = self._row.pop(old, 0) + 1
