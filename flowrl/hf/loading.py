@@ -3,6 +3,7 @@ the setting at fault."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -145,9 +146,19 @@ def shape_of(lm: LM) -> dict[str, object]:
     if lm.config is not None:
         settings = dict(lm.config)
         config = AutoConfig.for_model(str(settings.pop("model_type")), **settings)
-    else:
-        extra = {"gguf_file": lm.gguf_file} if lm.gguf_file else {}
-        config = AutoConfig.from_pretrained(
-            str(lm.path), trust_remote_code=lm.trust_remote_code, local_files_only=True, **extra
-        )
-    return {key: getattr(config, key, None) for key in SHAPE_KEYS}
+        return {key: getattr(config, key, None) for key in SHAPE_KEYS}
+    folder = str(lm.path)  # a hub-style name in the local cache has no file here: stamp 0
+    source = Path(folder, lm.gguf_file or "config.json")
+    stamp = source.stat().st_mtime_ns if source.exists() else 0
+    return dict(_file_shape(folder, lm.gguf_file, lm.trust_remote_code, stamp))
+
+
+@functools.lru_cache(maxsize=64)
+def _file_shape(path: str, gguf_file: str | None, trust: bool, stamp: int) -> tuple[tuple[str, object], ...]:
+    """Read once per file and version (``stamp``): a GGUF file's config is parsed from its whole
+    metadata, seconds for a small model, and every sync pair's check asks for it."""
+    from transformers import AutoConfig
+
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=True, **extra)
+    return tuple((key, getattr(config, key, None)) for key in SHAPE_KEYS)

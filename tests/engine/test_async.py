@@ -66,7 +66,7 @@ def test_max_staleness_zero_is_the_synchronous_loop(ray_cluster):
     assert all(e.wait_s == e.rollout_s for e in stats.episodes)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_rollouts_run_ahead_within_the_bound_and_every_sample_trains_once(ray_cluster, k):
     engine, _ = make_engine(
         sync_every=1,

@@ -165,7 +165,7 @@ def test_killed_run_resumed_with_other_replica_counts_is_exact(ray_cluster, tmp_
         pytest.param((1, 1), False, "host", marks=pytest.mark.slow),
         pytest.param((3, 0), False, "host", marks=pytest.mark.slow),
         ((3, 0), True, "host"),
-        ((3, 0), False, "nccl"),
+        pytest.param((3, 0), False, "nccl", marks=pytest.mark.slow),
     ],
     ids=["before-first-checkpoint", "after-second", "peer-error-races-the-death", "by-broadcast"],
 )

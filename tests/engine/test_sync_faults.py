@@ -80,7 +80,7 @@ def _engine(
 
 @pytest.mark.parametrize(
     ("transport", "staleness"),
-    [("host", 0), ("nccl", 0), ("host", 1)],
+    [("host", 0), pytest.param("nccl", 0, marks=pytest.mark.slow), pytest.param("host", 1, marks=pytest.mark.slow)],
     ids=["host", "broadcast", "host-overlapped"],
 )
 def test_a_replica_killed_in_set_weights_is_retired_and_the_run_completes_on_the_other(
