@@ -32,7 +32,7 @@ from ._core.settings.healing import Healing
 from ._core.settings.run_config import CheckpointConfig, LoggerConfig, ReproducibilityConfig, RunConfig, StalenessConfig
 from ._core.training.sampler import EpisodeBuffer
 from ._engine.engine import Engine
-from ._engine.engine_stats import EngineStats, EpisodeStats, RankStats, TrainerStats
+from ._engine.engine_stats import EngineStats, EpisodeStats, RankStats, Rebuild, TrainerStats
 from ._engine.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
 from ._engine.rlhf import RLHFEngine
 from ._engine.tracking import EpisodeReport, Logger
@@ -77,6 +77,7 @@ __all__ = [
     "RLHFEngine",
     "RankDivergenceError",
     "RankStats",
+    "Rebuild",
     "ReplicaDiedError",
     "ReplicaStats",
     "ReproducibilityConfig",

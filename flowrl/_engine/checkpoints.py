@@ -4,10 +4,12 @@ group whose rank died from the last one."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from .._core.errors import ReplicaDiedError, StageError
 from .._pipeline.opening import plain_errors
+from .engine_stats import Rebuild
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -154,11 +156,17 @@ class CheckpointManager:
             raise _cannot_rebuild(err, why) from err
         self._restarts += 1
         log.warning("trainer %r: %s; rebuilding its ranks from checkpoint %s", trainer, err, folder)
-        done = self.learning.episode
+        noticed, done = time.monotonic(), self.learning.episode
         await self.deployment.restart_trainer(next(m for m in self.trainers if m.name == trainer))
         self.weights.forget(trainer)  # what it sent lived in its process: send again from the checkpoint
         await self._restore(folder)
-        self.learning.undo(range(self.learning.episode, done))  # episodes to run again
+        learning = self.learning
+        learning.undo(range(learning.episode, done))  # episodes to run again
+        seconds = time.monotonic() - noticed
+        rebuilt = Rebuild(
+            trainer=trainer, rank=err.replica, episode=learning.episode, redone=done - learning.episode, seconds=seconds
+        )
+        learning.rebuilds.append(rebuilt)
 
 
 def resume_line(folder: Path, done: int, total: int, versions: dict[str, int]) -> str:

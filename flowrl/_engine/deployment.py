@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .._core.errors import ReplicaDiedError
     from .._core.flow.graph import FlowGraph
     from .._core.flow.model import Model
+    from .._core.scheduling.autoscale import ScaleEvent
     from .._core.settings.run_config import RunConfig
     from .._pipeline.pipeline import AsyncPipeline
     from .placement import Placement
@@ -55,6 +56,7 @@ class Deployment:
         self.members = members
         self._stack = stack
         self._stopped: PipelineStatsPair | None = None  # the pipelines' last stats, once stopped
+        self._replaced: list[ScaleEvent] | None = None  # and their replacements
 
     @property
     def running(self) -> bool:
@@ -89,8 +91,14 @@ class Deployment:
             return self._stopped
         return self.rollout.stats(), self.evaluation.stats() if self.evaluation is not None else None
 
+    def replaced(self) -> list[ScaleEvent]:
+        """The rollout's replacements of replicas that died or hung, with their recovery times."""
+        if self._replaced is not None:
+            return self._replaced
+        return [e for e in self.rollout.scale_events if e.recovery_s is not None]
+
     async def stop(self) -> None:
-        self._stopped = self.stats()
+        self._stopped, self._replaced = self.stats(), self.replaced()
         await _close(self._stack, self.backend)
 
 

@@ -351,7 +351,10 @@ class Engine:
                 raise
 
     def stats(self) -> EngineStats:
-        return self._learning.stats(self._session.deployment.stats() if self._session is not None else (None, None))
+        if self._session is None:
+            return self._learning.stats((None, None), [])
+        deployment = self._session.deployment
+        return self._learning.stats(deployment.stats(), deployment.replaced())
 
     async def _learn(self) -> EngineStats:
         self._ready_to_learn()

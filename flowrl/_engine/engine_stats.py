@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._core.observe.pipeline_stats import PipelineStats
+from .._core.scheduling.autoscale import ScaleEvent
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -60,11 +61,30 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     failed: int = 0
 
 
+class Rebuild(msgspec.Struct, frozen=True, kw_only=True):
+    """A trainer whose rank died, started again from checkpoint ``episode`` (the episodes done
+    since run again: ``redone``). ``seconds``: from the death noticed to the ranks started
+    again, restored and every synced model holding the checkpoint's weights; the episodes run
+    again are not in it."""
+
+    trainer: str
+    rank: int
+    episode: int
+    redone: int
+    seconds: float
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """``rebuilds``: this process's trainer rebuilds; ``replaced``: the rollout pools'
+    replacements of replicas that died or hung (``grow`` events with their ``recovery_s``).
+    Neither is carried by a checkpoint: a resumed run starts with none."""
+
     rollout: PipelineStats | None
     evaluation: PipelineStats | None
     trainers: dict[str, TrainerStats]
     episodes: list[EpisodeStats]
+    rebuilds: list[Rebuild] = []
+    replaced: list[ScaleEvent] = []
 
 
 class TrainCounters:

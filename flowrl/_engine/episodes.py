@@ -167,7 +167,7 @@ class EpisodeLoop:
 
     async def _episode_end(self) -> None:
         learning = self.learning
-        stats = learning.stats(self.deployment.stats())
+        stats = learning.stats(self.deployment.stats(), self.deployment.replaced())
         if self.run_dir is not None:
             self.run_dir.episode(stats)
         self.deployment.backend.export_metrics(metric_values(stats))

@@ -17,9 +17,10 @@ from .checkpoint_state import EngineState
 from .engine_stats import EngineStats, TrainCounters
 
 if TYPE_CHECKING:
+    from .._core.scheduling.autoscale import ScaleEvent
     from .._core.settings.run_config import RunConfig
     from .deployment import PipelineStatsPair
-    from .engine_stats import EpisodeStats
+    from .engine_stats import EpisodeStats, Rebuild
 
 RelayFn = Callable[[list[EpisodeBuffer]], Sequence[Sample]]
 # ``Engine(predict_cost=...)``: an item and what the engine remembers of its prompt -> a cost
@@ -44,6 +45,7 @@ class LearningState:
         self.relay = RelayBuffer(config.max_relay_episode)
         self.episode = 0
         self.episodes: list[EpisodeStats] = []
+        self.rebuilds: list[Rebuild] = []  # not restored from a checkpoint: this process's
         self.counters = TrainCounters(trainers)
         self.train_results: list[TrainResults] = []
         self.eval_results: list[list[Sample]] = []
@@ -149,10 +151,15 @@ class LearningState:
         evals = sum(1 for e in redone if every and (e + 1) % every == 0)
         del self.eval_results[len(self.eval_results) - evals :]
 
-    def stats(self, pipelines: PipelineStatsPair) -> EngineStats:
+    def stats(self, pipelines: PipelineStatsPair, replaced: list[ScaleEvent]) -> EngineStats:
         rollout, evaluation = pipelines
         return EngineStats(
-            rollout=rollout, evaluation=evaluation, trainers=self.counters.stats(), episodes=list(self.episodes)
+            rollout=rollout,
+            evaluation=evaluation,
+            trainers=self.counters.stats(),
+            episodes=list(self.episodes),
+            rebuilds=list(self.rebuilds),
+            replaced=list(replaced),
         )
 
     def snapshot(

@@ -52,6 +52,7 @@ class Replacement:
     old: int
     delay_s: float | None
     reason: str
+    noticed: float = field(default_factory=time.time)  # when ``old`` was stopped (kept over a failed start)
 
 
 class Replacements:
@@ -83,7 +84,8 @@ class Replacements:
         answer = self.policies[request.model].start_failed(request.old, time.monotonic())
         if answer.delay_s is None:
             return answer.reason
-        self._ask(Replacement(request.model, request.old, answer.delay_s, f"{answer.reason}; the last start: {why}"))
+        reason = f"{answer.reason}; the last start: {why}"
+        self._ask(Replacement(request.model, request.old, answer.delay_s, reason, request.noticed))
         return None
 
     def served(self, model: str, replica: int) -> None:

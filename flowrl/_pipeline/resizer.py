@@ -114,7 +114,7 @@ class Resizer:
             async with self._resizing:
                 if self._supervisor.closed:
                     return  # the pipeline closed before its turn: no replica is needed any more
-                (new,) = await self._add(model, 1, request.reason, None)
+                (new,) = await self._add(model, 1, request.reason, None, since=request.noticed)
             self._replacements.policies[model].replaced(request.old, new)
         except FlowError as err:  # no room left for it, or its setup or weights failed: again, within limits
             failed = f"{type(err).__name__}: {err}"
@@ -145,7 +145,10 @@ class Resizer:
         async with self._resizing:
             return await self._add(model, count, "requested", None)
 
-    async def _add(self, model: str, count: int, reason: str, reading: Reading | None) -> list[int]:
+    async def _add(
+        self, model: str, count: int, reason: str, reading: Reading | None, since: float | None = None
+    ) -> list[int]:
+        """``since``: a replacement's, when the replica it replaces was stopped."""
         self._supervisor.raise_if_failed()
         pool = self._pool_of(model)
         if count < 1:
@@ -166,10 +169,13 @@ class Resizer:
             with anyio.CancelScope(shield=True):  # those that could not join stop now, not at close
                 await self._cluster.stop(joining[served:])
             raise
-        self._changed(model, "grow", before, reason, reading)
+        self._changed(model, "grow", before, reason, reading, since)
         return [h.replica_id for h in handles]
 
-    def _changed(self, model: str, action: str, before: int, reason: str, reading: Reading | None) -> None:
+    def _changed(
+        self, model: str, action: str, before: int, reason: str, reading: Reading | None, since: float | None = None
+    ) -> None:
+        now = time.time()
         self._note(
             ScaleEvent(
                 model=model,
@@ -177,8 +183,9 @@ class Resizer:
                 before=before,
                 after=len(self.serving(model)),
                 reason=reason,
-                time=time.time(),
+                time=now,
                 reading=reading,
+                recovery_s=None if since is None else now - since,
             )
         )
 

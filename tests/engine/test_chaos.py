@@ -129,10 +129,11 @@ def run(tmp: Path, episodes: int, deaths: dict[str, int], seed: int) -> dict[str
     )
     engine.set_dataset([{"x": np.linspace(-1, 1, 4, dtype=np.float32) * (i % 5)} for i in range(40)])
     with engine:
-        stats = engine.learn()
+        engine.learn()
         rollout = engine._session.deployment.rollout
         engine._portal.call(rollout.healed)
         serving = {m: len(rollout.serving(m)) for m in ("policy", "scorer")}
+        stats = engine.stats()  # with the replacements that started after the last episode
     results = [list(episode["trainer"]) for episode in engine.train_results]
     killed = {m: len(list((tmp / f"deaths-{m}").iterdir())) for m in ("policy", "scorer", "trainer")}
     return {"results": results, "stats": stats, "serving": serving, "killed": killed}
@@ -145,6 +146,13 @@ def check_same_as_calm(tmp_path: Path, episodes: int, deaths: dict[str, int], se
     losses = [step[0]["loss"] for episode in calm["results"] for step in episode]
     assert all(np.isfinite(losses)), losses  # a run that diverged would compare nan with nan
     assert chaotic["results"] == calm["results"]  # every loss and weight, bit for bit
+    recovered = chaotic["stats"]
+    for model in ("policy", "scorer"):  # each death replaced once, its time measured
+        times = [e.recovery_s for e in recovered.replaced if e.model == model]
+        assert len(times) == chaotic["killed"][model] and all(t is not None and t >= 0 for t in times)
+    assert len(recovered.rebuilds) == chaotic["killed"]["trainer"]
+    assert all(r.trainer == "trainer" and r.rank == 0 and r.seconds > 0 for r in recovered.rebuilds)
+    assert calm["stats"].replaced == calm["stats"].rebuilds == []
     for r in (calm, chaotic):
         stages = r["stats"].rollout.stages
         assert stages["policy.forward_step"].samples == stages["scorer.forward_step"].samples

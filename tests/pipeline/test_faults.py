@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ async def test_when_every_replica_of_a_model_has_died_the_run_fails_naming_the_m
 async def test_a_replica_that_dies_is_replaced_and_the_pool_keeps_its_size(ray_cluster, tmp_path):
     dying = DieOn("a", {"num_replicas": 3, "batch_size": 2, **CPU}, die_on=5, marks=str(tmp_path))
     items = [{"x": [i]} for i in range(24)]
+    pipe_opened = time.time()
     async with flowrl.open_pipeline(lambda x: dying.forward_step(x)) as pipe:
         first = await pipe.run(items)
         await pipe.healed()  # the replacement starts in the background
@@ -90,6 +92,7 @@ async def test_a_replica_that_dies_is_replaced_and_the_pool_keeps_its_size(ray_c
     assert stats.samples == 48  # each sample once per run: the dead replica's shard counted when it completed
     (event,) = events
     assert (event.action, event.before, event.after) == ("grow", 2, 3)
+    assert event.recovery_s is not None and 0 <= event.recovery_s <= event.time - pipe_opened
     assert event.reason.startswith("replaced replica ") and event.reason.endswith(", which died (1 in a row)")
     (new,) = set(serving) - {0, 1, 2}
     assert new == 3  # ids are never reused

@@ -55,6 +55,7 @@ def test_replicas_added_and_removed_mid_run_keep_accounting_exact(ray_cluster, b
     assert all(per[r] == after_removal[r] for r in removed)  # the removed ones did nothing after
     assert Counter(s["m_replica"] for s in got) == Counter(per)
     assert [(e.action, e.before, e.after) for e in events] == [("grow", 2, 4), ("shrink", 4, 1)]
+    assert [e.recovery_s for e in events] == [None, None]  # resizes asked for replace nothing
     assert flowrl_actor_names() == []
 
 

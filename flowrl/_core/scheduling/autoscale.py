@@ -36,7 +36,9 @@ class Reading(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ScaleEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A pool resized: by the autoscaler (with the reading behind it) or on request."""
+    """A pool resized: by the autoscaler (with the reading behind it), on request, or to replace
+    a replica that died or hung (``recovery_s``: seconds from that noticed to the new replica
+    serving, the backoff included; None for other resizes)."""
 
     model: str
     action: str  # "grow" | "shrink"
@@ -45,6 +47,7 @@ class ScaleEvent(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     time: float = 0.0  # wall clock, set when applied
     reading: Reading | None = None
+    recovery_s: float | None = None
 
 
 class AutoscalePolicy:
