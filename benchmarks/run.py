@@ -4,6 +4,7 @@
     python benchmarks/run.py --repeats 1 --scenario chatlearn-209
     python benchmarks/run.py before-after BEFORE [AFTER] [--rounds 2] [--repeats 3] [--scenario tiny-shards ...]
     python benchmarks/run.py seeds 0 1 2 3   # examples/grpo_smollm2.py once per seed; mean +- std
+    python benchmarks/run.py chaos [--episodes 10] [--kills 20] [--gap-s 1.5] [--seed 0]
 
 Without a subcommand it writes ``benchmarks/results/<date>-cpu<N>-run.md``, where N is the
 machine's CPU count, and the load test's JSON beside it (``--out`` puts them elsewhere); every
@@ -22,6 +23,9 @@ of the medians, and static push over flowrl; then the substrate (shards per seco
 ``seeds``: examples/grpo_smollm2.py once per seed, one after the other (on CPUs), then held-out
 accuracy as mean +- sample std over the seeds. Each run's JSON summary, log and resident memory
 (VmRSS every 10 s) go to ``--out`` (default $OUT, else runs/seeds).
+
+``chaos``: an engine whose actors a thread kills at random times, against the same run without
+kills (``chaos.py``); the table of docs/reliability.md and a results file.
 """
 
 from __future__ import annotations
@@ -207,7 +211,15 @@ def seeds(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"before-after": before_after, "seeds": seeds}
+def chaos(argv: list[str]) -> int:
+    sys.path.insert(0, str(HERE))
+    import chaos as driver  # (beside this file; imports flowrl, which the other subcommands need not)
+
+    code: int = driver.main(argv)
+    return code
+
+
+SUBCOMMANDS = {"before-after": before_after, "seeds": seeds, "chaos": chaos}
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,8 @@
 #               256 by default; the engine resting between calls, its own generate beside flowrl's
 #   own         the engine's own generate, its core in a process of its own (vLLM's usual layout)
 #   invariance  a sample's tokens alone, reversed, in a call of 17; without and with --batch-invariant
+#   costs       $PROMPTS prompts (1,024 by default) without log-probs: VLLMPolicy and its engine called directly
+#               (the policy's own cost), without and with batch-invariant kernels (their cost)
 #   graphs      $PROMPTS prompts (1,024 by default), CUDA graphs up to 512 sequences and up to $PROMPTS
 #   ppo         seed_ppo.py, $ENGINES (vllm hf by default: vLLM and generate); $SCORERS replicas of each
 #               scorer, 8 by default; $KV_GIB each engine's KV cache, 4 by default; $SLEEP its sleep
@@ -131,6 +133,14 @@ invariance() {  # does a sample draw the same tokens whatever call it lands in, 
       --new 128 $flag --out "$out" || return 1
   done
 }
+costs() {  # without log-probs, VLLMPolicy against its own engine called directly, without and with batch-invariant kernels
+  local n=${PROMPTS:-1024} flag
+  for flag in "" --batch-invariant; do
+    # shellcheck disable=SC2086  # an empty $flag is no argument
+    python3 benchmarks/gpu/vllm_rollout.py --tokenizer .hf/smollm2-tokenizer --arch qwen2.5-0.5b --prompts "$n" --skip-hf \
+      --no-logprobs --breakdown $flag --out "$out/costs${flag:+-batch-invariant}" || return 1
+  done
+}
 graphs() {  # $PROMPTS (1,024 by default) prompts with CUDA graphs captured up to vLLM's default 512 sequences, then up to $PROMPTS
   local n=${PROMPTS:-1024}
   for size in 512 "$n"; do
@@ -177,10 +187,10 @@ seeds() {  # the GGUF's two parts from /tmp/flowrl-stage (step stage), the token
   echo "seeds: $failed of $ran runs failed; the report $([ "$report" = 0 ] && echo "in report.md" || echo "failed")"
   [ "$failed" = 0 ] && [ "$report" = 0 ]
 }
-export -f wheels tests cpu16 stage installed rollout own invariance graphs ppo seeds
+export -f wheels tests cpu16 stage installed rollout own invariance costs graphs ppo seeds
 # FlashInfer's sampler compiles kernels with nvcc, which the machine lacks
 export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh STEP... (tests cpu16 stage install rollout own invariance graphs ppo seeds)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh STEP... (tests cpu16 stage install rollout own invariance costs graphs ppo seeds)" >&2; exit 2; }
 # the fixed limits fit the device tool's 10 minutes a call; seeds' is $SEED_TIMEOUT_S a seed plus 120 s (the
 # time-outs bound each seed's run, which may end well before them; the device tool still stops a call at 10 minutes)
 for what in "$@"; do
@@ -192,6 +202,7 @@ for what in "$@"; do
     rollout) step rollout 540 ;;
     own) step own 540 ;;
     invariance) step invariance 540 ;;
+    costs) step costs 540 ;;
     graphs) step graphs 540 ;;
     ppo) step ppo 560 ;;
     seeds) read -ra n <<< "${SEEDS:-0 1 2}"; step seeds $(( ${#n[@]} * ${SEED_TIMEOUT_S:-170} + 120 )) ;;
