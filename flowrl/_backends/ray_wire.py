@@ -22,7 +22,7 @@ import msgspec
 import ray
 import ray.cloudpickle
 from ray.cloudpickle import cloudpickle as _cloudpickle
-from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, OwnerDiedError, RayActorError, RayTaskError
 
 from .._core.errors import (
     FlowError,
@@ -315,9 +315,14 @@ def _set_all(settled: list[_Settled]) -> None:
 def translate(err: Exception, stage: str, replica: int, ids: list[int]) -> FlowError:
     """A Ray failure as a FlowError naming the stage, replica and samples; Ray's error chained."""
     if isinstance(err, ObjectLostError):  # Ray's error for a lost argument is both kinds
+        where = (
+            "the process that owned it exited"
+            if isinstance(err, OwnerDiedError)
+            else "it was lost with the node that stored it"
+        )
         return InputLostError(
-            f"stage {stage!r}, replica {replica}, samples {_shorten(ids)}: an input of the shard was lost with the "
-            f"node that stored it ({type(err).__name__})"
+            f"stage {stage!r}, replica {replica}, samples {_shorten(ids)}: an input of the shard is gone: {where} "
+            f"({type(err).__name__})"
         )
     if isinstance(err, RayTaskError):
         cause = err.cause if isinstance(err.cause, BaseException) else None

@@ -196,3 +196,22 @@ def test_a_small_inline_batch_is_pickled_once_and_sent_whole_a_large_one_in_slic
     parts, pieces = sent(large, [5, 1])
     assert len(parts[0]) < WHOLE_BYTES and pickle.loads(parts[0]).ids.tolist() == [5, 1]
     assert pieces[0].rows == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("owner", "an input of the shard is gone: the process that owned it exited (OwnerDiedError)"),
+        ("node", "an input of the shard is gone: it was lost with the node that stored it (ObjectLostError)"),
+    ],
+)
+def test_a_lost_input_says_whether_its_owner_exited_or_its_node_went(kind: str, says: str) -> None:
+    from ray.exceptions import ObjectLostError, OwnerDiedError
+
+    import flowrl
+    from flowrl._backends.ray_wire import translate
+
+    err = (OwnerDiedError if kind == "owner" else ObjectLostError)("ab" * 20, None, "")
+    flow_err = translate(err, "policy.set_weights", 3, [])
+    assert isinstance(flow_err, flowrl.InputLostError)
+    assert str(flow_err) == f"stage 'policy.set_weights', replica 3, samples []: {says}"
