@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import random
+import re
 import statistics
 import threading
 import time
@@ -31,6 +32,10 @@ import flowrl
 
 PER_EPISODE, MODELS = 8, ("policy", "scorer", "trainer")
 CPU = {"cpus_per_replica": 0.1}
+# kills come far faster than in life and hit replacements still starting: more of them in a row
+# than Healing's default 3 before a replica is left out
+HEALING = {"healing": {"max_restarts": 10, "backoff_s": 0.5}}
+STEP_S = 0.05  # each call sleeps this long, so that an episode lasts long enough to be hit
 
 
 class Policy(flowrl.Model):
@@ -40,15 +45,20 @@ class Policy(flowrl.Model):
         self.w = np.full(4, 0.5)
 
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        time.sleep(STEP_S)
         noise = [rng.normal() for rng in batch.rngs()]
         return {"y": [float(self.w @ np.asarray(x)) + 0.1 * n for x, n in zip(batch["x"], noise, strict=True)]}
 
     def set_weights(self, weights: Any) -> None:
         self.w = np.asarray(weights["w"])
 
+    def get_weights(self) -> dict[str, Any]:  # its starting weights, kept for a rebuild before the first sync
+        return {"w": self.w.copy()}
+
 
 class Scorer(flowrl.Model):
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        time.sleep(STEP_S)
         return {"score": [1.0 - min((float(y) - 1.0) ** 2, 4.0) for y in batch["y"]]}
 
 
@@ -59,6 +69,7 @@ class Trainer(flowrl.Model):
         self.w = np.full(4, 0.5)
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        time.sleep(STEP_S)
         x, target = np.asarray(batch["x"]), np.asarray(batch["score"])
         error = x @ self.w - target
         self.w = self.w - 0.01 * 2 * x.T @ error / len(target)
@@ -74,14 +85,19 @@ class Trainer(flowrl.Model):
         self.w = np.asarray(state["w"])
 
 
+ACTOR = re.compile(r"flowrl-[0-9a-f]+-(policy|scorer|trainer)-\d+(-\d+)?")  # a rebuilt rank: -<generation>
+
+
 def model_of(actor: str) -> str:
-    """``flowrl-<run>-<model>-<replica>`` -> ``<model>``."""
-    return actor.split("-", 2)[2].rsplit("-", 1)[0]
+    """``flowrl-<run>-<model>-<replica>[-<generation>]`` -> ``<model>`` (one of ``MODELS``, else "")."""
+    found = ACTOR.fullmatch(actor)
+    return found.group(1) if found else ""
 
 
 class Killer(threading.Thread):
     """Kills ``kills`` actors of ``MODELS``, one every ``gap_s`` seconds on average (exponential
-    gaps), each chosen at random among those alive, from ``seed``."""
+    gaps), each of a kind chosen at random among those alive, from ``seed`` (a replacement
+    or a rebuilt rank still starting may be hit too)."""
 
     def __init__(self, seed: int, kills: int, gap_s: float) -> None:
         super().__init__(daemon=True)
@@ -95,10 +111,11 @@ class Killer(threading.Thread):
 
         start = time.monotonic()
         while len(self.done) < self.kills and not self.stop.wait(self.rng.expovariate(1 / self.gap_s)):
-            alive = [a for a in flowrl_actor_names() if model_of(a) in MODELS]
+            alive = [a for a in flowrl_actor_names() if model_of(a)]
             if not alive:
                 continue
-            victim = self.rng.choice(alive)
+            kind = self.rng.choice(sorted({model_of(a) for a in alive}))  # each kind alike, whatever its size
+            victim = self.rng.choice([a for a in alive if model_of(a) == kind])
             try:
                 ray.kill(ray.get_actor(victim, namespace="flowrl"), no_restart=True)
             except ValueError:  # gone meanwhile (stopped, or replaced)
@@ -107,8 +124,8 @@ class Killer(threading.Thread):
 
 
 def run(folder: Path, episodes: int, seed: int, killer: Killer | None) -> dict[str, Any]:
-    policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **CPU})
-    scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **CPU})
+    policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **CPU, **HEALING})
+    scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **CPU, **HEALING})
     trainer = Trainer("trainer", {**CPU})
     engine = flowrl.Engine(
         rollout=lambda x: scorer.forward_step(policy.forward_step(x)),
@@ -160,12 +177,13 @@ def table(calm: dict[str, Any], chaos: dict[str, Any], episodes: int) -> str:
     expected = episodes * PER_EPISODE
     by_kind = {m: sum(model_of(a) == m for _, a in chaos["kills"]) for m in MODELS}
     times = {**chaos["replaced"], "trainer": chaos["rebuilds"]}
-    head = "| kind | kills | recovery s (median / max) | samples lost | samples trained twice | weights as calm |"
+    head = "| kind | kills | recoveries | recovery s (median / max) | samples lost | trained twice | weights as calm |"
     lost, twice = max(expected - chaos["trained"], 0), max(chaos["trained"] - expected, 0)
     rows = [
-        f"| {m} | {by_kind[m]} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |" for m in MODELS
+        f"| {m} | {by_kind[m]} | {len(times[m])} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
+        for m in MODELS
     ]
-    return "\n".join([head, "| --- | --- | --- | --- | --- | --- |", *rows])
+    return "\n".join([head, "| --- " * 7 + "|", *rows])
 
 
 def main(argv: list[str]) -> int:

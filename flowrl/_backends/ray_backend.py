@@ -248,6 +248,12 @@ class RayBackend:
                     "resource they ask for, or setup() hangs)"
                 )
             handles = starting.result()
+        except BaseException:  # a rank that died in setup, or a timeout: none of the group stays
+            with anyio.CancelScope(shield=True):
+                gone = {id(r) for r in ranks}
+                self._actors = [a for a in self._actors if id(a) not in gone]
+                await _kill(ranks)
+            raise
         finally:
             starting.cancel()
             starting.add_done_callback(retrieved)

@@ -141,8 +141,8 @@ class CheckpointManager:
             f"the process of rank {dead[0]} died; a peer reported {err.message}", err.stage, dead[0], err.sample_ids
         )
 
-    async def _rebuild(self, trainer: str, err: ReplicaDiedError) -> None:
-        """A rank of ``trainer`` died: start its group again and go back to the last checkpoint."""
+    def _may_rebuild(self, trainer: str, err: ReplicaDiedError) -> Path:
+        """The checkpoint to rebuild ``trainer`` from, one more restart counted; or ``err``, saying why not."""
         folder = self._folder
         if folder is None:
             why = (
@@ -155,11 +155,26 @@ class CheckpointManager:
             why += f"(RunConfig.checkpoint.max_trainer_restarts={limit})"
             raise _cannot_rebuild(err, why) from err
         self._restarts += 1
-        log.warning("trainer %r: %s; rebuilding its ranks from checkpoint %s", trainer, err, folder)
+        return folder
+
+    async def _rebuild(self, trainer: str, err: ReplicaDiedError) -> None:
+        """A rank of ``trainer`` died: start its group again and go back to the last checkpoint.
+        A rank that dies during the rebuild (its setup, the restore) starts it again, within
+        ``max_trainer_restarts`` in all."""
         noticed, done = time.monotonic(), self.learning.episode
-        await self.deployment.restart_trainer(next(m for m in self.trainers if m.name == trainer))
-        self.weights.forget(trainer)  # what it sent lived in its process: send again from the checkpoint
-        await self._restore(folder)
+        while True:
+            folder = self._may_rebuild(trainer, err)
+            log.warning("trainer %r: %s; rebuilding its ranks from checkpoint %s", trainer, err, folder)
+            try:
+                await self.deployment.restart_trainer(next(m for m in self.trainers if m.name == trainer))
+                self.weights.forget(trainer)  # what it sent lived in its process: send again from the checkpoint
+                await self._restore(folder)
+                break
+            except StageError as again:
+                died = await self._death(trainer, again)
+                if died is None:
+                    raise
+                err = died
         learning = self.learning
         learning.undo(range(learning.episode, done))  # episodes to run again
         seconds = time.monotonic() - noticed

@@ -78,7 +78,8 @@ class Deployment:
 
     async def restart_trainer(self, model: Model) -> None:
         """Stop every rank of trainer ``model`` (some may wait in a collective) and start new ones."""
-        await self.backend.stop(self.trainers.pop(model.name))
+        await self.backend.stop(self.trainers[model.name])
+        self.trainers[model.name] = []  # none until the new ones have started (a rank may die in setup)
         self.trainers[model.name] = await _start_trainer(self.backend, self.config, self.placement, model)
 
     def trainer_rows(self, trained: dict[str, int]) -> dict[str, tuple[int, int, int]]:
