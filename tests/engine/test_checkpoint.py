@@ -195,6 +195,25 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
     assert all(s == ref["seen"][s["episode"]] for s in seen)
 
 
+def test_a_rank_that_dies_again_while_its_trainer_is_rebuilt_starts_the_rebuild_again(ray_cluster, tmp_path):
+    ref = reference(1)
+    engine, seen = make_engine(
+        sync_every=1,
+        checkpoint={"every": 2, "dir": str(tmp_path)},
+        die_at=(3, 0),
+        marker=str(tmp_path / "died"),
+        again_in_setup=True,
+    )
+    stats = engine.learn()
+    assert (tmp_path / "died").exists() and (tmp_path / "died.setup").exists()  # both deaths happened
+    assert trained(engine) == ref["trained"]  # every step once, as if nothing had died
+    assert [s["episode"] for s in seen] == [0, 1, 2, 3, 2, 3, 4, 5]  # back to the checkpoint after episode 2
+    ((rebuilt,),) = [stats.rebuilds]  # one rebuild, started twice
+    assert (rebuilt.trainer, rebuilt.rank, rebuilt.episode, rebuilt.redone) == ("learner", 0, 2, 1)
+    assert rebuilt.seconds > 0
+    assert flowrl_actor_names() == []
+
+
 def test_a_dead_trainer_rank_without_checkpoints_fails_with_a_named_error(ray_cluster, tmp_path):
     engine, _ = make_engine(die_at=(1, 0), marker=str(tmp_path / "died"))
     with pytest.raises(

@@ -50,7 +50,8 @@ class Policy(flowrl.Model):
 
 
 class Learner(flowrl.Model):
-    """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked."""
+    """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked, and
+    with ``again_in_setup`` once more, in the setup of the rank started in its place."""
 
     def __init__(
         self,
@@ -61,9 +62,11 @@ class Learner(flowrl.Model):
         marker: str = "",
         peer_first: bool = False,
         sleep_s: float = 0.0,
+        again_in_setup: bool = False,
     ) -> None:
         super().__init__(name, config)
         self.sleep_s = sleep_s  # per step: a trainer that takes time
+        self.again_in_setup = again_in_setup
         self.die_at = die_at
         self.marker = marker
         self.peer_first = peer_first  # the other ranks report a broken collective before the death is seen
@@ -73,6 +76,11 @@ class Learner(flowrl.Model):
 
         if self.die_at and self.die_at[1] == self.rank and not Path(self.marker).exists():
             Path(self.marker + ".pid").write_text(str(os.getpid()))  # the peer waits for this process to end
+        again = Path(self.marker + ".setup")
+        if self.again_in_setup and self.die_at and self.die_at[1] == self.rank and Path(self.marker).exists():
+            if not again.exists():
+                again.touch()
+                os._exit(1)  # the rank started in place of the dead one dies before it is set up
         torch.manual_seed(0)
         self.module = torch.nn.Linear(4, 1)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.05)
@@ -132,6 +140,7 @@ def make_engine(
     die_at: tuple[int, int] | None = None,
     marker: str = "",
     peer_first: bool = False,
+    again_in_setup: bool = False,
     rollout_s: float = 0.0,
     train_s: float = 0.0,
     report: Any = None,
@@ -150,7 +159,13 @@ def make_engine(
         gate=gate,
     )
     learner = Learner(
-        "learner", {"num_replicas": ranks, **CPU}, die_at=die_at, marker=marker, peer_first=peer_first, sleep_s=train_s
+        "learner",
+        {"num_replicas": ranks, **CPU},
+        die_at=die_at,
+        marker=marker,
+        peer_first=peer_first,
+        sleep_s=train_s,
+        again_in_setup=again_in_setup,
     )
     cfg = {
         "sample_per_episode": 8,
