@@ -3,7 +3,7 @@ the driver kills its policy, scorer and trainer actors (``ray.kill``) at random 
 from a seed, against the same run without kills. Writes
 ``benchmarks/results/<date>-cpu<N>-chaos.json`` and prints the table of docs/reliability.md.
 
-    python benchmarks/run.py chaos [--episodes 10] [--kills 20] [--gap-s 1.5] [--seed 0]
+    python benchmarks/run.py chaos [--episodes 100] [--kills 25] [--gap-s 0.5] [--seed 0]
 
 The kills land wherever the run is: in a shard, between shards, in a weight sync, in a
 checkpoint. What is checked: the trained weights and every per-episode loss bit for bit equal
@@ -188,9 +188,9 @@ def table(calm: dict[str, Any], chaos: dict[str, Any], episodes: int) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/run.py chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=10)
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--gap-s", type=float, default=1.5, help="mean seconds between kills")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--kills", type=int, default=25)
+    parser.add_argument("--gap-s", type=float, default=0.5, help="mean seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

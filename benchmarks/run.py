@@ -4,7 +4,7 @@
     python benchmarks/run.py --repeats 1 --scenario chatlearn-209
     python benchmarks/run.py before-after BEFORE [AFTER] [--rounds 2] [--repeats 3] [--scenario tiny-shards ...]
     python benchmarks/run.py seeds 0 1 2 3   # examples/grpo_smollm2.py once per seed; mean +- std
-    python benchmarks/run.py chaos [--episodes 10] [--kills 20] [--gap-s 1.5] [--seed 0]
+    python benchmarks/run.py chaos [--episodes 100] [--kills 25] [--gap-s 0.5] [--seed 0]
 
 Without a subcommand it writes ``benchmarks/results/<date>-cpu<N>-run.md``, where N is the
 machine's CPU count, and the load test's JSON beside it (``--out`` puts them elsewhere); every
