@@ -18,6 +18,8 @@
 #   invariance  a sample's tokens alone, reversed, in a call of 17; without and with --batch-invariant
 #   costs       $PROMPTS prompts (1,024 by default) without log-probs: VLLMPolicy and its engine called directly
 #               (the policy's own cost), without and with batch-invariant kernels (their cost)
+#   pool        vllm_pool.py: $PROMPTS prompts (1,024 by default) through flowrl's pipeline on Ray by pools of
+#               $REPLICAS engines sharing the GPU (4,0,1,2 by default; 0 is generate), carrying .whl
 #   graphs      $PROMPTS prompts (1,024 by default), CUDA graphs up to 512 sequences and up to $PROMPTS
 #   ppo         seed_ppo.py, $ENGINES (vllm hf by default: vLLM and generate); $SCORERS replicas of each
 #               scorer, 8 by default; $KV_GIB each engine's KV cache, 4 by default; $SLEEP its sleep
@@ -141,6 +143,13 @@ costs() {  # without log-probs, VLLMPolicy against its own engine called directl
       --no-logprobs --breakdown $flag --out "$out/costs${flag:+-batch-invariant}" || return 1
   done
 }
+pool() {  # pools of 1, 2 and 4 engines on the GPU, and generate, through the pipeline on Ray
+  wheels
+  ray stop --force > /dev/null
+  # shellcheck disable=SC2086  # $POOL_ARGS: further arguments, split
+  python3 benchmarks/gpu/vllm_pool.py --tokenizer .hf/smollm2-tokenizer --arch "${ARCH:-qwen2.5-0.5b}" \
+    --replicas "${REPLICAS:-4,0,1,2}" --prompts "${PROMPTS:-1024}" ${POOL_ARGS:-} --out "$out"
+}
 graphs() {  # $PROMPTS (1,024 by default) prompts with CUDA graphs captured up to vLLM's default 512 sequences, then up to $PROMPTS
   local n=${PROMPTS:-1024}
   for size in 512 "$n"; do
@@ -187,10 +196,10 @@ seeds() {  # the GGUF's two parts from /tmp/flowrl-stage (step stage), the token
   echo "seeds: $failed of $ran runs failed; the report $([ "$report" = 0 ] && echo "in report.md" || echo "failed")"
   [ "$failed" = 0 ] && [ "$report" = 0 ]
 }
-export -f wheels tests cpu16 stage installed rollout own invariance costs graphs ppo seeds
+export -f wheels tests cpu16 stage installed rollout own invariance costs pool graphs ppo seeds
 # FlashInfer's sampler compiles kernels with nvcc, which the machine lacks
 export out PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh STEP... (tests cpu16 stage install rollout own invariance costs graphs ppo seeds)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh STEP... (tests cpu16 stage install rollout own invariance costs pool graphs ppo seeds)" >&2; exit 2; }
 # the fixed limits fit the device tool's 10 minutes a call; seeds' is $SEED_TIMEOUT_S a seed plus 120 s (the
 # time-outs bound each seed's run, which may end well before them; the device tool still stops a call at 10 minutes)
 for what in "$@"; do
@@ -203,6 +212,7 @@ for what in "$@"; do
     own) step own 540 ;;
     invariance) step invariance 540 ;;
     costs) step costs 540 ;;
+    pool) step pool 570 ;;
     graphs) step graphs 540 ;;
     ppo) step ppo 560 ;;
     seeds) read -ra n <<< "${SEEDS:-0 1 2}"; step seeds $(( ${#n[@]} * ${SEED_TIMEOUT_S:-170} + 120 )) ;;
