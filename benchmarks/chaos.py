@@ -3,13 +3,21 @@ the driver kills its policy, scorer and trainer actors (``ray.kill``) at random 
 from a seed, against the same run without kills. Writes
 ``benchmarks/results/<date>-cpu<N>-chaos.json`` and prints the table of docs/reliability.md.
 
-    python benchmarks/run.py chaos [--episodes 100] [--kills 25] [--gap-s 0.5] [--seed 0]
+    python benchmarks/run.py chaos [--episodes 100] [--kills 25] [--gap-s 0.5] [--seed 0] [--node-loss]
 
 The kills land wherever the run is: in a shard, between shards, in a weight sync, in a
-checkpoint. What is checked: the trained weights and every per-episode loss bit for bit equal
-to the calm run's, every sample trained once (the trainer's counts), the pools back at their
-size; what is measured: each kill's recovery (a replica: from the death noticed to its
-replacement serving; a trainer: to its ranks restored from the last checkpoint).
+checkpoint. With ``--node-loss`` the runs are on a
+``ray.cluster_utils.Cluster``, the policy and scorer replicas asking for one logical GPU each:
+the calm run on the driver's node alone (asking for none), the run with kills on it and a worker
+node, where one pool's replicas land (``NodeLoss``). The worker node is removed once, after a
+number of kills drawn from the seed: its replicas, and the outputs its object store held, are
+lost with it.
+
+What is checked: the trained weights and every per-episode loss bit for bit equal to the calm
+run's, every sample trained once (the trainer's counts), the pools back at their size, each of
+the lost node's replicas replaced. What is measured: each kill's recovery (a replica: from the
+death noticed to its replacement serving; a trainer: to its ranks restored from the last
+checkpoint; the node's replicas: from its removal to each replacement serving).
 """
 
 from __future__ import annotations
@@ -24,11 +32,14 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import flowrl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 PER_EPISODE, MODELS = 8, ("policy", "scorer", "trainer")
 CPU = {"cpus_per_replica": 0.1}
@@ -97,12 +108,15 @@ def model_of(actor: str) -> str:
 class Killer(threading.Thread):
     """Kills ``kills`` actors of ``MODELS``, one every ``gap_s`` seconds on average (exponential
     gaps), each of a kind chosen at random among those alive, from ``seed`` (a replacement
-    or a rebuilt rank still starting may be hit too)."""
+    or a rebuilt rank still starting may be hit too). With ``node_loss``, ``remove_node`` is
+    called once, after a number of kills drawn from the seed (a quarter to three quarters)."""
 
-    def __init__(self, seed: int, kills: int, gap_s: float) -> None:
+    def __init__(self, seed: int, kills: int, gap_s: float, node_loss: bool = False) -> None:
         super().__init__(daemon=True)
         self.rng, self.kills, self.gap_s = random.Random(seed), kills, gap_s
         self.stop, self.done = threading.Event(), []  # (seconds into the run, actor)
+        self.node_after = self.rng.randint(kills // 4, 3 * kills // 4) if node_loss else None
+        self.remove_node: Callable[[], None] | None = None  # set by run(), which knows the node
 
     def run(self) -> None:
         import ray
@@ -111,6 +125,10 @@ class Killer(threading.Thread):
 
         start = time.monotonic()
         while len(self.done) < self.kills and not self.stop.wait(self.rng.expovariate(1 / self.gap_s)):
+            if len(self.done) == self.node_after and self.remove_node is not None:
+                self.remove_node()
+                self.node_after = None
+                continue
             alive = [a for a in flowrl_actor_names() if model_of(a)]
             if not alive:
                 continue
@@ -123,9 +141,43 @@ class Killer(threading.Thread):
             self.done.append((round(time.monotonic() - start, 2), victim))
 
 
-def run(folder: Path, episodes: int, seed: int, killer: Killer | None) -> dict[str, Any]:
-    policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **CPU, **HEALING})
-    scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **CPU, **HEALING})
+class NodeLoss:
+    """The worker node of ``cluster`` and, once removed, which replicas it held and when.
+
+    Each pool's replicas ask for a GPU a replica, and the driver's node has 2: one pool's
+    placement group fits there, the other's goes to the worker node. Once they are placed, a
+    spare node of the same size joins (``spare``, as a standby node would): when the worker goes,
+    the lost replicas' replacements have room, and their recovery is flowrl's, not a node's boot.
+    (Ray adds nodes from the main thread only; the killer's thread removes one.)"""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster, self.node = cluster, cluster.add_node(num_cpus=2, num_gpus=2)
+        cluster.wait_for_nodes()
+        self.held: dict[str, list[int]] = {}  # model -> replicas on the node when it went
+        self.at = 0.0  # wall clock of the removal
+
+    def remove(self, placement: dict[str, list[str]]) -> None:
+        self.held = {m: [r for r, n in enumerate(nodes) if n == self.node.node_id] for m, nodes in placement.items()}
+        self.at = time.time()
+        self.cluster.remove_node(self.node)
+
+    def spare(self) -> None:
+        self.cluster.add_node(num_cpus=2, num_gpus=2)
+        self.cluster.wait_for_nodes()
+
+    def recovered(self, replaced: list[Any]) -> list[float]:
+        """Seconds from the removal to each of the node's replicas replaced and serving."""
+        held = {(m, r) for m, rs in self.held.items() for r in rs}
+        found = (re.match(r"replaced replica (\d+),", e.reason) for e in replaced)
+        return [e.time - self.at for e, f in zip(replaced, found, strict=True) if f and (e.model, int(f[1])) in held]
+
+
+def run(
+    folder: Path, episodes: int, seed: int, killer: Killer | None, node: NodeLoss | None = None, gpus: bool = False
+) -> dict[str, Any]:
+    gpu = {"gpus_per_replica": 1} if gpus else {}  # logical GPUs, to spread the replicas over the nodes
+    policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **CPU, **gpu, **HEALING})
+    scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **CPU, **gpu, **HEALING})
     trainer = Trainer("trainer", {**CPU})
     engine = flowrl.Engine(
         rollout=lambda x: scorer.forward_step(policy.forward_step(x)),
@@ -145,6 +197,10 @@ def run(folder: Path, episodes: int, seed: int, killer: Killer | None) -> dict[s
     started = time.monotonic()
     with engine:
         if killer is not None:
+            if node is not None:
+                node.spare()
+                rollout = engine._session.deployment.rollout  # noqa: SLF001 - where the replicas are
+                killer.remove_node = lambda: node.remove(rollout.placement)
             killer.start()
         try:
             engine.learn()
@@ -165,6 +221,9 @@ def run(folder: Path, episodes: int, seed: int, killer: Killer | None) -> dict[s
         "rebuilds": [r.seconds for r in stats.rebuilds],
         "redone": sum(r.redone for r in stats.rebuilds),
         "kills": killer.done if killer is not None else [],
+        "node": {"held": node.held, "recovery_s": node.recovered(stats.replaced)}
+        if node is not None and killer
+        else None,
     }
 
 
@@ -179,9 +238,16 @@ def table(calm: dict[str, Any], chaos: dict[str, Any], episodes: int) -> str:
     times = {**chaos["replaced"], "trainer": chaos["rebuilds"]}
     head = "| kind | kills | recoveries | recovery s (median / max) | samples lost | trained twice | weights as calm |"
     lost, twice = max(expected - chaos["trained"], 0), max(chaos["trained"] - expected, 0)
+    counts = {m: (by_kind[m], len(times[m])) for m in MODELS}
+    node = chaos["node"]
+    if node is not None:  # the node's replicas, each replaced: recovery from the removal
+        times["node"] = node["recovery_s"]
+        counts["node"] = (1, sum(map(len, node["held"].values())))
     rows = [
-        f"| {m} | {by_kind[m]} | {len(times[m])} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
-        for m in MODELS
+        f"| {m} | {k} | {len(times[m])} of {n} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
+        if m == "node"
+        else f"| {m} | {k} | {len(times[m])} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
+        for m, (k, n) in counts.items()
     ]
     return "\n".join([head, "| --- " * 7 + "|", *rows])
 
@@ -192,23 +258,36 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kills", type=int, default=25)
     parser.add_argument("--gap-s", type=float, default=0.5, help="mean seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--node-loss", action="store_true", help="two nodes; the worker removed once, with kills")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     import tempfile
 
     import ray
+    from ray.cluster_utils import Cluster
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    cluster = None
+    if args.node_loss:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 2})
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp:  # the calm run on one node, no GPU asked: layouts differ
             calm = run(Path(tmp, "calm"), args.episodes, args.seed, None)
-            chaos = run(Path(tmp, "chaos"), args.episodes, args.seed, Killer(args.seed, args.kills, args.gap_s))
+            node = NodeLoss(cluster) if cluster is not None else None
+            killer = Killer(args.seed, args.kills, args.gap_s, node_loss=node is not None)
+            chaos = run(Path(tmp, "chaos"), args.episodes, args.seed, killer, node, gpus=args.node_loss)
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+    held = chaos["node"]["held"] if chaos["node"] is not None else {}
     ok = (
         chaos["results"] == calm["results"]
         and chaos["trained"] == calm["trained"] == args.episodes * PER_EPISODE
         and chaos["serving"] == calm["serving"] == {"policy": 2, "scorer": 2}
+        and (not args.node_loss or len(chaos["node"]["recovery_s"]) == sum(map(len, held.values())) > 0)
     )
     date = datetime.date.today().isoformat()
     out = args.out or Path(__file__).parent / "results" / f"{date}-cpu{os.cpu_count()}-chaos.json"

@@ -122,7 +122,7 @@ async def deploy(
             specs = [placement.spec(m, r) for m in trainers for r in range(m.config.replicas)]
             specs += _pool_specs(placement, graphs[0], "") + _pool_specs(placement, graphs[1], "-eval")
             backend.counts.expect(specs)
-            joining = Joining(spec=placement.grown, prepare=prepare)  # one lock for both pools
+            joining = Joining(spec=placement.joined, prepare=prepare)
             with showing_startup(config.progress, backend.counts):
                 await backend.prepare(specs)  # an embedded cluster is sized for all pools
                 groups = {m.name: await _start_trainer(backend, config, placement, m) for m in trainers}
@@ -150,14 +150,17 @@ async def _start_pools(
     pipe = await stack.enter_async_context(running(rollout, backend, cfg, placement.spec, joining))
     if evaluation is None:
         return pipe, None
-    # its samples are numbered apart from the rollout's: streams of their own
+    # its samples are numbered apart from the rollout's: streams of their own; one lock for both pools
+    joins_eval = Joining(
+        spec=lambda m, r, old: placement.joined(m, r, old, "-eval"), lock=joining.lock, prepare=joining.prepare
+    )
     evaluating = await stack.enter_async_context(
         running(
             evaluation,
             backend,
             msgspec.structs.replace(cfg, seed=derived_seed(seed, "eval")),
             lambda m, r: placement.spec(m, r, "-eval"),
-            joining,
+            joins_eval,
         )
     )
     return pipe, evaluating

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ class Placement:
         self.groups = config.colocation
         self.models = models
         self.evaluated = frozenset(evaluated)
+        self._slots: dict[tuple[str, str, int], int] = {}  # (model, pool, replacement) -> the bundle it took
         for gi, group in enumerate(self.groups):
             for name in group:
                 self._check_colocated(gi, group, models[name])
@@ -70,6 +72,18 @@ class Placement:
                 return ReplicaSpec(model, replica, c.cpus_per_replica, share, bundle)
         bundle = Bundle(f"model-{model.name}{pool}", replica, c.replicas, c.cpus_per_replica, c.replica_gpus)
         return ReplicaSpec(model, replica, c.cpus_per_replica, c.replica_gpus, bundle)
+
+    def joined(self, model: Model, replica: int, replaces: int | None, pool: str = "") -> ReplicaSpec:
+        """The spec of a replica added while the engine runs. One that takes the place of a replica
+        that died or hung (``replaces``) goes into that replica's placement bundle, which its end
+        freed: a GPU pool's placement group holds every GPU it was given, so a replacement placed
+        by its resources alone would wait for a GPU outside it, and a colocated one has no other
+        place. A grow is placed by its resources alone (``grown``)."""
+        if replaces is None:
+            return self.grown(model, replica)
+        slot = self._slots.get((model.name, pool, replaces), replaces)
+        self._slots[(model.name, pool, replica)] = slot  # a replacement's own replacement: the same bundle
+        return dataclasses.replace(self.spec(model, slot, pool), replica_id=replica)
 
     def grown(self, model: Model, replica: int) -> ReplicaSpec:
         """The spec of a replica added while the engine runs: placed by its resources alone."""

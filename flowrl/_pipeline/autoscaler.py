@@ -74,7 +74,7 @@ class Autoscaler:
         serving = len(self._resizer.serving(model))
         elapsed = max(1e-9, after[0] - before[0]) * serving
         queued = sum(q for q, _ in self._pools[model].scheduler.queues().values())
-        spec = self._resizer.joining.spec(self._graph.models[model], 0)
+        spec = self._resizer.joining.spec(self._graph.models[model], 0, None)
         return Reading(
             model=model,
             serving=serving,

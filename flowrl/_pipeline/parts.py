@@ -111,16 +111,23 @@ class Replacements:
             await self._idle.wait()
 
 
+def by_resources(model: Model, replica: int, replaces: int | None) -> ReplicaSpec:
+    """A replica added to a running pool, placed by its resources alone."""
+    return default_spec(model, replica)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Joining:
     """How a replica added to a running pool joins it, fixed when the pipeline is built.
 
-    ``spec`` places it (an engine: in its placement group). ``lock`` is held while the members
-    change; an engine's weight sync holds it too, so that a sync sees a joining replica either
-    before or after. ``prepare`` is awaited for the replica under the lock, before it serves (an
-    engine sends it the current weights); if it fails, the replica is stopped."""
+    ``spec(model, replica, replaces)`` places it: ``replaces`` is the replica it takes the place
+    of (one that died or hung), None for a grow; an engine puts a replacement in the placement
+    bundle the replica it replaces held. ``lock`` is held while the members change; an engine's
+    weight sync holds it too, so that a sync sees a joining replica either before or after.
+    ``prepare`` is awaited for the replica under the lock, before it serves (an engine sends it
+    the current weights); if it fails, the replica is stopped."""
 
-    spec: Callable[[Model, int], ReplicaSpec] = default_spec
+    spec: Callable[[Model, int, int | None], ReplicaSpec] = by_resources
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     prepare: Callable[[ReplicaHandle], Awaitable[None]] | None = None
 

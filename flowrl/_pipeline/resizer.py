@@ -114,7 +114,7 @@ class Resizer:
             async with self._resizing:
                 if self._supervisor.closed:
                     return  # the pipeline closed before its turn: no replica is needed any more
-                (new,) = await self._add(model, 1, request.reason, None, since=request.noticed)
+                (new,) = await self._add(model, 1, request.reason, None, since=request.noticed, replaces=request.old)
             self._replacements.policies[model].replaced(request.old, new)
         except FlowError as err:  # no room left for it, or its setup or weights failed: again, within limits
             failed = f"{type(err).__name__}: {err}"
@@ -146,16 +146,23 @@ class Resizer:
             return await self._add(model, count, "requested", None)
 
     async def _add(
-        self, model: str, count: int, reason: str, reading: Reading | None, since: float | None = None
+        self,
+        model: str,
+        count: int,
+        reason: str,
+        reading: Reading | None,
+        since: float | None = None,
+        replaces: int | None = None,
     ) -> list[int]:
-        """``since``: a replacement's, when the replica it replaces was stopped."""
+        """``since`` and ``replaces``: a replacement's, when the replica it replaces was stopped and
+        which one that was."""
         self._supervisor.raise_if_failed()
         pool = self._pool_of(model)
         if count < 1:
             raise ConfigError(f"add_replicas({model!r}, {count}): count must be >= 1")
         first, before = pool.scheduler.replicas, len(self.serving(model))  # ids are never reused
         handles = await self._cluster.start(
-            [self.joining.spec(self._graph.models[model], r) for r in range(first, first + count)]
+            [self.joining.spec(self._graph.models[model], r, replaces) for r in range(first, first + count)]
         )
         joining, served = sorted(handles, key=lambda h: h.replica_id), 0
         try:
