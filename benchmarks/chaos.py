@@ -156,8 +156,15 @@ class NodeLoss:
         self.held: dict[str, list[int]] = {}  # model -> replicas on the node when it went
         self.at = 0.0  # wall clock of the removal
 
-    def remove(self, placement: dict[str, list[str]]) -> None:
-        self.held = {m: [r for r, n in enumerate(nodes) if n == self.node.node_id] for m, nodes in placement.items()}
+    def remove(self, rollout: Any, killed: list[tuple[float, str]]) -> None:
+        """Removes the node; ``held``: its replicas serving then, but those killed before (a death
+        the pool has not noticed yet: an idle replica's is noticed at its next call)."""
+        dead = {(model_of(a), int(a.split("-")[3])) for _, a in killed}
+        placement = rollout.placement  # every replica started, the dead ones too
+        self.held = {
+            m: [r for r in rollout.serving(m) if ids[r] == self.node.node_id and (m, r) not in dead]
+            for m, ids in placement.items()
+        }
         self.at = time.time()
         self.cluster.remove_node(self.node)
 
@@ -165,11 +172,10 @@ class NodeLoss:
         self.cluster.add_node(num_cpus=2, num_gpus=2)
         self.cluster.wait_for_nodes()
 
-    def recovered(self, replaced: list[Any]) -> list[float]:
-        """Seconds from the removal to each of the node's replicas replaced and serving."""
-        held = {(m, r) for m, rs in self.held.items() for r in rs}
-        found = (re.match(r"replaced replica (\d+),", e.reason) for e in replaced)
-        return [e.time - self.at for e, f in zip(replaced, found, strict=True) if f and (e.model, int(f[1])) in held]
+    def lost(self, event: Any) -> bool:
+        """Whether ``event`` (a ``ScaleEvent``) replaced a replica that went with the node."""
+        found = re.match(r"replaced replica (\d+),", event.reason)
+        return found is not None and int(found[1]) in self.held.get(event.model, [])
 
 
 def run(
@@ -200,7 +206,7 @@ def run(
             if node is not None:
                 node.spare()
                 rollout = engine._session.deployment.rollout  # noqa: SLF001 - where the replicas are
-                killer.remove_node = lambda: node.remove(rollout.placement)
+                killer.remove_node = lambda: node.remove(rollout, killer.done)
             killer.start()
         try:
             engine.learn()
@@ -217,13 +223,16 @@ def run(
         "results": [list(e["trainer"]) for e in engine.train_results],
         "trained": stats.trainers["trainer"].samples,
         "serving": serving,
-        "replaced": {m: [e.recovery_s for e in stats.replaced if e.model == m] for m in ("policy", "scorer")},
+        "replaced": {  # the replacements of killed replicas; those of the node's are apart
+            m: [e.recovery_s for e in stats.replaced if e.model == m and not (node and node.lost(e))]
+            for m in ("policy", "scorer")
+        },
         "rebuilds": [r.seconds for r in stats.rebuilds],
         "redone": sum(r.redone for r in stats.rebuilds),
         "kills": killer.done if killer is not None else [],
-        "node": {"held": node.held, "recovery_s": node.recovered(stats.replaced)}
-        if node is not None and killer
-        else None,
+        "node": None  # from the node's removal to each of its replicas' replacements serving
+        if node is None or killer is None
+        else {"held": node.held, "recovery_s": [e.time - node.at for e in stats.replaced if node.lost(e)]},
     }
 
 

@@ -42,8 +42,7 @@ class NodeLoss:
     def __call__(self, engine: Any) -> Any:
         self.cluster.add_node(num_cpus=2, num_gpus=2)  # the spare
         self.cluster.wait_for_nodes()
-        rollout = engine._session.deployment.rollout
-        thread = threading.Thread(target=self._remove, args=(rollout,), daemon=True)
+        thread = threading.Thread(target=self._remove, args=(engine._session.deployment,), daemon=True)
         thread.start()
 
         def stop() -> None:
@@ -52,13 +51,15 @@ class NodeLoss:
 
         return stop
 
-    def _remove(self, rollout: Any) -> None:
+    def _remove(self, deployment: Any) -> None:
         # a checkpoint's folder appears once it is written whole (renamed into place)
         while not self.checkpoint.exists():
             if self.ended.wait(0.05):
                 return
-        placement = rollout.placement
-        self.held = {m: [r for r, n in enumerate(ids) if n == self.node.node_id] for m, ids in placement.items()}
+        rollout, here = deployment.rollout, self.node.node_id
+        placement = rollout.placement  # every replica started, the dead ones too: those serving count
+        self.held = {m: [r for r in rollout.serving(m) if ids[r] == here] for m, ids in placement.items()}
+        self.held["trainer"] = [h.replica_id for h in deployment.trainers["trainer"] if h.node_id == here]
         self.cluster.remove_node(self.node)
 
 
