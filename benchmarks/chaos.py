@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 PER_EPISODE, MODELS = 8, ("policy", "scorer", "trainer")
 CPU = {"cpus_per_replica": 0.1}
 # kills come far faster than in life and hit replacements still starting: more of them in a row
-# than Healing's default 3 before a replica is left out
-HEALING = {"healing": {"max_restarts": 10, "backoff_s": 0.5}}
+# than Healing's default 3 before a replica is left out, and more a minute than its default 10
+HEALING = {"healing": {"max_restarts": 10, "per_minute": 30, "backoff_s": 0.5}}
 STEP_S = 0.05  # each call sleeps this long, so that an episode lasts long enough to be hit
 
 
@@ -108,15 +108,16 @@ def model_of(actor: str) -> str:
 class Killer(threading.Thread):
     """Kills ``kills`` actors of ``MODELS``, one every ``gap_s`` seconds on average (exponential
     gaps), each of a kind chosen at random among those alive, from ``seed`` (a replacement
-    or a rebuilt rank still starting may be hit too). With ``node_loss``, ``remove_node`` is
-    called once, after a number of kills drawn from the seed (a quarter to three quarters)."""
+    or a rebuilt rank still starting may be hit too). With ``node_loss``, the node is removed
+    once, after a number of kills drawn from the seed (a quarter to three quarters), at the first
+    tick from then on where it holds a replica that serves and was not killed."""
 
     def __init__(self, seed: int, kills: int, gap_s: float, node_loss: bool = False) -> None:
         super().__init__(daemon=True)
         self.rng, self.kills, self.gap_s = random.Random(seed), kills, gap_s
         self.stop, self.done = threading.Event(), []  # (seconds into the run, actor)
         self.node_after = self.rng.randint(kills // 4, 3 * kills // 4) if node_loss else None
-        self.remove_node: Callable[[], None] | None = None  # set by run(), which knows the node
+        self.remove_node: Callable[[], bool] | None = None  # set by run(), which knows the node
 
     def run(self) -> None:
         import ray
@@ -124,10 +125,12 @@ class Killer(threading.Thread):
         from flowrl.testing import flowrl_actor_names
 
         start = time.monotonic()
-        while len(self.done) < self.kills and not self.stop.wait(self.rng.expovariate(1 / self.gap_s)):
-            if len(self.done) == self.node_after and self.remove_node is not None:
-                self.remove_node()
-                self.node_after = None
+        while (len(self.done) < self.kills or self.node_after is not None) and not self.stop.wait(
+            self.rng.expovariate(1 / self.gap_s)
+        ):
+            if self.node_after is not None and len(self.done) >= self.node_after and self.remove_node is not None:
+                if self.remove_node():  # else the node holds no live replica now: at a later tick
+                    self.node_after = None
                 continue
             alive = [a for a in flowrl_actor_names() if model_of(a)]
             if not alive:
@@ -156,17 +159,21 @@ class NodeLoss:
         self.held: dict[str, list[int]] = {}  # model -> replicas on the node when it went
         self.at = 0.0  # wall clock of the removal
 
-    def remove(self, rollout: Any, killed: list[tuple[float, str]]) -> None:
-        """Removes the node; ``held``: its replicas serving then, but those killed before (a death
-        the pool has not noticed yet: an idle replica's is noticed at its next call)."""
+    def remove(self, rollout: Any, killed: list[tuple[float, str]]) -> bool:
+        """Removes the node if it holds a replica that serves and was not killed (a death the pool
+        has not noticed yet: an idle replica's is noticed at its next call); ``held``: those."""
         dead = {(model_of(a), int(a.split("-")[3])) for _, a in killed}
         placement = rollout.placement  # every replica started, the dead ones too
-        self.held = {
+        held = {
             m: [r for r in rollout.serving(m) if ids[r] == self.node.node_id and (m, r) not in dead]
             for m, ids in placement.items()
         }
+        if not any(held.values()):
+            return False
+        self.held = held
         self.at = time.time()
         self.cluster.remove_node(self.node)
+        return True
 
     def spare(self) -> None:
         self.cluster.add_node(num_cpus=2, num_gpus=2)

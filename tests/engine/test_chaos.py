@@ -85,3 +85,20 @@ def test_a_run_with_kills_and_a_node_lost_ends_bit_for_bit_where_a_calm_run_ends
     killed = check_same_as_calm(result, {m: len(v) for m, v in held.items()})
     assert sum(killed.values()) >= 20, killed
     assert result["left_after"] == []
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_replayed_with_kills_ends_bit_for_bit_where_its_recorded_run_ends(ray_cluster, tmp_path):
+    """Rollouts one version ahead of training (``staleness.max`` 1): which weights generated each
+    sample is timing's choice. The calm run records it; the run with kills replays that record,
+    so every sample meets the same weights whatever the deaths did to the timing."""
+    record = tmp_path / "schedule.jsonl"
+    calm = run(tmp_path / "calm", 6, {}, 5, staleness=1, schedule={"record_schedule": str(record)})
+    lines = [json.loads(line) for line in record.read_text().splitlines()[1:]]  # the first: settings
+    behind = sum(v < e["episode"] for e in lines for r in e["runs"] for v in r["versions"]["policy"])
+    assert behind > 0, "no sample was generated a version behind: the run was not asynchronous"
+    deaths = {"policy": 3, "scorer": 3, "trainer": 2}
+    chaotic = run(tmp_path / "chaos", 6, deaths, 5, staleness=1, schedule={"replay_schedule": str(record)})
+    killed = check_same_as_calm(summary(calm, chaotic, 6))
+    assert sum(killed.values()) >= 4, killed
+    assert flowrl_actor_names() == []

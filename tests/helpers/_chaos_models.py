@@ -105,12 +105,16 @@ def run(
     *,
     gpus: bool = False,
     colocate: bool = False,
+    staleness: int = 0,
+    schedule: dict[str, str] | None = None,
     during: Callable[[flowrl.Engine], Callable[[], None]] | None = None,
 ) -> dict[str, Any]:
     """One run; ``deaths``: the most kills per model (all 0: the calm run). ``gpus``: each policy
     and scorer replica asks for a (logical) GPU, in its pool's placement group, or with
     ``colocate`` in one group for both (a policy and a scorer replica on each GPU).
-    ``during(engine)`` is called once the engine has started, and what it returns once its run
+    ``staleness``: ``RunConfig.staleness.max``; ``schedule``: ``record_schedule`` or
+    ``replay_schedule`` (``RunConfig.reproducibility``). ``during(engine)`` is called once the
+    engine has started, and what it returns once its run
     has ended (a node loss starts and stops so)."""
 
     def chaos(model: str) -> dict[str, Any]:
@@ -131,7 +135,8 @@ def run(
             "num_episode": episodes,
             "seed": seed,
             "progress": "off",
-            "reproducibility": {"deterministic": True},
+            "reproducibility": {"deterministic": True, **(schedule or {})},
+            "staleness": {"max": staleness},
             "checkpoint": {"dir": str(tmp / "checkpoints"), "every": 1, "max_trainer_restarts": 10},
             "pipeline": {"max_retries": 10},
             "colocation": [["policy", "scorer"]] if colocate else [],
