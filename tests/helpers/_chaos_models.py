@@ -106,13 +106,15 @@ def run(
     gpus: bool = False,
     colocate: bool = False,
     staleness: int = 0,
+    deterministic: bool = True,
     schedule: dict[str, str] | None = None,
     during: Callable[[flowrl.Engine], Callable[[], None]] | None = None,
 ) -> dict[str, Any]:
     """One run; ``deaths``: the most kills per model (all 0: the calm run). ``gpus``: each policy
     and scorer replica asks for a (logical) GPU, in its pool's placement group, or with
     ``colocate`` in one group for both (a policy and a scorer replica on each GPU).
-    ``staleness``: ``RunConfig.staleness.max``; ``schedule``: ``record_schedule`` or
+    ``staleness``: ``RunConfig.staleness.max``; ``deterministic``: its reproducibility mode
+    (off: shards are cut by timing, and only counts can be compared); ``schedule``: ``record_schedule`` or
     ``replay_schedule`` (``RunConfig.reproducibility``). ``during(engine)`` is called once the
     engine has started, and what it returns once its run
     has ended (a node loss starts and stops so)."""
@@ -135,7 +137,7 @@ def run(
             "num_episode": episodes,
             "seed": seed,
             "progress": "off",
-            "reproducibility": {"deterministic": True, **(schedule or {})},
+            "reproducibility": {"deterministic": deterministic, **(schedule or {})},
             "staleness": {"max": staleness},
             "checkpoint": {"dir": str(tmp / "checkpoints"), "every": 1, "max_trainer_restarts": 10},
             "pipeline": {"max_retries": 10},
@@ -159,27 +161,28 @@ def run(
     return {"results": results, "stats": stats, "serving": serving, "killed": killed}
 
 
+def facts(r: dict[str, Any], episodes: int) -> dict[str, Any]:
+    """What the chaos tests check of one run (``run``'s result), as plain values."""
+    stats = r["stats"]
+    stages = stats.rollout.stages
+    return {
+        "killed": r["killed"],
+        "serving": r["serving"],
+        "recovery_s": {m: [e.recovery_s for e in stats.replaced if e.model == m] for m in ("policy", "scorer")},
+        "rebuilds": [[b.trainer, b.rank, b.seconds] for b in stats.rebuilds],
+        "both_stages_saw_each_sample": stages["policy.forward_step"].samples == stages["scorer.forward_step"].samples,
+        "episodes_in_order": [e.episode for e in stats.episodes] == list(range(episodes)),
+        "trained": stats.trainers["trainer"].samples,
+    }
+
+
 def summary(calm: dict[str, Any], chaotic: dict[str, Any], episodes: int) -> dict[str, Any]:
     """What the chaos tests check of a calm run and a run with faults, as plain values (the
     node-loss script prints them for its test)."""
     losses = [step[0]["loss"] for episode in calm["results"] for step in episode]
-
-    def facts(r: dict[str, Any]) -> dict[str, Any]:
-        stats = r["stats"]
-        stages = stats.rollout.stages
-        return {
-            "killed": r["killed"],
-            "serving": r["serving"],
-            "recovery_s": {m: [e.recovery_s for e in stats.replaced if e.model == m] for m in ("policy", "scorer")},
-            "rebuilds": [[b.trainer, b.rank, b.seconds] for b in stats.rebuilds],
-            "both_stages_saw_each_sample": stages["policy.forward_step"].samples
-            == stages["scorer.forward_step"].samples,
-            "episodes_in_order": [e.episode for e in stats.episodes] == list(range(episodes)),
-        }
-
     return {
         "finite": bool(np.all(np.isfinite(losses))),  # a run that diverged would compare nan with nan
         "same": chaotic["results"] == calm["results"],  # every loss and weight, bit for bit
-        "calm": facts(calm),
-        "chaos": facts(chaotic),
+        "calm": facts(calm, episodes),
+        "chaos": facts(chaotic, episodes),
     }
