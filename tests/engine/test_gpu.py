@@ -1,7 +1,7 @@
 """On a real CUDA GPU (marked ``gpu``, skipped without one): models placed on cuda, tensors
 through the object store between actors on one GPU, weight sync trainer -> policy on the GPU
-(through host memory, and by CUDA IPC), and all six PPO models colocated on one GPU with
-fractional GPU resources.
+(through host memory, and by CUDA IPC), a colocated replica that dies replaced on the GPU, and
+all six PPO models colocated on one GPU with fractional GPU resources.
 
     python -m pytest -q -m gpu tests/engine/test_gpu.py        # benchmarks/gpu/run.sh tests runs it
 
@@ -10,6 +10,7 @@ session of their own (the default session's cluster has 8 logical GPUs)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,51 @@ def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_clu
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+class DiesOnce(Policy):
+    """Replica 0's process exits in its second call, once over the run (a marker file)."""
+
+    def __init__(self, name: str, config: Any, *, marks: str) -> None:
+        super().__init__(name, config)
+        self.marks = marks
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.replica_id == 0 and self.calls == 2:
+            try:
+                os.close(os.open(os.path.join(self.marks, "died"), os.O_CREAT | os.O_EXCL))
+                os._exit(1)
+            except FileExistsError:
+                pass
+        return super().forward_step(batch, iteration)
+
+
+@pytest.mark.parametrize("transport", ["host", "cuda_ipc"])
+def test_a_colocated_policy_replica_that_dies_is_replaced_on_the_gpu_with_the_trainer_s_weights(
+    gpu_cluster, tmp_path, transport
+):
+    """The policy and its trainer share the GPU's one placement bundle: the replacement takes the
+    dead replica's share of it, gets the trainer's weights (by CUDA IPC too) and serves."""
+    policy = DiesOnce("policy", gpu(0.25, num_replicas=2, batch_size=4), marks=str(tmp_path))
+    trainer = Trainer("trainer", gpu(0.25, weight_transport=transport))
+    engine = flowrl.Engine(
+        rollout=lambda x: policy.forward_step(x),
+        train=[trainer],
+        sync=[(trainer, policy)],
+        config={"sample_per_episode": 8, "num_episode": 3, "progress": "off", "colocation": [["policy", "trainer"]]},
+    )
+    engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
+    with engine:
+        engine.learn()
+        rollout = engine._session.deployment.rollout
+        engine._portal.call(rollout.healed)
+        serving = rollout.serving("policy")
+        samples = engine._portal.call(rollout.run, [{"x": np.ones(4, dtype=np.float32)} for _ in range(16)])
+    assert (tmp_path / "died").exists()
+    # replaced once; the replacement serves (it got the weights before its first shard)
+    assert [e.model for e in engine.stats().replaced] == ["policy"] and serving == [1, 2]
+    assert_synced(engine, samples)
+
+
 def test_nccl_weight_sync_between_two_gpus(gpu_cluster):
     policy = Policy("policy", gpu(1.0, num_replicas=1, batch_size=4))
     assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(1.0, weight_transport="nccl"))))
