@@ -27,7 +27,8 @@ class Placement:
         self.groups = config.colocation
         self.models = models
         self.evaluated = frozenset(evaluated)
-        self._slots: dict[tuple[str, str, int], int] = {}  # (model, pool, replacement) -> the bundle it took
+        # (model, pool, replica added while running) -> the bundle it took (None: placed by resources)
+        self._slots: dict[tuple[str, str, int], int | None] = {}
         for gi, group in enumerate(self.groups):
             for name in group:
                 self._check_colocated(gi, group, models[name])
@@ -78,11 +79,11 @@ class Placement:
         that died or hung (``replaces``) goes into that replica's placement bundle, which its end
         freed: a GPU pool's placement group holds every GPU it was given, so a replacement placed
         by its resources alone would wait for a GPU outside it, and a colocated one has no other
-        place. A grow is placed by its resources alone (``grown``)."""
-        if replaces is None:
+        place. A grow is placed by its resources alone (``grown``), and so is its replacement."""
+        slot = None if replaces is None else self._slots.get((model.name, pool, replaces), replaces)
+        self._slots[(model.name, pool, replica)] = slot  # a replacement's own replacement: the same place
+        if slot is None:
             return self.grown(model, replica)
-        slot = self._slots.get((model.name, pool, replaces), replaces)
-        self._slots[(model.name, pool, replica)] = slot  # a replacement's own replacement: the same bundle
         return dataclasses.replace(self.spec(model, slot, pool), replica_id=replica)
 
     def grown(self, model: Model, replica: int) -> ReplicaSpec:

@@ -41,10 +41,13 @@ def test_the_evaluation_pool_s_replacements_keep_to_its_own_bundles():
     assert evaluation.bundle == where.spec(policy, 1, "-eval").bundle != where.spec(policy, 1).bundle
 
 
-def test_a_grow_is_placed_by_its_resources_and_a_colocated_pool_cannot_grow():
+def test_a_grow_and_its_replacements_are_placed_by_their_resources_and_a_colocated_pool_cannot_grow():
     where, policy, _ = placement(False)
     grown = where.joined(policy, 2, replaces=None)
     assert grown.bundle is None and grown.num_gpus == 1
+    for replica, replaces in ((3, 2), (4, 3)):  # outside the placement group, as the replica it replaces
+        spec = where.joined(policy, replica, replaces=replaces)
+        assert spec.bundle is None and spec.replica_id == replica and spec.num_gpus == 1
     where, policy, _ = placement(True)
     with pytest.raises(flowrl.ConfigError, match="colocated"):
         where.joined(policy, 2, replaces=None)

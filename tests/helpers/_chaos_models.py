@@ -113,11 +113,11 @@ def run(
     """One run; ``deaths``: the most kills per model (all 0: the calm run). ``gpus``: each policy
     and scorer replica asks for a (logical) GPU, in its pool's placement group, or with
     ``colocate`` in one group for both (a policy and a scorer replica on each GPU).
-    ``staleness``: ``RunConfig.staleness.max``; ``deterministic``: its reproducibility mode
-    (off: shards are cut by timing, and only counts can be compared); ``schedule``: ``record_schedule`` or
-    ``replay_schedule`` (``RunConfig.reproducibility``). ``during(engine)`` is called once the
-    engine has started, and what it returns once its run
-    has ended (a node loss starts and stops so)."""
+    ``staleness``: ``RunConfig.staleness.max``; ``deterministic``: its reproducibility mode (off:
+    shards are cut by timing, and only counts can be compared); ``schedule``: ``record_schedule``
+    or ``replay_schedule`` (``RunConfig.reproducibility``). ``during(engine)`` is called once the
+    engine has started, and what it returns once its run has ended (a node loss starts and
+    stops so)."""
 
     def chaos(model: str) -> dict[str, Any]:
         marks = tmp / f"deaths-{model}"
