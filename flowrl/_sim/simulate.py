@@ -24,6 +24,7 @@ from .._core.errors import ConfigError
 from .._core.scheduling.scheduler import Assignment, PoolScheduler
 from .._core.settings.base import Settings
 from .._core.settings.config import MAX_PREFETCH
+from .bound import makespan_floor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -253,17 +254,16 @@ def cost_hints(workload: Workload, tail: dict[str, np.ndarray]) -> np.ndarray | 
 
 
 def lower_bound(workload: Workload, tail: dict[str, np.ndarray]) -> float:
-    """A makespan no schedule can beat: the busiest stage's least possible work per replica,
-    and the slowest sample's path through the flow (each stage with a call of its own)."""
-    n = workload.samples
-    stage_bounds, path = [], {INPUT: np.zeros(n)}
+    """A makespan no schedule can beat (``makespan_floor``): the busiest stage's least possible
+    work per replica, and the slowest sample's path (each stage with a call of its own)."""
+    pools, path = [], {INPUT: np.zeros(workload.samples)}
     for st in workload.stages:
         c, t = st.cost, tail[st.name]
-        # a replica makes one call at least; a sample's path, a call of its own
-        stage_bounds.append(least_work(c, t, st.batch_size) / st.replicas + c.shard_s)
+        # each replica makes one call at least (its shard_s); a sample's path, a call of its own
+        pools.append((least_work(c, t, st.batch_size) + st.replicas * c.shard_s, st.replicas))
         start = np.max([path[i] for i in st.inputs], axis=0)
         path[st.name] = start + c.shard_s + c.call_s + c.per_sample_s + t
-    return max(max(stage_bounds), max(float(p.max()) for p in path.values()))
+    return makespan_floor((float(p.max()) for p in path.values()), pools)
 
 
 def least_work(cost: StageCost, tail: np.ndarray, batch_size: int) -> float:

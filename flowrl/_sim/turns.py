@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .bound import makespan_floor
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -96,13 +98,14 @@ def heavy_tailed(
 
 
 def lower_bound(w: TurnWorkload) -> float:
-    """No run is shorter: the longest sample alone, or all the work on every replica at once,
-    each call full (a call of ``batch`` samples costs at least the mean of their own costs)."""
-    longest = max(sum(w.policy_s([t.tokens]) + w.env_call_s([t.env_s]) for t in s) for s in w.samples)
+    """No run is shorter (``makespan_floor``): the longest sample alone, or all the work on every
+    replica at once, each call full (a call of ``batch`` samples costs at least the mean of
+    their own costs)."""
+    paths = (sum(w.policy_s([t.tokens]) + w.env_call_s([t.env_s]) for t in s) for s in w.samples)
     turns = [t for s in w.samples for t in s]
-    policy = sum(w.policy_s([t.tokens]) for t in turns) / (w.batch * w.policy_replicas)
-    env = sum(w.env_call_s([t.env_s]) for t in turns) / (w.env_batch * w.env_replicas)
-    return max(longest, policy, env)
+    policy = sum(w.policy_s([t.tokens]) for t in turns) / w.batch
+    env = sum(w.env_call_s([t.env_s]) for t in turns) / w.env_batch
+    return makespan_floor(paths, [(policy, w.policy_replicas), (env, w.env_replicas)])
 
 
 def simulate_turns(w: TurnWorkload, mode: str) -> TurnResult:
