@@ -10,8 +10,8 @@ checkpoint. With ``--node-loss`` the runs are on a
 ``ray.cluster_utils.Cluster``, the policy and scorer replicas asking for one logical GPU each:
 the calm run on the driver's node alone (asking for none), the run with kills on it and a worker
 node, where one pool's replicas land (``NodeLoss``). The worker node is removed once, after a
-number of kills drawn from the seed: its replicas, and the outputs its object store held, are
-lost with it.
+number of kills drawn from the seed, as soon as it holds a live replica: its replicas, and the
+outputs its object store held, are lost with it.
 
 What is checked: the trained weights and every per-episode loss bit for bit equal to the calm
 run's, every sample trained once (the trainer's counts), the pools back at their size, each of
@@ -289,7 +289,7 @@ def main(argv: list[str]) -> int:
     else:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory() as tmp:  # the calm run on one node, no GPU asked: layouts differ
+        with tempfile.TemporaryDirectory() as tmp:  # the calm run asks for no GPU: with --node-loss, another layout
             calm = run(Path(tmp, "calm"), args.episodes, args.seed, None)
             node = NodeLoss(cluster) if cluster is not None else None
             killer = Killer(args.seed, args.kills, args.gap_s, node_loss=node is not None)
