@@ -96,7 +96,7 @@ class Trainer(flowrl.Model):
         self.w = np.asarray(state["w"])
 
 
-ACTOR = re.compile(r"flowrl-[0-9a-f]+-(policy|scorer|trainer)-\d+(-\d+)?")  # a rebuilt rank: -<generation>
+ACTOR = re.compile(r"flowrl-[0-9a-f]+-(policy|scorer|trainer)-(\d+)(-\d+)?")  # a rebuilt rank: -<generation>
 
 
 def model_of(actor: str) -> str:
@@ -162,7 +162,7 @@ class NodeLoss:
     def remove(self, rollout: Any, killed: list[tuple[float, str]]) -> bool:
         """Removes the node if it holds a replica that serves and was not killed (a death the pool
         has not noticed yet: an idle replica's is noticed at its next call); ``held``: those."""
-        dead = {(model_of(a), int(a.split("-")[3])) for _, a in killed}
+        dead = {(f[1], int(f[2])) for _, a in killed if (f := ACTOR.fullmatch(a))}
         placement = rollout.placement  # every replica started, the dead ones too
         held = {
             m: [r for r in rollout.serving(m) if ids[r] == self.node.node_id and (m, r) not in dead]
@@ -254,16 +254,14 @@ def table(calm: dict[str, Any], chaos: dict[str, Any], episodes: int) -> str:
     times = {**chaos["replaced"], "trainer": chaos["rebuilds"]}
     head = "| kind | kills | recoveries | recovery s (median / max) | samples lost | trained twice | weights as calm |"
     lost, twice = max(expected - chaos["trained"], 0), max(chaos["trained"] - expected, 0)
-    counts = {m: (by_kind[m], len(times[m])) for m in MODELS}
+    kills, recoveries = dict(by_kind), {m: str(len(times[m])) for m in MODELS}
     node = chaos["node"]
     if node is not None:  # the node's replicas, each replaced: recovery from the removal
-        times["node"] = node["recovery_s"]
-        counts["node"] = (1, sum(map(len, node["held"].values())))
+        times["node"], kills["node"] = node["recovery_s"], 1
+        recoveries["node"] = f"{len(times['node'])} of {sum(map(len, node['held'].values()))}"
     rows = [
-        f"| {m} | {k} | {len(times[m])} of {n} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
-        if m == "node"
-        else f"| {m} | {k} | {len(times[m])} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
-        for m, (k, n) in counts.items()
+        f"| {m} | {k} | {recoveries[m]} | {spread(times[m])} | {lost} | {twice} | {'yes' if same else 'NO'} |"
+        for m, k in kills.items()
     ]
     return "\n".join([head, "| --- " * 7 + "|", *rows])
 

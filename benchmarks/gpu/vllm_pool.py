@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_grpo import GpuBusy  # noqa: E402
-from vllm_rollout import make_lm, words  # noqa: E402
+from vllm_rollout import make_lm, model_arguments, words  # noqa: E402
 
 import flowrl  # noqa: E402
 from flowrl import hf  # noqa: E402
@@ -95,15 +95,10 @@ def measure(args: argparse.Namespace, replicas: int, cuda: bool, busy: GpuBusy |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="qwen2.5-0.5b", help="tiny, smollm2 or an architecture of hf_grpo.ARCHS")
-    parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's model folder (--arch smollm2)")
+    model_arguments(parser, prompts=1024)
     parser.add_argument(
         "--replicas", default="4,0,1,2", help="engines on the GPU, one pool after another (0: generate)"
     )
-    parser.add_argument("--prompts", type=int, default=1024)
-    parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory", type=float, default=0.8, help="the GPU's share all engines together may take")
     parser.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache")
     parser.add_argument("--no-logprobs", action="store_true", help="VLLMConfig.logprobs=False")

@@ -220,14 +220,19 @@ def sleep_wake(policy: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_arguments(parser: argparse.ArgumentParser, prompts: int) -> None:
+    """The model and the rollout's shape, as make_lm, words and timed_calls read them."""
     parser.add_argument("--arch", default="qwen2.5-0.5b", help=f"tiny, smollm2 or one of {sorted(ARCHS)}")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's model folder (--arch smollm2)")
-    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(parser, prompts=256)
     parser.add_argument("--memory", type=float, default=0.3, help="VLLMConfig.gpu_memory_utilization")
     parser.add_argument("--sleep", type=int, default=0, help="VLLMConfig.sleep (1, 2: each call wakes and rests)")
     parser.add_argument("--engine-args", default="{}", help="VLLMConfig.engine_args as JSON")
