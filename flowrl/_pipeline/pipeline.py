@@ -262,7 +262,7 @@ class AsyncPipeline:
         out = {}
         for name, pool in self._pools.items():
             s = pool.scheduler
-            serving = [r for r in range(s.replicas) if r not in s.retired]
+            serving = s.serving_ids()
             out[name] = (sum(1 for r in serving if s.in_flight[r]), len(serving))
         return out
 

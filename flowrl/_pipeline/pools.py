@@ -65,8 +65,8 @@ class AsyncPool:
         self.scheduler.finish(assignment)
         self.pump()  # a slot of that replica may wait for it to finish (see ``queue_ahead``)
 
-    def add_replica(self) -> int:
-        replica = self.scheduler.add_replica()
+    def add_replica(self, joining: bool = False) -> int:
+        replica = self.scheduler.add_replica(joining)
         self._waiters[replica] = deque()
         return replica
 

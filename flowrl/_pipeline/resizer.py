@@ -52,8 +52,7 @@ class Resizer:
 
     def serving(self, model: str) -> list[int]:
         """The replicas of ``model`` serving now (neither removed nor dead)."""
-        s = self._pool_of(model).scheduler
-        return [r for r in range(s.replicas) if r not in s.retired]
+        return self._pool_of(model).scheduler.serving_ids()
 
     def _pool_of(self, model: str) -> AsyncPool:
         if model not in self._pools:
@@ -67,7 +66,8 @@ class Resizer:
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ConfigError(f"resize({model!r}, {replicas!r}): a pool needs at least 1 replica")
         async with self._resizing:
-            before = len(self.serving(model))
+            s = self._pool_of(model).scheduler
+            before = s.serving + len(s.joining)  # those starting count: they join whatever happens here
             if replicas > before:
                 return await self._add(model, replicas - before, reason, reading)
             if replicas < before:
@@ -111,10 +111,10 @@ class Resizer:
         model, why = request.model, ""
         try:
             await anyio.sleep(request.delay_s or 0.0)  # Healing's backoff: a line that keeps dying waits longer
-            async with self._resizing:
-                if self._supervisor.closed:
-                    return  # the pipeline closed before its turn: no replica is needed any more
-                (new,) = await self._add(model, 1, request.reason, None, since=request.noticed, replaces=request.old)
+            if self._supervisor.closed:
+                return  # the pipeline closed before its turn: no replica is needed any more
+            # not under ``_resizing``: replacements start side by side, each on an id of its own
+            (new,) = await self._add(model, 1, request.reason, None, since=request.noticed, replaces=request.old)
             self._replacements.policies[model].replaced(request.old, new)
         except FlowError as err:  # no room left for it, or its setup or weights failed: again, within limits
             failed = f"{type(err).__name__}: {err}"
@@ -160,24 +160,28 @@ class Resizer:
         pool = self._pool_of(model)
         if count < 1:
             raise ConfigError(f"add_replicas({model!r}, {count}): count must be >= 1")
-        first, before = pool.scheduler.replicas, len(self.serving(model))  # ids are never reused
-        handles = await self._cluster.start(
-            [self.joining.spec(self._graph.models[model], r, replaces) for r in range(first, first + count)]
-        )
-        joining, served = sorted(handles, key=lambda h: h.replica_id), 0
+        ids = [pool.add_replica(joining=True) for _ in range(count)]  # taken now; ids are never reused
+        handles: list[ReplicaHandle] = []
         try:
+            handles = sorted(
+                await self._cluster.start([self.joining.spec(self._graph.models[model], r, replaces) for r in ids]),
+                key=lambda h: h.replica_id,
+            )
             async with self.joining.lock:
-                for handle in joining:
+                before = len(self.serving(model))
+                for handle in handles:
                     if self.joining.prepare is not None:
                         await self.joining.prepare(handle)
                     self._serve(handle)
-                    served += 1
         except BaseException:
             with anyio.CancelScope(shield=True):  # those that could not join stop now, not at close
-                await self._cluster.stop(joining[served:])
+                await self._cluster.stop([h for h in handles if h.replica_id in pool.scheduler.joining])
+            for r in ids:
+                if r in pool.scheduler.joining:
+                    pool.retire(r)  # never joined: its start failed
             raise
         self._changed(model, "grow", before, reason, reading, since)
-        return [h.replica_id for h in handles]
+        return ids
 
     def _changed(
         self, model: str, action: str, before: int, reason: str, reading: Reading | None, since: float | None = None
@@ -197,10 +201,8 @@ class Resizer:
         )
 
     def _serve(self, handle: ReplicaHandle) -> None:
-        r = self._pools[handle.model].add_replica()
-        if r != handle.replica_id:
-            raise FlowError(f"internal: replica {handle.replica_id} of {handle.model!r} joined as {r}")
-        self._recorder.add_replica(handle.model, self._runs.active_now())
+        self._pools[handle.model].scheduler.join(handle.replica_id)
+        self._recorder.add_replica(handle.model, handle.replica_id, self._runs.active_now())
         self._roster.join(handle)
         self._dispatcher.serve(handle)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 import flowrl
+from flowrl._core.observe.pipeline_stats import StatsRecorder
 from flowrl._core.scheduling.autoscale import AutoscalePolicy, Reading
 from flowrl._core.scheduling.scheduler import PoolScheduler
+from flowrl._core.settings.config import CallMeta
 
 STAGE = "m.forward_step"
 
@@ -100,3 +102,36 @@ def test_bad_autoscale_settings_are_named(bad, message):
 def test_a_start_count_outside_the_autoscale_limits_is_refused():
     with pytest.raises(flowrl.ConfigError, match=r"5 replicas to start with, outside autoscale's \[min_replicas=1"):
         flowrl.ModelConfig(num_replicas=5, autoscale={"max_replicas": 4})
+
+
+def test_a_joining_replica_holds_its_id_but_is_not_served_until_it_joins():
+    s = PoolScheduler(replicas=1, policy="greedy")
+    s.add_stage(STAGE, 1)
+    s.expect(STAGE, 4)
+    s.ready(STAGE, [0, 1, 2, 3])
+    a, b = s.add_replica(joining=True), s.add_replica(joining=True)  # two replacements start side by side
+    assert (a, b) == (1, 2) and s.serving == 1 and s.serving_ids() == [0]
+    with pytest.raises(ValueError, match="not joined"):
+        s.request(a)
+    s.join(b)  # the later one is ready first
+    assert s.serving == 2 and s.serving_ids() == [0, 2]
+    s.request(b)
+    assert [x.replica for x in s.poll()] == [b]
+    s.retire(a)  # its start failed: it never served, and its id stays taken
+    assert s.joining == set() and s.serving_ids() == [0, 2] and s.add_replica() == 3
+
+
+def test_a_replica_that_joins_before_a_lower_id_leaves_that_one_empty_until_it_joins():
+    rec = StatsRecorder({STAGE: "m"}, {"m": 1})
+    rec.add_active(10.0)
+    rec.add_replica("m", 2, 10.0)  # replica 1 is still starting
+    rec.record(STAGE, 2, CallMeta(rows=3, fields=["x"], busy_s=1.0), 1.0)
+    rec.add_active(4.0)
+    reps = {r.replica: r for r in rec.snapshot().stages[STAGE].replicas}
+    assert sorted(reps) == [0, 1, 2]
+    assert (reps[1].samples, reps[1].idle_s) == (0, 0.0)  # not in the pool: no idle time either
+    assert (reps[2].samples, reps[2].idle_s) == (3, 3.0)  # 4 s in the pool, 1 s busy
+    rec.add_replica("m", 1, 14.0)
+    rec.add_active(2.0)
+    reps = {r.replica: r for r in rec.snapshot().stages[STAGE].replicas}
+    assert (reps[1].idle_s, reps[2].idle_s) == (2.0, 5.0)

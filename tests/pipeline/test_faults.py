@@ -158,8 +158,49 @@ async def test_a_replacement_that_fails_to_start_is_tried_again_and_the_pool_get
     assert _deaths(marks) == 1 and _deaths(starts) == 1
     assert [s["a_out"] for s in out] == [i + 1 for i in range(6)]
     (dead,) = {0, 1} - set(serving)
-    assert sorted(serving) == sorted({0, 1, 2} - {dead})  # the id of a replica that never served is given again
+    assert sorted(serving) == sorted({0, 1, 3} - {dead})  # ids are never reused, not even a failed start's
     assert events == [("grow", f"replaced replica {dead}, which died (2 in a row); the last start: {failed}")]
+    assert flowrl_actor_names() == []
+
+
+class FirstCallKills(flowrl.Model):
+    """Adds ``a_out = x + 1``; each of the first ``dying`` replicas exits on its first call, and a
+    replacement's setup waits until ``dying`` replacements are in setup together (files in ``marks``)."""
+
+    def __init__(self, name: str, config: dict[str, Any], dying: int, marks: str) -> None:
+        super().__init__(name, config)
+        self.dying, self.marks = dying, Path(marks)
+
+    def setup(self) -> None:
+        if self.replica_id < self.config.replicas:
+            return
+        Path(self.marks, f"start-{self.replica_id}").touch()
+        deadline = time.monotonic() + 120.0  # a failure bound, not a wait for time: the loop waits on the files
+        while len(list(self.marks.glob("start-*"))) < self.dying:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no other replacement started beside this one")
+            time.sleep(0.02)
+
+    def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        death = Path(self.marks, f"death-{self.replica_id}")
+        if self.replica_id < self.dying and not death.exists():
+            death.touch()
+            os._exit(1)
+        return {"a_out": [v[0] + 1 for v in batch["x"]]}
+
+
+async def test_replicas_that_die_together_are_replaced_side_by_side(ray_cluster, tmp_path):
+    config = {"num_replicas": 3, "batch_size": 1, "healing": {"backoff_s": 0.0}, **CPU}
+    dying = FirstCallKills("a", config, dying=2, marks=str(tmp_path))
+    async with flowrl.open_pipeline(lambda x: dying.forward_step(x)) as pipe:
+        out = await pipe.run([{"x": [i]} for i in range(12)])
+        await pipe.healed()  # each replacement's setup returns only once the other one is in setup too
+        serving, events = pipe.serving("a"), pipe.scale_events
+    assert [s["a_out"] for s in out] == [i + 1 for i in range(12)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["death-0", "death-1", "start-3", "start-4"]
+    assert sorted(serving) == [2, 3, 4]
+    assert sorted(e.reason.split(",")[0] for e in events) == ["replaced replica 0", "replaced replica 1"]
+    assert all(e.action == "grow" for e in events)
     assert flowrl_actor_names() == []
 
 

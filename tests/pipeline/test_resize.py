@@ -126,13 +126,16 @@ def test_a_replica_that_cannot_join_is_stopped_at_once_and_the_pool_grows_later(
             await pipe.add_replicas("m", 2)
         names = flowrl_actor_names()
         refusing[0] = False
-        assert await pipe.add_replicas("m", 1) == [1]  # the ids the failed joins had are free
+        assert await pipe.add_replicas("m", 1) == [3]  # ids are never reused, not even a failed join's
+        assert pipe.serving("m") == [0, 3]
         samples = await pipe.run([{"x": np.ones(1)} for _ in range(16)])
         return names, samples, pipe.stats()
 
     names, samples, stats = anyio.run(main)
     assert sum(1 for n in names if "-m-" in n) == 1  # the two that could not join are gone already
-    assert len(samples) == 16 and {r.replica for r in stats.stages["m.forward_step"].replicas if r.samples} <= {0, 1}
+    replicas = stats.stages["m.forward_step"].replicas
+    assert len(samples) == 16 and {r.replica for r in replicas if r.samples} <= {0, 3}
+    assert [(r.replica, r.samples, r.idle_s) for r in replicas if r.replica in (1, 2)] == [(1, 0, 0.0), (2, 0, 0.0)]
     assert flowrl_actor_names() == []
 
 

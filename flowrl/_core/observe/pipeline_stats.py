@@ -113,17 +113,18 @@ class StatsRecorder:
         self._serving: dict[tuple[str, int], tuple[float, float | None]] = {}  # replicas added or removed
         self._loops: dict[str, tuple[Counter[int], Counter[str]]] = {}  # loop -> (turn counts, stops)
 
-    def add_replica(self, model: str, active_s: float) -> int:
-        """A replica joins ``model``'s pool after ``active_s`` of runs: counters for it,
-        numbered after the others; its idle time counts from now."""
-        r = self._replicas[model]
-        self._replicas[model] += 1
-        self._serving[(model, r)] = (active_s, None)
-        for stage, m in self._stage_models.items():
-            if m == model:
-                self._cells[(stage, r)] = _Cell()
-        self._model_busy[(model, r)] = self._starved[(model, r)] = 0.0
-        return r
+    def add_replica(self, model: str, replica: int, active_s: float) -> None:
+        """``replica`` joins ``model``'s pool after ``active_s`` of runs: counters for it (and
+        for any id below it not seen yet, whose replica is still starting or never started);
+        its idle time counts from now."""
+        for r in range(self._replicas[model], replica + 1):
+            for stage, m in self._stage_models.items():
+                if m == model:
+                    self._cells[(stage, r)] = _Cell()
+            self._model_busy[(model, r)] = self._starved[(model, r)] = 0.0
+            self._serving[(model, r)] = (active_s, active_s)  # not in the pool (yet)
+        self._replicas[model] = max(self._replicas[model], replica + 1)
+        self._serving[(model, replica)] = (active_s, None)
 
     def remove_replica(self, model: str, replica: int, active_s: float) -> None:
         """``replica`` left the pool after ``active_s`` of runs: its idle time stops there."""

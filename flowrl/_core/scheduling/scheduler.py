@@ -37,9 +37,8 @@ if TYPE_CHECKING:
 class PoolScheduler:
     """Ready samples per stage, waiting slots per replica, and the splitter between them.
 
-    Every operation costs O(log replicas) (a heap of waiting replicas with lazy deletion),
-    so a pool of thousands of replicas schedules as fast as a pool of eight; only a cut at a
-    stage's drain (``_drain``, with a clock) reads every replica's predicted free time.
+    Every operation costs O(log replicas) (a heap of waiting replicas, lazy deletion); only a
+    cut at a stage's drain (``_drain``, with a clock) reads every replica's predicted free time.
     """
 
     def __init__(
@@ -68,9 +67,9 @@ class PoolScheduler:
         self._held: dict[tuple[int, str], int] = {}  # (replica, stage) -> samples running there
         self._seq = itertools.count()
         self.retired: set[int] = set()  # replicas that serve no more (their process died)
+        self.joining: set[int] = set()  # replicas whose ids are taken while they start
         self._isolating: set[int] = set()  # replicas running a suspect: nothing is queued behind it
-        # ``clock`` (seconds; the simulator's virtual one, or the runtime's): with it, the cost
-        # splitter predicts when each replica's calls in flight end, for the drain (``drain_share``)
+        # ``clock`` (the simulator's or the runtime's seconds): the drain predicts when calls end
         self._clock = clock
         self._free_at = [0.0] * replicas  # predicted end of each replica's last call in flight
 
@@ -141,24 +140,33 @@ class PoolScheduler:
 
     def request(self, replica: int) -> None:
         """One slot of ``replica`` is idle and asks for a shard."""
-        if replica in self.retired:
-            raise ValueError(f"replica {replica} is retired and asks for no more shards")
+        if replica in self.retired or replica in self.joining:
+            raise ValueError(f"replica {replica} is retired or not joined yet and asks for no shards")
         if self._waiting[replica] + self.in_flight[replica] >= self.prefetch:
             raise ValueError(f"replica {replica} asked for more than prefetch={self.prefetch} shards")
         self._waiting[replica] += 1
         if self._waiting[replica] == 1:
             self._enqueue(replica)
 
-    def add_replica(self) -> int:
-        """A new replica joins the pool (ids are never reused); it is served first."""
+    def add_replica(self, joining: bool = False) -> int:
+        """A new replica joins the pool (ids are never reused); it is served first. ``joining``:
+        its id is taken now, while it starts, and it serves from ``join`` (or is retired)."""
         r = self.replicas
         self.replicas += 1
-        self.in_flight.append(0)
+        for per_replica in (self.in_flight, self._waiting, self._version):
+            per_replica.append(0)
         self._last_served.append(min(self._last_served, default=0) - 1)
-        self._waiting.append(0)
-        self._version.append(0)
         self._free_at.append(0.0)
+        if joining:
+            self.joining.add(r)
         return r
+
+    def join(self, replica: int) -> None:  # ``replica``, added ``joining``, is ready for shards
+        self.joining.remove(replica)
+
+    def serving_ids(self) -> list[int]:
+        """The replicas serving now: joined, and neither removed nor dead."""
+        return [r for r in range(self.replicas) if r not in self.retired and r not in self.joining]
 
     def withdraw(self, replica: int) -> None:
         """Forget the waiting slots of ``replica`` (it stopped pulling)."""
@@ -170,6 +178,7 @@ class PoolScheduler:
         are forgotten, its shards are not cut for, and shard sizes count the replicas left. The
         shards it holds still finish (or are given back)."""
         self.withdraw(replica)
+        self.joining.discard(replica)  # one that never joined: its start failed
         self.retired.add(replica)
 
     def give_back(
@@ -198,7 +207,7 @@ class PoolScheduler:
 
     @property
     def serving(self) -> int:
-        return self.replicas - len(self.retired)
+        return self.replicas - len(self.retired) - len(self.joining)
 
     def finish(self, assignment: Assignment) -> None:
         """The shard ``assignment`` completed."""
@@ -297,10 +306,7 @@ class PoolScheduler:
     def _drain(self, q: StageQueue, replica: int) -> int | None:
         """The ``cost`` splitter's size at the stage's drain (``drain_share``): every sample
         left is pending and one call per serving replica covers them; None otherwise."""
-        pending = len(q.heap)
-        # one micro-batch a call here: its linear cost model is one step's, and at the drain a
-        # shard of several would only keep the others waiting
-        most = q.batch_size
+        pending, most = len(q.heap), q.batch_size  # one step a call: at the drain more keep the others waiting
         if self._clock is None or most == 1 or q.expected - q.dispatched != pending or not q.fit.steady():
             return None
         fixed, per = q.fit.fixed_s(), q.fit.per_sample_s()
@@ -311,7 +317,7 @@ class PoolScheduler:
         def free(r: int) -> float:
             return max(now, self._free_at[r]) if self.in_flight[r] else now
 
-        others = [free(r) for r in range(self.replicas) if r != replica and r not in self.retired]
+        others = [free(r) for r in self.serving_ids() if r != replica]
         return drain_share(free(replica), heapq.nsmallest(pending - 1, others), pending, fixed, per, most)
 
     @staticmethod
