@@ -124,9 +124,11 @@ def run(
         marks.mkdir(parents=True, exist_ok=True)
         return {"seed": seed, "p": 0.3, "marks": str(marks), "limit": deaths.get(model, 0)}
 
-    gpu = {"gpus_per_replica": 1} if gpus else {}
-    policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **CPU, **gpu}, chaos("policy"))
-    scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **CPU, **gpu}, chaos("scorer"))
+    # kills come far faster than in life (ten a pool within a minute, a node loss beside them, and
+    # replacements start side by side): more than Healing's defaults allow before leaving one out
+    pool = {**CPU, "healing": {"max_restarts": 10, "per_minute": 30}} | ({"gpus_per_replica": 1} if gpus else {})
+    policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **pool}, chaos("policy"))
+    scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **pool}, chaos("scorer"))
     trainer = Trainer("trainer", {**CPU}, chaos("trainer"))
     engine = flowrl.Engine(
         rollout=lambda x: scorer.forward_step(policy.forward_step(x)),
