@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 @functools.cache  # one run of a script serves every test that reads its result
 def _run_script(name: str) -> dict:
@@ -33,6 +35,7 @@ def test_replicas_spread_over_two_nodes_of_an_existing_cluster():
     )
 
 
+@pytest.mark.slow  # one script run of ~25 s serves both; node loss also runs in the chaos tests
 def test_a_node_removed_mid_run_loses_no_sample_and_the_run_completes_on_the_other():
     result = _run_script("_node_loss_script.py")
     small = result["small outputs"]
@@ -43,6 +46,7 @@ def test_a_node_removed_mid_run_loses_no_sample_and_the_run_completes_on_the_oth
     assert result["left_after"] == []
 
 
+@pytest.mark.slow  # one script run of ~25 s serves both; node loss also runs in the chaos tests
 def test_outputs_stored_on_a_removed_node_are_computed_again_and_the_run_completes():
     result = _run_script("_node_loss_script.py")
     two, one = result["two stages"], result["one stage"]

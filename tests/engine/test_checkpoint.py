@@ -195,6 +195,7 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
     assert all(s == ref["seen"][s["episode"]] for s in seen)
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_a_rank_that_dies_again_while_its_trainer_is_rebuilt_starts_the_rebuild_again(ray_cluster, tmp_path):
     ref = reference(1)
     engine, seen = make_engine(
