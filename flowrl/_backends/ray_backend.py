@@ -1,9 +1,6 @@
-"""The Ray backend: one Ray actor per replica (``ray_actors``). It, the actors,
-``ray_wire`` (how shard data and replies travel) and ``ray_shipping`` are the only modules that import ray.
-
-Replicas on the driver's node also read shards from a Unix socket (``local_channel``), which
-costs far less than a Ray call.
-"""
+"""The Ray backend: one Ray actor per replica (``ray_actors``). It, the actors, ``ray_wire`` (how shard data and
+replies travel) and ``ray_shipping`` are the only modules that import ray. Replicas on the driver's node also read
+shards from a Unix socket (``local_channel``), which costs far less than a Ray call."""
 
 from __future__ import annotations
 
@@ -80,13 +77,10 @@ async def _kill(actors: list[Any]) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(actor, no_restart=True)
-    # Wait until each is really gone, so no flowrl actor outlives the pipeline.
-    with anyio.move_on_after(30):
+    with anyio.move_on_after(30):  # until each is really gone, so that no flowrl actor outlives the pipeline
         for actor in actors:
-            try:
+            with contextlib.suppress(RayActorError, GetTimeoutError):
                 await actor.ping.remote()
-            except (RayActorError, GetTimeoutError):
-                pass
 
 
 class RayBackend:

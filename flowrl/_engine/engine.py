@@ -1,13 +1,11 @@
 """The RL engine: episodes, relay buffer, data-parallel trainers, weight sync.
 
-One episode: draw ``sample_per_episode`` samples from the dataset (ChatLearn's sampler),
-stream them through the rollout flow, add them to the relay buffer, train every trainer on
-the relay output (global batches split over its ranks), and every ``sync_every`` episodes
-send each trainer's weights to the inference model it feeds, through the object store.
-
-``Engine`` is a façade: it checks the settings, holds what outlives a session (``LearningState``,
-the timeline), and on entering ``with engine:`` deploys the models and wires the components
-that work on them (``_wire``) into a ``Session``.
+One episode: draw ``sample_per_episode`` samples from the dataset (ChatLearn's sampler), stream them
+through the rollout flow, add them to the relay buffer, train every trainer on the relay output (global
+batches split over its ranks), and every ``sync_every`` episodes send each trainer's weights to the
+inference model it feeds, through the object store. ``Engine`` is a façade: it checks the settings,
+holds what outlives a session (``LearningState``, the timeline), and on entering ``with engine:``
+deploys the models and wires the components that work on them (``_wire``) into a ``Session``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ def _run_script(name: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 def test_replicas_spread_over_two_nodes_of_an_existing_cluster():
     result = _run_script("_multinode_script.py")
     assert result["ok"] and result["samples"] == 20

@@ -48,7 +48,7 @@ async def test_cancelling_alearn_mid_run_stops_every_actor(ray_cluster):
     assert relayed.is_set() and flowrl_actor_names() == []
 
 
-@pytest.mark.parametrize("how", ["learn", "with"])
+@pytest.mark.parametrize("how", ["learn", pytest.param("with", marks=pytest.mark.slow)])  # slow: for time
 def test_ctrl_c_during_learn_stops_every_actor_and_leaves_the_last_checkpoint_whole(tmp_path, how):
     import json
     import signal

