@@ -37,7 +37,7 @@
 # folder git ignores, and wait in /tmp while the machine stays warm (it goes back after 30 s idle:
 # make the calls back to back).
 #
-# vLLM: the bundle of scripts/vllm_gpu_bundle.sh in parts (.vp01 ... .vpNN, in .git/info/exclude):
+# vLLM: the bundle of scripts/vllm_gpu_bundle.sh in parts (.vp01 ... .vpNN, ignored by .gitignore):
 #   here:    PY312=... bash scripts/vllm_gpu_bundle.sh /tmp/vb; for d in /tmp/vb/part*; do
 #              mkdir -p .vp${d##*part}; cp -l $d/* .vp${d##*part}/; done
 #            .hf/smollm2-tokenizer (see the SmolLM2 lines below); .whl (scripts/gpu_wheels.sh) for Ray
