@@ -146,7 +146,6 @@ def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_clu
     assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(0.25, weight_transport=transport))))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 class DiesOnce(Policy):
     """Replica 0's process exits in its second call, once over the run (a marker file)."""
 
@@ -192,6 +191,7 @@ def test_a_colocated_policy_replica_that_dies_is_replaced_on_the_gpu_with_the_tr
     assert_synced(engine, samples)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_weight_sync_between_two_gpus(gpu_cluster):
     policy = Policy("policy", gpu(1.0, num_replicas=1, batch_size=4))
     assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(1.0, weight_transport="nccl"))))
