@@ -110,8 +110,10 @@ class TrainerGroups(Protocol):
         groups ``keep`` names besides it."""
         ...
 
-    async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
-        """A trainer rank's checkpoint: (its model's state, rank 0 only; its random generators)."""
+    async def save_state(self, rank: ReplicaHandle, alone: bool = False) -> tuple[bytes | None, bytes]:
+        """A trainer rank's checkpoint: (its model's state, rank 0 only; its random generators).
+        ``alone``: a survivor's own state after a peer died, or None if it may have changed
+        (``TrainerRuntime.save_state``)."""
         ...
 
     async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None: ...

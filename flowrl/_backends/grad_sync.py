@@ -139,6 +139,7 @@ class GradReducer:
         ]
         sum_grads(params)
         self.model._reduced_grads.update(id(p) for p in params)
+        self.model._grad_sums += 1
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # the next step of this optimizer sums its (new) gradients again
@@ -210,6 +211,15 @@ def trainable(model: Model) -> tuple[list[torch.Tensor], bool]:
                 if not _sharded(p):
                     found.setdefault(id(p), p)
     return list(found.values()), anything
+
+
+def has_shards(model: Model) -> bool:
+    """Whether a module the model holds has a sharded parameter (each rank holds its own part)."""
+    import torch
+
+    return any(
+        isinstance(value, torch.nn.Module) and any(_sharded(p) for p in value.parameters()) for _, value in held(model)
+    )
 
 
 def checksum(model: Model) -> Checksum | None:

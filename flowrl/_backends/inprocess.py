@@ -129,8 +129,8 @@ class InProcessBackend:
         # a copy: the arrays may be views of the live parameters, which training goes on changing
         return LocalRef(copy.deepcopy(weights))
 
-    async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
-        return _trainer(rank).save_state()
+    async def save_state(self, rank: ReplicaHandle, alone: bool = False) -> tuple[bytes | None, bytes]:
+        return _trainer(rank).save_state(alone)
 
     async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:
         _trainer(rank).load_state(model, rng)

@@ -132,8 +132,8 @@ class TrainerActor:
     def send_weights(self, group: Any, snapshot: int, keep: list[str]) -> None:
         self.runtime.send_weights(group, snapshot, keep)
 
-    def save_state(self) -> tuple[bytes | None, bytes]:
-        return self.runtime.save_state()
+    def save_state(self, alone: bool = False) -> tuple[bytes | None, bytes]:
+        return self.runtime.save_state(alone)
 
     def load_state(self, model: bytes, rng: bytes | None) -> None:
         self.runtime.load_state(model, rng)

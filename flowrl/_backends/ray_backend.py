@@ -288,8 +288,8 @@ class RayBackend:
     async def send_weights(self, rank: ReplicaHandle, group: Group, snapshot: int, keep: list[str]) -> None:
         await _ask(rank, "send_weights", "weight broadcast", group, snapshot, keep)
 
-    async def save_state(self, rank: ReplicaHandle) -> tuple[bytes | None, bytes]:
-        state: tuple[bytes | None, bytes] = await _ask(rank, "save_state", "checkpoint_state")
+    async def save_state(self, rank: ReplicaHandle, alone: bool = False) -> tuple[bytes | None, bytes]:
+        state: tuple[bytes | None, bytes] = await _ask(rank, "save_state", "checkpoint_state", alone)
         return state
 
     async def load_state(self, rank: ReplicaHandle, model: bytes, rng: bytes | None) -> None:

@@ -13,7 +13,7 @@ from .._core.errors import CheckpointError, FlowError, OutputError, StageError
 from .._core.training.rng_state import rng_state, set_rng_state
 from .._core.training.state_format import decode_state, encode_state
 from .determinism import use_deterministic_torch
-from .grad_sync import GradReducer, check_scaler, checksum, unchecked
+from .grad_sync import GradReducer, check_scaler, checksum, has_shards, unchecked
 from .weight_arrays import check_weight_hooks, to_arrays, weights_of
 from .weight_share import Broadcast, CudaShare, Group, Sender, on_cuda, read_all
 
@@ -36,6 +36,8 @@ class TrainerRuntime:
         # several ranks: gradients summed before each optimizer step (unless the model opts out)
         self._reducer = GradReducer(model) if world_size > 1 and model.auto_reduce_grads else None
         self._compared = world_size <= 1  # the ranks' weights are compared after the first step
+        # the last train call broke before any gradient sum completed: the state is the one it began with
+        self._state_as_before = False
 
     def setup(self, init_method: str | None, gpu_ids: list[int], node_id: str, timeout_s: float) -> str:
         m = self.model
@@ -70,17 +72,19 @@ class TrainerRuntime:
         m = self.model
         m.global_batch_size, m.micro_batch_size = step_size, micro_batch
         m._reduced_grads.clear()
+        m._grad_sums, self._state_as_before = 0, False
         if self._reducer is not None:
             try:
                 self._reducer.attach()
             except FlowError as err:  # a GradScaler made in a train step
                 raise StageError(str(err), f"{m.name}.train_step", m.rank, batch.ids.tolist()) from err
         # the first step on this group: the driver compares the ranks' weights before and after it
-        extra = {} if self._compared else {"_weights_before": checksum(m)}
+        extra: dict[str, Any] = {} if self._compared else {"_weights_before": checksum(m)}
         start, started = time.perf_counter(), time.time()
         try:
             out = m.train_step(batch, iteration)
         except Exception as err:
+            self._state_as_before = m._grad_sums == 0
             raise StageError(
                 f"{type(err).__name__}: {err}", f"{m.name}.train_step", m.rank, batch.ids.tolist()
             ) from err
@@ -97,6 +101,8 @@ class TrainerRuntime:
             extra["_weights_after"] = checksum(m)
             for line in unchecked(m, self._reducer) if m.rank == 0 else []:
                 log.warning("%s", line)
+        if self._reducer is not None:  # the generators a rank rebuilt from a survivor starts its next call with
+            extra["_rng"] = encode_state(rng_state())
         return {**(out or {}), **extra, "_busy_s": busy, "_samples": len(batch), "_started": started}
 
     def get_weights(self) -> dict[str, Any] | CudaShare | Broadcast | None:
@@ -137,15 +143,20 @@ class TrainerRuntime:
     def weight_values(self, snapshot: int) -> dict[str, Any]:
         return self._sender.values(snapshot)
 
-    def save_state(self) -> tuple[bytes | None, bytes]:
-        """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators)."""
+    def save_state(self, alone: bool = False) -> tuple[bytes | None, bytes]:
+        """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators).
+        ``alone``: this rank's own state, read after a peer died, when its gradients are summed by
+        flowrl, nothing is sharded and its last train call broke before any gradient sum, so
+        that the state is the one that call began with; else None."""
         m = self.model
         stage = f"{m.name}.checkpoint_state"
-        try:  # on every rank at once: a sharded model gathers its state collectively
+        if alone and not (self._reducer is not None and self._state_as_before and not has_shards(m)):
+            return None, encode_state(rng_state())
+        try:  # on every rank at once (unless alone): a sharded model gathers its state collectively
             state = m.checkpoint_state()
         except Exception as err:
             raise StageError(f"{type(err).__name__}: {err}", stage, m.rank, []) from err
-        if m.rank != 0:
+        if m.rank != 0 and not alone:
             return None, encode_state(rng_state())
         try:
             return encode_state(state), encode_state(rng_state())

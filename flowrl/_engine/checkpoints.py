@@ -7,20 +7,23 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._core.errors import ReplicaDiedError, StageError
+from .._core.errors import StageError
 from .._pipeline.opening import plain_errors
 from .engine_stats import Rebuild
+from .survivors import cannot_rebuild, rank_death
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from pathlib import Path
 
+    from .._core.errors import ReplicaDiedError
     from .._core.flow.model import Model
     from .._core.settings.run_config import RunConfig
     from .checkpoint_files import CheckpointFormat
     from .checkpoint_state import EngineState
     from .deployment import Deployment
     from .learning import LearningState
+    from .survivors import TrainerRestarts
     from .weight_sync import WeightSync
 
 log = logging.getLogger("flowrl")
@@ -38,6 +41,7 @@ class CheckpointManager:
         trainers: list[Model],
         deployment: Deployment,
         weights: WeightSync,
+        restarts: TrainerRestarts,
     ) -> None:
         self.config = config
         self.files = files
@@ -45,8 +49,8 @@ class CheckpointManager:
         self.trainers = trainers
         self.deployment = deployment
         self.weights = weights
+        self.restarts = restarts
         self._begun = False  # resumed from a checkpoint, or wrote the first one
-        self._restarts = 0
         self._folder: Path | None = None
 
     def due(self, episodes_done: int) -> bool:
@@ -83,7 +87,7 @@ class CheckpointManager:
                 await step()
         except StageError as err:
             trainer = err.stage.partition(".")[0]
-            died = await self._death(trainer, err) if trainer in self.deployment.trainers else None
+            died = await rank_death(self.deployment, trainer, err) if trainer in self.deployment.trainers else None
             if died is None:
                 raise
             await self._rebuild(trainer, died)
@@ -128,19 +132,6 @@ class CheckpointManager:
     def _saved_weights(self, folder: Path, target: str) -> Callable[[], Any]:
         return lambda: self.files.synced_weights(folder, target)
 
-    async def _death(self, trainer: str, err: StageError) -> ReplicaDiedError | None:
-        """``err`` as the death of one of ``trainer``'s ranks; None if none died."""
-        if isinstance(err, ReplicaDiedError):
-            return err
-        # a peer of a rank that died may report its broken collective first
-        backend = self.deployment.backend
-        dead = [r.replica_id for r in self.deployment.trainers[trainer] if not await backend.alive(r)]
-        if not dead:
-            return None
-        return ReplicaDiedError(
-            f"the process of rank {dead[0]} died; a peer reported {err.message}", err.stage, dead[0], err.sample_ids
-        )
-
     def _may_rebuild(self, trainer: str, err: ReplicaDiedError) -> Path:
         """The checkpoint to rebuild ``trainer`` from, one more restart counted; or ``err``, saying why not."""
         folder = self._folder
@@ -148,13 +139,8 @@ class CheckpointManager:
             why = (
                 f"no checkpoint to rebuild trainer {trainer!r} from (set RunConfig.checkpoint.dir and checkpoint.every)"
             )
-            raise _cannot_rebuild(err, why) from err
-        limit = self.config.checkpoint.max_trainer_restarts
-        if self._restarts >= limit:
-            why = f"trainer {trainer!r} was rebuilt {self._restarts} times already "
-            why += f"(RunConfig.checkpoint.max_trainer_restarts={limit})"
-            raise _cannot_rebuild(err, why) from err
-        self._restarts += 1
+            raise cannot_rebuild(err, why) from err
+        self.restarts.take(trainer, err)
         return folder
 
     async def _rebuild(self, trainer: str, err: ReplicaDiedError) -> None:
@@ -171,7 +157,7 @@ class CheckpointManager:
                 await self._restore(folder)
                 break
             except StageError as again:
-                died = await self._death(trainer, again)
+                died = await rank_death(self.deployment, trainer, again)
                 if died is None:
                     raise
                 err = died
@@ -192,7 +178,3 @@ def resume_line(folder: Path, done: int, total: int, versions: dict[str, int]) -
     elif versions:
         line += ", weights versions " + ", ".join(f"{name} {v}" for name, v in versions.items())
     return line
-
-
-def _cannot_rebuild(err: ReplicaDiedError, why: str) -> ReplicaDiedError:
-    return ReplicaDiedError(f"{err.message}; {why}", err.stage, err.replica, err.sample_ids)

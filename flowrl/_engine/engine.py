@@ -42,6 +42,7 @@ from .overlap import Overlap
 from .placement import Placement
 from .replay import Replay, ScheduleLog, check_schedule_settings, schedule_settings
 from .run_folder import RunDir
+from .survivors import SurvivorRebuild
 from .tracking import Tracking
 from .training import TrainSteps
 from .weight_sync import WeightSync
@@ -285,8 +286,9 @@ class Engine:
             else None
         )
         weights = WeightSync(cfg, self.sync_pairs, deployment, replay)
-        trainers = TrainSteps(cfg, self.trainers, deployment, learning.counters, self.timeline)
-        checkpoints = CheckpointManager(cfg, files, learning, self.trainers, deployment, weights)
+        survivors = SurvivorRebuild(cfg, self.trainers, deployment, weights, learning)
+        trainers = TrainSteps(cfg, self.trainers, deployment, learning.counters, self.timeline, survivors)
+        checkpoints = CheckpointManager(cfg, files, learning, self.trainers, deployment, weights, survivors.restarts)
         synced = [t.name for _, t in self.sync_pairs]
         record = (
             ScheduleLog(cfg.reproducibility.record_schedule, schedule_settings(cfg, synced))
@@ -295,19 +297,8 @@ class Engine:
         )
         overlap = Overlap(cfg, learning, deployment.rollout, weights, files, self.timeline, record, replay)
         elasticity = Elasticity([m.name for m in self.trainers], deployment.rollout)
-        episodes = EpisodeLoop(
-            cfg,
-            learning,
-            deployment,
-            trainers,
-            overlap,
-            checkpoints,
-            elasticity,
-            self._run_dir,
-            self.timeline,
-            syncing=bool(self.sync_pairs),
-            tracking=self._tracking,
-        )
+        parts = (cfg, learning, deployment, trainers, overlap, checkpoints, elasticity, self._run_dir, self.timeline)
+        episodes = EpisodeLoop(*parts, syncing=bool(self.sync_pairs), tracking=self._tracking)
         self._tracking.started()
         return Session(deployment, weights, elasticity, episodes)
 

@@ -62,16 +62,18 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Rebuild(msgspec.Struct, frozen=True, kw_only=True):
-    """A trainer whose rank died, started again from checkpoint ``episode`` (the episodes done
-    since run again: ``redone``). ``seconds``: from the death noticed to the ranks started
-    again, restored and every synced model holding the checkpoint's weights; the episodes run
-    again are not in it."""
+    """A trainer whose rank died, started again. ``source`` ``"checkpoint"``: from the
+    checkpoint of ``episode``, the episodes done since run again (``redone``); ``"survivor"``:
+    from a surviving rank's state during episode ``episode``, only the broken step run again
+    (``redone`` 0). ``seconds``: from the death noticed to the ranks started again, restored and
+    every synced model holding the weights it should; the work run again is not in it."""
 
     trainer: str
     rank: int
     episode: int
     redone: int
     seconds: float
+    source: str = "checkpoint"
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core.errors import RankDivergenceError
+from .._core.errors import RankDivergenceError, StageError
 from .._core.flow.batch import Batch, Sample
 from .._core.training.sampler import TrainStep, plan_steps
+from .._pipeline.opening import plain_errors
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .deployment import Deployment
     from .engine_stats import TrainCounters
     from .learning import TrainResults
+    from .survivors import SurvivorRebuild
 
 RankResult = dict[str, Any]
 
@@ -36,12 +38,14 @@ class TrainSteps:
         deployment: Deployment,
         counters: TrainCounters,
         timeline: Timeline,
+        survivors: SurvivorRebuild,
     ) -> None:
         self.config = config
         self.models = models
         self.deployment = deployment
         self.counters = counters
         self.timeline = timeline
+        self.survivors = survivors
 
     async def train(self, samples: Sequence[Sample], episode: int) -> TrainResults:
         """Every trainer, at once, on ``samples``: per trainer, per step, each rank's result."""
@@ -54,12 +58,12 @@ class TrainSteps:
         return results
 
     async def _train(self, trainer: str, batch: Batch, episode: int, out: list[list[RankResult]]) -> None:
-        cfg, ranks = self.config, self.deployment.trainers[trainer]
+        cfg = self.config
         steps = plan_steps(
             len(batch),
             global_batch=cfg.global_batch,
             micro_batch=cfg.micro_batch,
-            dp=len(ranks),
+            dp=len(self.deployment.trainers[trainer]),
             group=cfg.num_samples_per_prompt,
             keys=batch["prompt_index"] if "prompt_index" in batch else None,
         )
@@ -69,12 +73,28 @@ class TrainSteps:
         for _ in range(cfg.num_training_epoch):
             for step, refs, step_rows in zip(steps, shards, rows, strict=True):
                 ids = [batch.ids[r].tolist() for r in step_rows]
-                results = await self._step(ranks, step, refs, ids, episode)
+                results = await self._step(trainer, step, refs, ids, episode)
                 check_same_weights(trainer, results, episode)
                 self._count(trainer, results, ids, episode)
                 out.append(results)
 
     async def _step(
+        self, trainer: str, step: TrainStep, refs: list[Any], ids: list[list[int]], episode: int
+    ) -> list[RankResult]:
+        """One train step of every rank; again on new ranks after a rank died, where the group
+        was rebuilt from a survivor (else the error: the last checkpoint's rebuild)."""
+        while True:
+            try:
+                async with plain_errors():
+                    results = await self._ranks_step(self.deployment.trainers[trainer], step, refs, ids, episode)
+            except StageError as err:
+                if await self.survivors.rebuild(trainer, err):
+                    continue
+                raise
+            self.survivors.record(trainer, results)
+            return results
+
+    async def _ranks_step(
         self, ranks: list[ReplicaHandle], step: TrainStep, refs: list[Any], ids: list[list[int]], episode: int
     ) -> list[RankResult]:
         """One train step: every rank on its shard, at once."""

@@ -129,6 +129,18 @@ class WeightSync:
             if source.name == trainer:
                 self._versions[target.name] = -1
 
+    async def rehome(self, trainer: str) -> None:
+        """``trainer``'s ranks were started again from a survivor, at the state they had: the
+        models it feeds keep their weights, but what was sent by CUDA IPC or NCCL lived in the old
+        rank 0, so a replica joining later gets them from a live replica, by host memory."""
+        for source, target in self.pairs:
+            if source.name == trainer and source.config.weight_transport != "host" and target.name in self._sent:
+                weights = await self._replica_weights(target.name)
+                if isinstance(weights, StageError):
+                    raise weights
+                self._sent[target.name] = weights
+                self.groups.pop(target.name, None)
+
     async def restore(self, trainer: str, target: str, want: int, saved: Callable[[], Any] | None) -> None:
         """Give ``target``'s replicas the weights of version ``want``, held at a checkpoint:
         ``saved`` reads them from it when it has them (it falls between two syncs)."""

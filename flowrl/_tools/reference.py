@@ -123,7 +123,8 @@ MEANING[CheckpointConfig] = {
     "keep": "how many of the latest checkpoints to keep; 0: all",
     "resume": "`auto`: from the latest checkpoint in `dir`, if any; `never`: afresh; or the path of one "
     "checkpoint folder",
-    "max_trainer_restarts": "times a trainer whose rank died may be rebuilt from the last checkpoint",
+    "max_trainer_restarts": "times a trainer whose rank died may be rebuilt (from a survivor or the last checkpoint)",
+    "rebuild_from_survivor": "a dead rank's group rebuilt from a surviving rank's state where it can continue",
 }
 
 MEANING[StalenessConfig] = {

@@ -1,6 +1,7 @@
 """Checkpoints of an engine: exact resume (in process, and after a killed driver with other
-replica counts) and trainer groups rebuilt from the last checkpoint (the state format and the
-folders alone, sans-IO, are in core/test_state_format.py)."""
+replica counts) and trainer groups whose rank died rebuilt from the last checkpoint or from a
+surviving rank (the state format and the folders alone, sans-IO, are in
+core/test_state_format.py)."""
 
 from __future__ import annotations
 
@@ -178,7 +179,7 @@ def test_a_dead_trainer_rank_is_rebuilt_from_the_last_checkpoint(ray_cluster, tm
     learner = {"learner": {"num_replicas": 2, **CPU, "weight_transport": transport}}
     engine, seen = make_engine(
         sync_every=1,
-        checkpoint={"every": 2, "dir": str(tmp_path)},
+        checkpoint={"every": 2, "dir": str(tmp_path), "rebuild_from_survivor": False},
         models=learner,
         die_at=die_at,
         marker=str(tmp_path / "died"),
@@ -200,7 +201,7 @@ def test_a_rank_that_dies_again_while_its_trainer_is_rebuilt_starts_the_rebuild_
     ref = reference(1)
     engine, seen = make_engine(
         sync_every=1,
-        checkpoint={"every": 2, "dir": str(tmp_path)},
+        checkpoint={"every": 2, "dir": str(tmp_path), "rebuild_from_survivor": False},
         die_at=(3, 0),
         marker=str(tmp_path / "died"),
         again_in_setup=True,
@@ -216,7 +217,7 @@ def test_a_rank_that_dies_again_while_its_trainer_is_rebuilt_starts_the_rebuild_
 
 
 def test_a_dead_trainer_rank_without_checkpoints_fails_with_a_named_error(ray_cluster, tmp_path):
-    engine, _ = make_engine(die_at=(1, 0), marker=str(tmp_path / "died"))
+    engine, _ = make_engine(die_at=(1, 0), marker=str(tmp_path / "died"), checkpoint={"rebuild_from_survivor": False})
     with pytest.raises(
         flowrl.ReplicaDiedError, match=r"(?s)'learner.train_step', replica 0.*set RunConfig.checkpoint.dir"
     ):
@@ -235,3 +236,53 @@ def test_trainer_rebuilds_are_bounded(ray_cluster, tmp_path):
     ):
         engine.learn()
     assert flowrl_actor_names() == []
+
+
+@pytest.mark.parametrize(
+    "die_at, peer_first, transport",
+    [((1, 1), False, "host"), ((3, 0), True, "host"), pytest.param((3, 0), False, "nccl", marks=pytest.mark.slow)],
+    ids=["rank-1", "peer-error-races-the-death", "by-broadcast"],
+)
+def test_a_dead_trainer_rank_is_rebuilt_from_a_survivor_without_a_checkpoint(
+    ray_cluster, tmp_path, die_at, peer_first, transport
+):
+    """A rank dies at the start of a step, its peer in the gradient sum: the peer's state is the
+    one the step began with, so new ranks start from it, each with its generators as of its last
+    step, and only that step runs again: no episode is redone, and every loss (drawn from the
+    ranks' generators) and weight is the uninterrupted run's."""
+    ref = reference(1)
+    learner = {"learner": {"num_replicas": 2, **CPU, "weight_transport": transport}}
+    engine, seen = make_engine(
+        sync_every=1, models=learner, die_at=die_at, marker=str(tmp_path / "died"), peer_first=peer_first
+    )
+    stats = engine.learn()
+    assert (tmp_path / "died").exists() and flowrl_actor_names() == []
+    assert trained(engine) == ref["trained"] and stats.trainers["learner"].steps == ref["steps"]
+    assert [s["episode"] for s in seen] == list(range(6)) and seen == ref["seen"]
+    ((rebuilt,),) = [stats.rebuilds]
+    assert (rebuilt.trainer, rebuilt.rank, rebuilt.episode, rebuilt.redone, rebuilt.source) == (
+        "learner",
+        die_at[1],
+        die_at[0],
+        0,
+        "survivor",
+    )
+
+
+def test_a_rank_that_dies_after_the_gradient_sum_is_rebuilt_from_the_checkpoint(ray_cluster, tmp_path):
+    """Its peer stepped on the summed gradients: the peer's state is not the one the step
+    began with, so the group goes back to the last checkpoint, the episodes since run again."""
+    ref = reference(1)
+    engine, seen = make_engine(
+        sync_every=1,
+        checkpoint={"every": 2, "dir": str(tmp_path)},
+        die_at=(3, 1),
+        after_sum=True,
+        marker=str(tmp_path / "died"),
+    )
+    stats = engine.learn()
+    assert (tmp_path / "died").exists() and flowrl_actor_names() == []
+    assert trained(engine) == ref["trained"]
+    assert [s["episode"] for s in seen] == [0, 1, 2, 3, 2, 3, 4, 5]
+    ((rebuilt,),) = [stats.rebuilds]
+    assert (rebuilt.source, rebuilt.episode, rebuilt.redone) == ("checkpoint", 2, 1)

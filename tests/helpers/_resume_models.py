@@ -50,7 +50,8 @@ class Policy(flowrl.Model):
 
 
 class Learner(flowrl.Model):
-    """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked, and
+    """One Adam step per global batch; dies once (``die_at``: episode, rank) if asked, at the
+    start of its step or, with ``after_sum``, once its gradients are summed over the ranks; and
     with ``again_in_setup`` once more, in the setup of the rank started in its place."""
 
     def __init__(
@@ -63,8 +64,10 @@ class Learner(flowrl.Model):
         peer_first: bool = False,
         sleep_s: float = 0.0,
         again_in_setup: bool = False,
+        after_sum: bool = False,
     ) -> None:
         super().__init__(name, config)
+        self.after_sum = after_sum
         self.sleep_s = sleep_s  # per step: a trainer that takes time
         self.again_in_setup = again_in_setup
         self.die_at = die_at
@@ -88,9 +91,8 @@ class Learner(flowrl.Model):
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         import torch
 
-        if self.die_at == (iteration, self.rank) and not Path(self.marker).exists():
-            Path(self.marker).touch()
-            os._exit(1)  # the rank's process dies; its peer waits in the all-reduce
+        if not self.after_sum:
+            self.maybe_die(iteration)  # its peer then waits in the all-reduce
         peer = Path(self.marker + ".peer")
         if self.peer_first and self.die_at and self.die_at[0] == iteration and not peer.exists():
             wait_for_exit(int(Path(self.marker + ".pid").read_text()))  # until the rank dies
@@ -104,6 +106,8 @@ class Learner(flowrl.Model):
         loss = (((self.module(x).squeeze(1) - y) ** 2) * noise).sum() / self.global_batch_size
         loss.backward()
         self.all_reduce_grads(self.module)
+        if self.after_sum:
+            self.maybe_die(iteration)  # its peer goes on: the sum is done
         self.optimizer.step()
         seen = {k: np.asarray(batch[k]).tolist() for k in ("idx", "policy_version", "policy_staleness") if k in batch}
         return {
@@ -112,6 +116,11 @@ class Learner(flowrl.Model):
             "w": self.module.weight.detach().numpy().ravel().tolist(),
             **seen,
         }
+
+    def maybe_die(self, iteration: int) -> None:
+        if self.die_at == (iteration, self.rank) and not Path(self.marker).exists():
+            Path(self.marker).touch()
+            os._exit(1)
 
 
 def wait_for_exit(pid: int, bound_s: float = 120.0) -> None:
@@ -141,6 +150,7 @@ def make_engine(
     marker: str = "",
     peer_first: bool = False,
     again_in_setup: bool = False,
+    after_sum: bool = False,
     rollout_s: float = 0.0,
     train_s: float = 0.0,
     report: Any = None,
@@ -166,6 +176,7 @@ def make_engine(
         peer_first=peer_first,
         sleep_s=train_s,
         again_in_setup=again_in_setup,
+        after_sum=after_sum,
     )
     cfg = {
         "sample_per_episode": 8,

@@ -140,6 +140,9 @@ class Model:
         # ids of the parameters whose gradients all_reduce_grads summed since their optimizer's
         # last step: the automatic reduction before that step leaves them alone
         self._reduced_grads: set[int] = set()
+        # gradient sums over the ranks completed in this train call: none, and a call that broke
+        # left the state as it was (a rank rebuilt from a survivor relies on it)
+        self._grad_sums = 0
         # the engine's sync pairs this model is part of, checked by each replica after setup()
         self._sends_weights_to: tuple[str, ...] = ()
         self._receives_weights_from: tuple[str, ...] = ()
@@ -235,6 +238,7 @@ class Model:
                 grads.append(p.grad)
                 self._reduced_grads.add(id(p))
         sum_over_ranks(grads)
+        self._grad_sums += 1
 
     # ---- weight hooks (trainer -> inference sync) ----
     def get_weights(self) -> Mapping[str, Any]:

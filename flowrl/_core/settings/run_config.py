@@ -88,14 +88,18 @@ class CheckpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """``RunConfig.checkpoint``: a checkpoint every ``every`` episodes (0: none) into ``dir``,
     keeping the last ``keep`` (0: all). ``resume``: ``"auto"`` continues from the latest
     checkpoint in ``dir`` if there is one, ``"never"`` starts afresh (and refuses a folder that
-    holds checkpoints), or the path of one checkpoint folder. A trainer rank that dies is rebuilt
-    from the last checkpoint, at most ``max_trainer_restarts`` times in a run."""
+    holds checkpoints), or the path of one checkpoint folder. A trainer rank that dies is rebuilt,
+    at most ``max_trainer_restarts`` times in a run: with ``rebuild_from_survivor``, from a
+    surviving rank's state where the group can continue (several ranks whose gradients flowrl sums,
+    nothing sharded, no gradient sum of the broken step completed), the broken step run again;
+    else from the last checkpoint, the episodes since run again."""
 
     dir: str | None = None
     every: int = 0
     keep: int = 2
     resume: str = "auto"
     max_trainer_restarts: int = 3
+    rebuild_from_survivor: bool = True
 
     def __post_init__(self) -> None:
         struct_types(self)
