@@ -147,7 +147,8 @@ class TrainerRuntime:
         """(rank 0: the model's ``checkpoint_state``; else None, this rank's random generators).
         ``alone``: this rank's own state, read after a peer died, when its gradients are summed by
         flowrl, nothing is sharded and its last train call broke before any gradient sum, so
-        that the state is the one that call began with; else None."""
+        that the state is the one that call began with; else None (and so before its first
+        call: its generators alone)."""
         m = self.model
         stage = f"{m.name}.checkpoint_state"
         if alone and not (self._reducer is not None and self._state_as_before and not has_shards(m)):

@@ -20,6 +20,7 @@ from .._pipeline.opening import plain_errors
 from .engine_stats import Rebuild
 
 if TYPE_CHECKING:
+    from .._backends.specs import ReplicaHandle
     from .._core.flow.model import Model
     from .._core.settings.run_config import RunConfig
     from .deployment import Deployment
@@ -86,21 +87,42 @@ class SurvivorRebuild:
         self.weights = weights
         self.learning = learning
         self.restarts = TrainerRestarts(config.checkpoint.max_trainer_restarts)  # shared with the checkpoint's
-        self._rngs: dict[str, list[bytes | None]] = {}  # per trainer, per rank
+        # per trainer: its ranks (a group started again is a new list) and each rank's generators
+        self._rngs: dict[str, tuple[list[ReplicaHandle], list[bytes | None]]] = {}
+
+    def _known(self, trainer: str) -> list[bytes | None] | None:
+        """Each rank's generators as of its last step, if known for the ranks running now."""
+        ranks, rngs = self._rngs.get(trainer, (None, None))
+        return rngs if ranks is self.deployment.trainers[trainer] else None
+
+    async def prime(self, trainer: str) -> None:
+        """Before a group's first step: each rank's generators as set up (or restored), read
+        without its state, so that a death in that step too has a survivor's rebuild."""
+        ranks = self.deployment.trainers[trainer]
+        if self._known(trainer) is not None or len(ranks) < 2 or not self.config.checkpoint.rebuild_from_survivor:
+            return
+        rngs: list[bytes | None] = [None] * len(ranks)
+
+        async def one(r: int) -> None:
+            _, rngs[r] = await self.deployment.backend.save_state(ranks[r], alone=True)  # no step yet: no state
+
+        async with plain_errors(), anyio.create_task_group() as tg:
+            for r in range(len(ranks)):
+                tg.start_soon(one, r)
+        self._rngs[trainer] = ranks, rngs
 
     def record(self, trainer: str, results: list[dict[str, Any]]) -> None:
         """A step every rank completed: keep each rank's generators (taken out of its results)."""
-        self._rngs[trainer] = [res.pop("_rng", None) for res in results]
+        self._rngs[trainer] = self.deployment.trainers[trainer], [res.pop("_rng", None) for res in results]
 
     async def rebuild(self, trainer: str, err: StageError) -> bool:
         """A step of ``trainer`` broke with ``err``: if a rank died and a survivor's state is the
         one the step began with, start the group again from it (True: run the step again)."""
-        rngs = self._rngs.get(trainer, [])
-        ranks = self.deployment.trainers[trainer]
-        if not (self.config.checkpoint.rebuild_from_survivor and len(ranks) > 1 and len(rngs) == len(ranks)):
-            return False  # one rank, or no step completed since the group started: the checkpoint
-        if None in rngs or self.restarts.spent:
-            return False  # flowrl does not sum its gradients (what a step changes is unknown), or none left
+        rngs = self._known(trainer)
+        if rngs is None or len(rngs) < 2 or not self.config.checkpoint.rebuild_from_survivor:
+            return False  # one rank, or its generators unknown: the checkpoint
+        if self.restarts.spent:
+            return False  # the checkpoint's rebuild says that none is left
         died = await rank_death(self.deployment, trainer, err)
         if died is None:
             return False
@@ -153,7 +175,6 @@ class SurvivorRebuild:
     async def _restart(self, trainer: str, state: bytes, rngs: list[bytes | None]) -> None:
         """New ranks, each with the survivor's state and its own generators."""
         await self.deployment.restart_trainer(self.models[trainer])
-        self._rngs.pop(trainer, None)  # the new ranks report theirs after their first step
         backend = self.deployment.backend
         async with plain_errors(), anyio.create_task_group() as tg:
             for r, rank in enumerate(self.deployment.trainers[trainer]):

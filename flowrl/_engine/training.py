@@ -86,6 +86,7 @@ class TrainSteps:
         while True:
             try:
                 async with plain_errors():
+                    await self.survivors.prime(trainer)
                     results = await self._ranks_step(self.deployment.trainers[trainer], step, refs, ids, episode)
             except StageError as err:
                 if await self.survivors.rebuild(trainer, err):

@@ -26,8 +26,11 @@ pytest.importorskip("torch")
 from _chaos_models import PER_EPISODE, facts, run, summary  # noqa: E402 - after the skip: it imports torch
 
 
-def check_same_as_calm(result: dict[str, Any], lost_with_node: dict[str, int] | None = None) -> dict[str, int]:
-    """``result``: ``_chaos_models.summary``; ``lost_with_node``: replicas per model that went with a node."""
+def check_same_as_calm(
+    result: dict[str, Any], lost_with_node: dict[str, int] | None = None, ranks: int = 1
+) -> dict[str, int]:
+    """``result``: ``_chaos_models.summary``; ``lost_with_node``: replicas per model that went with a
+    node; ``ranks``: the trainer's."""
     assert result["finite"] and result["same"]
     calm, chaos = result["calm"], result["chaos"]
     assert calm["killed"] == {"policy": 0, "scorer": 0, "trainer": 0}
@@ -37,35 +40,46 @@ def check_same_as_calm(result: dict[str, Any], lost_with_node: dict[str, int] | 
         times = chaos["recovery_s"][model]
         assert len(times) == chaos["killed"][model] + lost.get(model, 0), (model, chaos)
         assert all(t is not None and t >= 0 for t in times)
-    assert len(chaos["rebuilds"]) == chaos["killed"]["trainer"] + lost.get("trainer", 0)
-    assert all(trainer == "trainer" and rank == 0 and s > 0 for trainer, rank, s in chaos["rebuilds"])
+    rebuilds, deaths = chaos["rebuilds"], chaos["killed"]["trainer"] + lost.get("trainer", 0)
+    # each death rebuilds the trainer once; ranks dying in one step rebuild it once for all
+    assert len(rebuilds) == deaths if ranks == 1 else (0 < len(rebuilds) <= deaths) == (deaths > 0)
+    assert all(t == "trainer" and rank < ranks and s > 0 for t, rank, s, _ in rebuilds)
+    assert all(source == "checkpoint" for *_, source in rebuilds) or ranks > 1
     for r in (calm, chaos):
         assert r["both_stages_saw_each_sample"] and r["episodes_in_order"] and r["trained"] == calm["trained"]
         assert r["serving"] == {"policy": 2, "scorer": 2}  # the pools back at their size
     return chaos["killed"]
 
 
-def in_process(tmp_path: Path, episodes: int, deaths: dict[str, int], seed: int, **layout: bool) -> dict[str, int]:
-    """``layout``: the run with kills' (``gpus``, ``colocate`` of ``_chaos_models.run``); the calm
-    run asks for no GPU."""
-    calm = run(tmp_path / "calm", episodes, {}, seed)
-    chaotic = run(tmp_path / "chaos", episodes, deaths, seed, **layout)
-    killed = check_same_as_calm(summary(calm, chaotic, episodes))
+def in_process(
+    tmp_path: Path, episodes: int, deaths: dict[str, int], seed: int, ranks: int = 1, **layout: bool
+) -> tuple[dict[str, int], list[str]]:
+    """The kills per model and the sources of the trainer's rebuilds. ``ranks``: the trainer's, in
+    both runs; ``layout``: the run with kills' (``gpus``, ``colocate`` of ``_chaos_models.run``);
+    the calm run asks for no GPU."""
+    calm = run(tmp_path / "calm", episodes, {}, seed, ranks=ranks)
+    chaotic = run(tmp_path / "chaos", episodes, deaths, seed, ranks=ranks, **layout)
+    result = summary(calm, chaotic, episodes)
+    killed = check_same_as_calm(result, ranks=ranks)
     assert flowrl_actor_names() == []
-    return killed
+    return killed, [source for *_, source in result["chaos"]["rebuilds"]]
 
 
 def test_a_run_with_kills_ends_bit_for_bit_where_a_calm_run_ends(ray_cluster, tmp_path):
     # on GPUs colocated as RLHF runs place them: a replacement takes the bundle (the GPU share) of
     # the replica it replaces, the only room there is for it
-    killed = in_process(tmp_path, 4, {"policy": 2, "scorer": 2, "trainer": 1}, seed=7, gpus=True, colocate=True)
+    # the trainer on two ranks: one killed at the start of a step is rebuilt from the other's state
+    deaths = {"policy": 2, "scorer": 2, "trainer": 1}
+    killed, sources = in_process(tmp_path, 4, deaths, seed=7, ranks=2, gpus=True, colocate=True)
     assert killed["policy"] + killed["scorer"] >= 2, killed  # the draws did kill (p=0.3 over dozens of calls)
+    assert sources == ["survivor"], sources
 
 
 @pytest.mark.slow
 def test_a_long_run_with_many_kills_ends_bit_for_bit_where_a_calm_run_ends(ray_cluster, tmp_path):
-    killed = in_process(tmp_path, 10, {"policy": 10, "scorer": 10, "trainer": 3}, seed=11)
+    killed, sources = in_process(tmp_path, 10, {"policy": 10, "scorer": 10, "trainer": 3}, seed=11)
     assert sum(killed.values()) >= 20, killed
+    assert sources == ["checkpoint"] * 3  # one rank: no survivor
 
 
 @pytest.mark.slow

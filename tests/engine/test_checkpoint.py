@@ -240,16 +240,21 @@ def test_trainer_rebuilds_are_bounded(ray_cluster, tmp_path):
 
 @pytest.mark.parametrize(
     "die_at, peer_first, transport",
-    [((1, 1), False, "host"), ((3, 0), True, "host"), pytest.param((3, 0), False, "nccl", marks=pytest.mark.slow)],
-    ids=["rank-1", "peer-error-races-the-death", "by-broadcast"],
+    [
+        ((0, 0), False, "host"),
+        ((1, 1), False, "host"),
+        ((3, 0), True, "host"),
+        pytest.param((3, 0), False, "nccl", marks=pytest.mark.slow),
+    ],
+    ids=["first-step", "rank-1", "peer-error-races-the-death", "by-broadcast"],
 )
 def test_a_dead_trainer_rank_is_rebuilt_from_a_survivor_without_a_checkpoint(
     ray_cluster, tmp_path, die_at, peer_first, transport
 ):
-    """A rank dies at the start of a step, its peer in the gradient sum: the peer's state is the
-    one the step began with, so new ranks start from it, each with its generators as of its last
-    step, and only that step runs again: no episode is redone, and every loss (drawn from the
-    ranks' generators) and weight is the uninterrupted run's."""
+    """A rank dies at the start of a step (the group's first, too), its peer in the gradient sum:
+    the peer's state is the one the step began with, so new ranks start from it, each with its
+    generators as of its last step, and only that step runs again: no episode is redone, and
+    every loss (drawn from the ranks' generators) and weight is the uninterrupted run's."""
     ref = reference(1)
     learner = {"learner": {"num_replicas": 2, **CPU, "weight_transport": transport}}
     engine, seen = make_engine(

@@ -105,6 +105,7 @@ def run(
     *,
     gpus: bool = False,
     colocate: bool = False,
+    ranks: int = 1,
     staleness: int = 0,
     deterministic: bool = True,
     schedule: dict[str, str] | None = None,
@@ -113,8 +114,10 @@ def run(
     """One run; ``deaths``: the most kills per model (all 0: the calm run). ``gpus``: each policy
     and scorer replica asks for a (logical) GPU, in its pool's placement group, or with
     ``colocate`` in one group for both (a policy and a scorer replica on each GPU).
-    ``staleness``: ``RunConfig.staleness.max``; ``deterministic``: its reproducibility mode (off:
-    shards are cut by timing, and only counts can be compared); ``schedule``: ``record_schedule``
+    ``ranks``: the trainer's data-parallel ranks (with two, a rank killed at the start of a step
+    is rebuilt from its peer's state); ``staleness``: ``RunConfig.staleness.max``;
+    ``deterministic``: its reproducibility mode (off: shards are cut by timing, and only counts
+    can be compared); ``schedule``: ``record_schedule``
     or ``replay_schedule`` (``RunConfig.reproducibility``). ``during(engine)`` is called once the
     engine has started, and what it returns once its run has ended (a node loss starts and
     stops so)."""
@@ -129,7 +132,7 @@ def run(
     pool = {**CPU, "healing": {"max_restarts": 10, "per_minute": 30}} | ({"gpus_per_replica": 1} if gpus else {})
     policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **pool}, chaos("policy"))
     scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **pool}, chaos("scorer"))
-    trainer = Trainer("trainer", {**CPU}, chaos("trainer"))
+    trainer = Trainer("trainer", {"num_replicas": ranks, **CPU}, chaos("trainer"))
     engine = flowrl.Engine(
         rollout=lambda x: scorer.forward_step(policy.forward_step(x)),
         train=[trainer],
@@ -171,7 +174,7 @@ def facts(r: dict[str, Any], episodes: int) -> dict[str, Any]:
         "killed": r["killed"],
         "serving": r["serving"],
         "recovery_s": {m: [e.recovery_s for e in stats.replaced if e.model == m] for m in ("policy", "scorer")},
-        "rebuilds": [[b.trainer, b.rank, b.seconds] for b in stats.rebuilds],
+        "rebuilds": [[b.trainer, b.rank, b.seconds, b.source] for b in stats.rebuilds],
         "both_stages_saw_each_sample": stages["policy.forward_step"].samples == stages["scorer.forward_step"].samples,
         "episodes_in_order": [e.episode for e in stats.episodes] == list(range(episodes)),
         "trained": stats.trainers["trainer"].samples,
