@@ -3,7 +3,7 @@ the driver kills its policy, scorer and trainer actors (``ray.kill``) at random 
 from a seed, against the same run without kills. Writes
 ``benchmarks/results/<date>-cpu<N>-chaos.json`` and prints the table of docs/reliability.md.
 
-    python benchmarks/run.py chaos [--episodes 100] [--kills 25] [--gap-s 0.5] [--seed 0] [--node-loss]
+    python benchmarks/run.py chaos [--episodes 100] [--kills 25] [--gap-s 0.5] [--seed 0] [--node-loss] [--ranks 1]
 
 The kills land wherever the run is: in a shard, between shards, in a weight sync, in a
 checkpoint. With ``--node-loss`` the runs are on a
@@ -16,8 +16,9 @@ outputs its object store held, are lost with it.
 What is checked: the trained weights and every per-episode loss bit for bit equal to the calm
 run's, every sample trained once (the trainer's counts), the pools back at their size, each of
 the lost node's replicas replaced. What is measured: each kill's recovery (a replica: from the
-death noticed to its replacement serving; a trainer: to its ranks restored from the last
-checkpoint; the node's replicas: from its removal to each replacement serving).
+death noticed to its replacement serving; a trainer: to its ranks restored from a surviving
+rank (``--ranks 2``, a rank killed while its peer can go on) or from the last checkpoint; the
+node's replicas: from its removal to each replacement serving).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 import statistics
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,26 +76,39 @@ class Scorer(flowrl.Model):
 
 
 class Trainer(flowrl.Model):
-    """Least squares of ``w.x`` on the scores, one SGD step a batch; reports ``w`` exactly."""
+    """Least squares of ``w.x`` on the scores, one SGD step a batch (the gradients summed over
+    the ranks by flowrl); reports ``w`` exactly."""
 
     def setup(self) -> None:
-        self.w = np.full(4, 0.5)
+        import torch
+
+        self.module = torch.nn.Linear(4, 1, bias=False, dtype=torch.float64)
+        torch.nn.init.constant_(self.module.weight, 0.5)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.01)
 
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        import torch
+
         time.sleep(STEP_S)
-        x, target = np.asarray(batch["x"]), np.asarray(batch["score"])
-        error = x @ self.w - target
-        self.w = self.w - 0.01 * 2 * x.T @ error / len(target)
-        return {"loss": float(np.mean(error**2)), "w": self.w.tolist()}
+        x, target = torch.as_tensor(np.asarray(batch["x"])), torch.as_tensor(np.asarray(batch["score"]))
+        loss = ((self.module(x).squeeze(1) - target) ** 2).sum() / self.global_batch_size
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": float(loss), "w": self.weights().tolist()}
+
+    def weights(self) -> np.ndarray:
+        return self.module.weight.detach().numpy().ravel().copy()
 
     def get_weights(self) -> dict[str, Any]:
-        return {"w": self.w.copy()}
+        return {"w": self.weights()}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"w": self.w.tolist()}
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def restore_state(self, state: Any) -> None:
-        self.w = np.asarray(state["w"])
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 ACTOR = re.compile(r"flowrl-[0-9a-f]+-(policy|scorer|trainer)-(\d+)(-\d+)?")  # a rebuilt rank: -<generation>
@@ -186,12 +201,18 @@ class NodeLoss:
 
 
 def run(
-    folder: Path, episodes: int, seed: int, killer: Killer | None, node: NodeLoss | None = None, gpus: bool = False
+    folder: Path,
+    episodes: int,
+    seed: int,
+    killer: Killer | None,
+    node: NodeLoss | None = None,
+    gpus: bool = False,
+    ranks: int = 1,
 ) -> dict[str, Any]:
     gpu = {"gpus_per_replica": 1} if gpus else {}  # logical GPUs, to spread the replicas over the nodes
     policy = Policy("policy", {"num_replicas": 2, "batch_size": 2, **CPU, **gpu, **HEALING})
     scorer = Scorer("scorer", {"num_replicas": 2, "batch_size": 1, **CPU, **gpu, **HEALING})
-    trainer = Trainer("trainer", {**CPU})
+    trainer = Trainer("trainer", {"num_replicas": ranks, **CPU})
     engine = flowrl.Engine(
         rollout=lambda x: scorer.forward_step(policy.forward_step(x)),
         train=[trainer],
@@ -235,6 +256,7 @@ def run(
             for m in ("policy", "scorer")
         },
         "rebuilds": [r.seconds for r in stats.rebuilds],
+        "rebuilt_from": [r.source for r in stats.rebuilds],
         "redone": sum(r.redone for r in stats.rebuilds),
         "kills": killer.done if killer is not None else [],
         "node": None  # from the node's removal to each of its replicas' replacements serving
@@ -273,6 +295,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gap-s", type=float, default=0.5, help="mean seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--node-loss", action="store_true", help="two nodes; the worker removed once, with kills")
+    parser.add_argument("--ranks", type=int, default=1, help="the trainer's data-parallel ranks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     import tempfile
@@ -288,10 +311,10 @@ def main(argv: list[str]) -> int:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:  # the calm run asks for no GPU: with --node-loss, another layout
-            calm = run(Path(tmp, "calm"), args.episodes, args.seed, None)
+            calm = run(Path(tmp, "calm"), args.episodes, args.seed, None, ranks=args.ranks)
             node = NodeLoss(cluster) if cluster is not None else None
             killer = Killer(args.seed, args.kills, args.gap_s, node_loss=node is not None)
-            chaos = run(Path(tmp, "chaos"), args.episodes, args.seed, killer, node, gpus=args.node_loss)
+            chaos = run(Path(tmp, "chaos"), args.episodes, args.seed, killer, node, args.node_loss, args.ranks)
     finally:
         ray.shutdown()
         if cluster is not None:
@@ -309,6 +332,8 @@ def main(argv: list[str]) -> int:
     summary = {"command": command.strip(), "ok": ok, "episodes": args.episodes, "calm": calm, "chaos": chaos}
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(table(calm, chaos, args.episodes))
+    sources = ", ".join(f"{n} from {s}" for s, n in sorted(Counter(chaos["rebuilt_from"]).items()))
     print(f"calm {calm['seconds']:.1f} s, with kills {chaos['seconds']:.1f} s ({chaos['redone']} episodes redone)")
+    print(f"trainer rebuilds: {sources or 'none'}")
     print(f"{'passed' if ok else 'FAILED'}; {out}")
     return 0 if ok else 1
