@@ -212,6 +212,34 @@ def test_weights_sent_by_host_outlive_the_trainer_process_that_made_them(ray_clu
     assert flowrl_actor_names() == []
 
 
+def test_after_a_survivor_rebuild_a_replica_joining_gets_the_weights_a_broadcast_sent(ray_cluster):
+    """Weights broadcast (gloo here) are a snapshot in the trainer's rank 0. After a rebuild from a
+    survivor the policy keeps what it holds, and ``rehome`` reads it back from a live replica, so a
+    replica added once the old ranks are gone gets those weights instead of a dead snapshot."""
+    import ray
+
+    engine = _engine(None, (), "nccl")
+    probe = [{"x": np.ones(4, dtype=np.float32)} for _ in range(8)]
+    with engine:
+        engine.learn()
+        trained = engine.train_results[-1]["trainer"][-1][0]["w_sum"]
+        session = engine._session
+        assert isinstance(session.weights.sent("policy"), Broadcast)
+        engine._portal.call(session.weights.rehome, "trainer")
+        assert not isinstance(session.weights.sent("policy"), Broadcast)
+        engine._portal.call(session.deployment.restart_trainer, engine.trainers[0])  # the old rank 0 goes
+        assert engine.resize("policy", 3) == [2]
+        rollout = session.deployment.rollout
+        after = engine._portal.call(rollout.run, probe)
+        serving = rollout.serving("policy")
+        (joined,) = [h for h in session.deployment.replicas_of("policy") if h.replica_id == 2]
+        held = ray.get(engine._portal.call(session.deployment.backend.get_weights, joined))
+    assert serving == [0, 1, 2]
+    assert round(float(held["weight"].sum()), 5) == round(trained, 5)  # the new replica's own weights
+    assert {round(s["policy_w"], 5) for s in after} == {round(trained, 5)}
+    assert flowrl_actor_names() == []
+
+
 def test_when_every_replica_dies_in_set_weights_the_run_fails_naming_the_model(ray_cluster):
     from ray.util.queue import Queue
 
