@@ -197,6 +197,58 @@ def test_nccl_weight_sync_between_two_gpus(gpu_cluster):
     assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(1.0, weight_transport="nccl"))))
 
 
+class DiesInStep(Trainer):
+    """Rank 1's process exits at the start of its third train step, once over the run (a marker)."""
+
+    def __init__(self, name: str, config: Any, *, marks: str | None) -> None:
+        super().__init__(name, config)
+        self.marks = marks
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.marks is not None and self.rank == 1 and self.calls == 3:
+            try:
+                os.close(os.open(os.path.join(self.marks, "died"), os.O_CREAT | os.O_EXCL))
+                os._exit(1)
+            except FileExistsError:
+                pass
+        return super().train_step(batch, iteration)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_trainer_rank_that_dies_on_its_gpu_is_rebuilt_from_its_peer(gpu_cluster, tmp_path):
+    """Two ranks on two GPUs, their gradients summed by NCCL; rank 1 dies at the start of a step
+    while rank 0 waits in the sum. The run ends where a calm run ends, and says whether the
+    survivor's NCCL collective returned in time for a rebuild from it (else the checkpoint)."""
+
+    def run(marks: str | None) -> tuple[list[float], flowrl.EngineStats]:
+        policy = Policy("policy", {"num_replicas": 1, "batch_size": 4, "cpus_per_replica": 0.1})
+        trainer = DiesInStep("trainer", gpu(1.0, num_replicas=2), marks=marks)
+        folder = tmp_path / ("chaos" if marks else "calm")
+        engine = flowrl.Engine(
+            rollout=lambda x: policy.forward_step(x),
+            train=[trainer],
+            sync=[(trainer, policy)],
+            config={
+                "sample_per_episode": 8,
+                "num_episode": 3,
+                "progress": "off",
+                "collective_timeout_s": 60,
+                "checkpoint": {"dir": str(folder), "every": 1},
+            },
+        )
+        engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
+        stats = engine.learn()
+        return [step[r]["w_sum"] for ep in engine.train_results for step in ep["trainer"] for r in (0, 1)], stats
+
+    calm, _ = run(None)
+    chaos, stats = run(str(tmp_path))
+    assert (tmp_path / "died").exists() and flowrl_actor_names() == []
+    assert chaos == calm
+    ((rebuilt,),) = [stats.rebuilds]
+    assert (rebuilt.rank, rebuilt.source, rebuilt.redone) == (1, "survivor", 0), rebuilt
+
+
 def test_nccl_weight_sync_on_one_gpu_is_refused_by_name(gpu_cluster):
     policy = Policy("policy", gpu(0.25, num_replicas=1, batch_size=4))
     trainer = Trainer("trainer", gpu(0.25, weight_transport="nccl"))
