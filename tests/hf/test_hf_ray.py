@@ -1,10 +1,12 @@
 """flowrl.hf on Ray: two policy replicas, a GRPO trainer sharded by FSDP2 over two gloo ranks,
-the weight sync by host, checkpoints gathered on every rank and a resume; and a bad tokenizer
-that fails the engine by name, leaving no actor."""
+the weight sync by host, checkpoints gathered on every rank and a resume; a replicated GRPO
+trainer whose killed rank is rebuilt from its peer; and a bad tokenizer that fails the engine
+by name, leaving no actor."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 import hf_ranks
 import hf_tiny
@@ -55,6 +57,57 @@ def test_grpo_on_ray_with_a_sharded_trainer_syncs_checkpoints_and_resumes(ray_cl
     again = [e.metrics["grpo"] for e in resumed.learn().episodes]
     assert len(again) == 3 and again[2]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert flowrl_actor_names() == []
+
+
+class DyingGRPO(hf.GRPOTrainer):
+    """Rank 1's process exits at the start of its second train step, once (``marker``)."""
+
+    def __init__(self, *args: Any, marker: str | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.marker = marker
+
+    def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, float]:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.marker and self.rank == 1 and self.calls == 2:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+                os._exit(1)
+            except FileExistsError:
+                pass
+        return super().train_step(batch, iteration)
+
+
+@pytest.mark.slow  # two runs of a tiny Llama on Ray
+def test_a_replicated_grpo_trainer_whose_rank_dies_is_rebuilt_from_its_peer(ray_cluster, tmp_path: Path) -> None:
+    """Two gloo ranks without FSDP (``Train.fsdp="never"``): the survivor's model, AdamW and
+    schedule state go to new ranks, the broken step runs again, and the run's metrics and
+    synced weights are the calm run's, bit for bit (deterministic mode), with no checkpoint."""
+    tokenizer = hf_tiny.make_tokenizer(tmp_path / "tok")
+
+    def run(marker: str | None) -> tuple[list[dict[str, float]], flowrl.EngineStats]:
+        lm = {"config": hf_tiny.llama(), "tokenizer": tokenizer}
+        sampling = {"max_new_tokens": 6, "stop_token_ids": tuple(range(5, 45))}
+        policy = hf.HFPolicy("policy", {"num_replicas": 2, "batch_size": 4, **CPU}, lm=lm, sampling=sampling)
+        reward = hf.RuleReward("reward", {"batch_size": 8, **CPU}, fn=hf_ranks.e_count)
+        ranks = {"num_replicas": 2, **CPU}
+        trainer = DyingGRPO("grpo", ranks, lm=lm, optim={"lr": 3e-2}, train={"fsdp": "never"}, marker=marker)
+        config = flowrl.RunConfig(
+            sample_per_episode=16,
+            num_samples_per_prompt=4,
+            num_episode=3,
+            train_global_batch_size=8,  # two steps an episode: the death lands mid-episode
+            reproducibility={"deterministic": True},
+            progress="off",
+        )
+        stats = hf_ranks.grpo_engine(policy, reward, trainer, config).learn()
+        return [e.metrics["grpo"] for e in stats.episodes], stats
+
+    calm, _ = run(None)
+    chaos, stats = run(str(tmp_path / "died"))
+    assert (tmp_path / "died").exists() and flowrl_actor_names() == []
+    assert chaos == calm
+    ((rebuilt,),) = [stats.rebuilds]
+    assert (rebuilt.rank, rebuilt.source, rebuilt.episode, rebuilt.redone) == (1, "survivor", 0, 0)
 
 
 def test_a_tokenizer_without_a_pad_token_fails_the_engine_by_name_and_leaves_no_actor(
