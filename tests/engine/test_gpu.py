@@ -146,6 +146,15 @@ def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_clu
     assert_synced(*sync_and_probe(policy, Trainer("trainer", gpu(0.25, weight_transport=transport))))
 
 
+def die_once(marks: str) -> None:
+    """This process exits, the first time over the run (an exclusive marker file in ``marks``)."""
+    try:
+        os.close(os.open(os.path.join(marks, "died"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    os._exit(1)
+
+
 class DiesOnce(Policy):
     """Replica 0's process exits in its second call, once over the run (a marker file)."""
 
@@ -156,11 +165,7 @@ class DiesOnce(Policy):
     def forward_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         self.calls = getattr(self, "calls", 0) + 1
         if self.replica_id == 0 and self.calls == 2:
-            try:
-                os.close(os.open(os.path.join(self.marks, "died"), os.O_CREAT | os.O_EXCL))
-                os._exit(1)
-            except FileExistsError:
-                pass
+            die_once(self.marks)
         return super().forward_step(batch, iteration)
 
 
@@ -207,11 +212,7 @@ class DiesInStep(Trainer):
     def train_step(self, batch: flowrl.Batch, iteration: int) -> dict[str, Any]:
         self.calls = getattr(self, "calls", 0) + 1
         if self.marks is not None and self.rank == 1 and self.calls == 3:
-            try:
-                os.close(os.open(os.path.join(self.marks, "died"), os.O_CREAT | os.O_EXCL))
-                os._exit(1)
-            except FileExistsError:
-                pass
+            die_once(self.marks)
         return super().train_step(batch, iteration)
 
 
