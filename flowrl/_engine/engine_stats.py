@@ -3,7 +3,7 @@ per-rank counters behind them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -73,7 +73,7 @@ class Rebuild(msgspec.Struct, frozen=True, kw_only=True):
     episode: int
     redone: int
     seconds: float
-    source: str = "checkpoint"
+    source: Literal["checkpoint", "survivor"] = "checkpoint"
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
