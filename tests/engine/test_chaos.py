@@ -42,7 +42,10 @@ def check_same_as_calm(
         assert all(t is not None and t >= 0 for t in times)
     rebuilds, deaths = chaos["rebuilds"], chaos["killed"]["trainer"] + lost.get("trainer", 0)
     # each death rebuilds the trainer once; ranks dying in one step rebuild it once for all
-    assert len(rebuilds) == deaths if ranks == 1 else (0 < len(rebuilds) <= deaths) == (deaths > 0)
+    if ranks == 1:
+        assert len(rebuilds) == deaths
+    else:
+        assert len(rebuilds) <= deaths and (len(rebuilds) > 0) == (deaths > 0)
     assert all(t == "trainer" and rank < ranks and s > 0 for t, rank, s, _ in rebuilds)
     assert all(source == "checkpoint" for *_, source in rebuilds) or ranks > 1
     for r in (calm, chaos):
