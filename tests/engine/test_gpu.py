@@ -147,7 +147,8 @@ def test_weight_sync_from_a_gpu_trainer_reaches_every_gpu_policy_replica(gpu_clu
 
 
 def die_once(marks: str) -> None:
-    """This process exits, the first time over the run (an exclusive marker file in ``marks``)."""
+    """This process exits, the first time over the run (an exclusive marker file in ``marks``;
+    defined here, not imported from a helper: a model's module reaches Ray workers by value)."""
     try:
         os.close(os.open(os.path.join(marks, "died"), os.O_CREAT | os.O_EXCL))
     except FileExistsError:
@@ -225,22 +226,10 @@ def test_a_trainer_rank_that_dies_on_its_gpu_is_rebuilt_from_its_peer(gpu_cluste
     def run(marks: str | None) -> tuple[list[float], flowrl.EngineStats]:
         policy = Policy("policy", {"num_replicas": 1, "batch_size": 4, "cpus_per_replica": 0.1})
         trainer = DiesInStep("trainer", gpu(1.0, num_replicas=2), marks=marks)
-        folder = tmp_path / ("chaos" if marks else "calm")
-        engine = flowrl.Engine(
-            rollout=lambda x: policy.forward_step(x),
-            train=[trainer],
-            sync=[(trainer, policy)],
-            config={
-                "sample_per_episode": 8,
-                "num_episode": 3,
-                "progress": "off",
-                "collective_timeout_s": 60,
-                "checkpoint": {"dir": str(folder), "every": 1},
-            },
-        )
-        engine.set_dataset([{"x": np.ones(4, dtype=np.float32) * (i % 3)} for i in range(24)])
-        stats = engine.learn()
-        return [step[r]["w_sum"] for ep in engine.train_results for step in ep["trainer"] for r in (0, 1)], stats
+        checkpoints = {"dir": str(tmp_path / ("chaos" if marks else "calm")), "every": 1}
+        engine, _ = sync_and_probe(policy, trainer, collective_timeout_s=60, checkpoint=checkpoints)
+        weights = [step[r]["w_sum"] for ep in engine.train_results for step in ep["trainer"] for r in (0, 1)]
+        return weights, engine.stats()
 
     calm, _ = run(None)
     chaos, stats = run(str(tmp_path))
