@@ -62,8 +62,14 @@ class Admission:
 
     async def _admit_all(self, run: Run, items: Any) -> None:
         total = len(items) if isinstance(items, Sized) else None
+        announced = 0
         if total:
             self.expect(total)
+            # What the window holds now is admitted without waiting for any sample to finish:
+            # the ``cost`` splitter may wait for it as for samples upstream, instead of cutting
+            # the first chunk alone (1,024 prompts cut 64 + 960 paid a call's fixed cost twice)
+            announced = min(total, self._window.free)
+            self._announce(announced)
         take, close = self._taker(items)
         exhausted = False
         # With estimates (a list in memory), admit as much as the window holds at once: the
@@ -82,6 +88,9 @@ class Admission:
                     self._window.release(room - len(chunk))
                 if chunk:
                     expected = total is not None and run.admitted + len(chunk) <= total
+                    if run.admitted + len(chunk) > announced:  # before the stages see them
+                        self._announce(run.admitted + len(chunk) - announced)
+                        announced = run.admitted + len(chunk)
                     self._admit_chunk(run, chunk, expected=expected)
                     # let the dispatcher send the first shards now: admitting 400 items
                     # before any was sent started a run's first calls 4 ms late (2 cores)
@@ -90,6 +99,8 @@ class Admission:
             close()  # stops an async source's pump
             if total is not None and run.admitted < total:
                 self.expect(run.admitted - total)  # fewer than len() said
+            if announced > run.admitted:  # abandoned, or fewer than len() said
+                self._announce(run.admitted - announced)
             run.admission_done = True
             seal(self._pools, run)  # deterministic mode: the run's last block may be cut now
             run.maybe_close()
@@ -114,11 +125,18 @@ class Admission:
         if not expected:
             self.expect(len(chunk))
         run.admitted += len(chunk)
-        for spec in self._graph.stages.values():
-            self._pools[spec.model].scheduler.admit(spec.name, len(chunk))
         for spec in self._graph.consumers(SOURCE):
             if all(i == SOURCE for i in spec.inputs):  # others wait for their upstream stages
                 self._pools[spec.model].ready(spec.name, ids, costs)
+
+    def _announce(self, count: int) -> None:
+        """``count`` samples enter (negative: will not enter) the pipeline: every stage's
+        ``cost`` splitter may wait for them. Fewer: a stage that waited is asked again."""
+        for spec in self._graph.stages.values():
+            self._pools[spec.model].scheduler.admit(spec.name, count)
+        if count < 0:
+            for model in {spec.model for spec in self._graph.stages.values()}:
+                self._pools[model].pump()
 
     def _read_costs(self, run: Run, chunk: list[Any]) -> list[float] | None:
         if run.costs is not None:

@@ -98,6 +98,10 @@ class Window:
         self.used = 0
         self._changed: anyio.Event | None = None  # only while someone waits for room
 
+    @property
+    def free(self) -> int:
+        return self.limit - self.used
+
     async def acquire(self, up_to: int) -> int:
         """Wait for room, then take as much as is free, at most ``up_to``."""
         while self.used >= self.limit:

@@ -319,6 +319,46 @@ async def test_the_first_shards_go_out_before_the_whole_input_is_admitted(monkey
     assert EVENTS[: EVENTS.index("step")].count("chunk") <= 2
 
 
+class Lying:
+    """Items whose ``len()`` promises more than they yield."""
+
+    def __init__(self, claimed: int, given: int) -> None:
+        self.claimed, self.given = claimed, given
+
+    def __len__(self) -> int:
+        return self.claimed
+
+    def __iter__(self) -> Any:
+        return iter([{"x": np.full(2, float(i))} for i in range(self.given)])
+
+
+@pytest.mark.parametrize("claimed", [64, 1000])
+async def test_a_call_whose_fixed_cost_outweighs_the_wait_takes_the_input_whole_not_its_first_chunk(claimed):
+    """The window's room is admitted without any sample finishing, so the ``cost`` splitter waits
+    for it where a call's fixed cost is worth more than the wait (the first chunk of 4 alone would
+    pay it twice). An input that yields fewer items than its ``len()`` leaves no stage waiting."""
+    config = {"num_replicas": 1, "batch_size": 64, "call_cost": {"fixed_s": 1.0, "per_sample_s": 1e-4}}
+    one = Scale("one", config, srcs=["x"], dst="y")
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "input_chunk": 4}) as pipe:
+        out = await pipe.run(Lying(claimed, 64))
+        stage = pipe.stats().stages["one.forward_step"]
+    assert [float(s["y"][0]) for s in out] == list(range(64))
+    assert (stage.calls, stage.max_shard) == (1, 64)
+
+
+async def test_a_wait_for_the_window_is_not_a_wait_of_the_splitter():
+    """Only what the window holds when the run starts is counted on: the items beyond it need
+    samples to finish first, so waiting for them would wait forever."""
+    config = {"num_replicas": 1, "batch_size": 64, "call_cost": {"fixed_s": 1.0, "per_sample_s": 1e-4}}
+    one = Scale("one", config, srcs=["x"], dst="y")
+    pipeline = {**INPROC, "input_chunk": 4, "max_inflight": 16}
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), pipeline) as pipe:
+        out = await pipe.run(items(40))
+        stage = pipe.stats().stages["one.forward_step"]
+    assert [float(s["y"][0]) for s in out] == list(range(40))
+    assert stage.max_shard == 16  # the window's 16 taken whole, then what each completion frees
+
+
 @pytest.mark.parametrize(
     "costs, items, message",
     [
