@@ -42,7 +42,7 @@ import flowrl  # noqa: E402
 from flowrl import hf  # noqa: E402
 
 
-def policy(args: argparse.Namespace, replicas: int, cuda: bool) -> flowrl.Model:
+def policy(args: argparse.Namespace, replicas: int, logprobs: bool, cuda: bool) -> flowrl.Model:
     """``replicas`` engines sharing the GPU, or ``generate`` (``replicas`` 0) on all of it."""
     batch = math.ceil(args.prompts / max(1, replicas))
     config: dict[str, Any] = {"num_replicas": max(1, replicas), "batch_size": batch, "cpus_per_replica": 1}
@@ -56,15 +56,17 @@ def policy(args: argparse.Namespace, replicas: int, cuda: bool) -> flowrl.Model:
     engine = {
         "gpu_memory_utilization": args.memory / replicas,
         "max_num_seqs": max(256, batch),  # a replica's whole shard in the running batch at once
-        "logprobs": not args.no_logprobs,
+        "logprobs": logprobs,
         # a fixed KV cache: vLLM's profile of free memory is wrong while the other engines load
         "engine_args": {"kv_cache_memory_bytes": int(args.kv_gib * 2**30)} if cuda else {},
     }
     return VLLMPolicy("policy", config, lm=make_lm(args), sampling=sampling, engine=engine)
 
 
-def measure(args: argparse.Namespace, replicas: int, cuda: bool, busy: GpuBusy | None) -> dict[str, Any]:
-    model = policy(args, replicas, cuda)
+def measure(args: argparse.Namespace, pool: str, cuda: bool, busy: GpuBusy | None) -> dict[str, Any]:
+    replicas = int(pool.rstrip("n"))
+    logprobs = replicas == 0 or not (args.no_logprobs or pool.endswith("n"))  # generate always has them
+    model = policy(args, replicas, logprobs, cuda)
     items = [{"prompt": w} for w in words(args.prompts)]
     start = time.perf_counter()
     with flowrl.Pipeline(lambda prompts: model.forward_step(prompts), {"backend": "ray", "progress": "off"}) as pipe:
@@ -80,6 +82,7 @@ def measure(args: argparse.Namespace, replicas: int, cuda: bool, busy: GpuBusy |
     result: dict[str, Any] = {
         "replicas": replicas or 1,
         "engine": "vllm" if replicas else "generate",
+        "logprobs": logprobs,
         "start_s": round(started, 1),
         "tokens_per_s": [round(t / s, 1) for t, s in runs],
         "seconds": [round(s, 3) for _, s in runs],
@@ -97,11 +100,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_arguments(parser, prompts=1024)
     parser.add_argument(
-        "--replicas", default="4,0,1,2", help="engines on the GPU, one pool after another (0: generate)"
+        "--replicas",
+        default="4,0,1,2",
+        help="engines on the GPU, one pool after another (0: generate; a trailing n: without log-probs, e.g. 2n)",
     )
     parser.add_argument("--memory", type=float, default=0.8, help="the GPU's share all engines together may take")
     parser.add_argument("--kv-gib", type=float, default=4.0, help="each engine's KV cache")
-    parser.add_argument("--no-logprobs", action="store_true", help="VLLMConfig.logprobs=False")
+    parser.add_argument("--no-logprobs", action="store_true", help="VLLMConfig.logprobs=False in every pool")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -111,11 +116,14 @@ def main() -> None:
     record |= {"logprobs": not args.no_logprobs, "kv_gib": args.kv_gib, "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for n in (int(n) for n in args.replicas.split(",")):
-        record["runs"].append(measure(args, n, cuda, busy))
+    for pool in args.replicas.split(","):
+        record["runs"].append(measure(args, pool, cuda, busy))
         print(json.dumps(record["runs"][-1]), flush=True)
         (out / f"vllm-pool-{args.arch}.json").write_text(json.dumps(record, indent=1))
-    rates = {r["engine"] + str(r["replicas"]): statistics.median(r["tokens_per_s"]) for r in record["runs"]}
+    rates = {
+        r["engine"] + str(r["replicas"]) + ("" if r["logprobs"] else "n"): statistics.median(r["tokens_per_s"])
+        for r in record["runs"]
+    }
     if "generate1" in rates:
         record["speedup"] = {k: round(v / rates["generate1"], 2) for k, v in rates.items()}
     (out / f"vllm-pool-{args.arch}.json").write_text(json.dumps(record, indent=1))
