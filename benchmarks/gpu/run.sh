@@ -19,7 +19,8 @@
 #   costs       $PROMPTS prompts (1,024 by default) without log-probs: VLLMPolicy and its engine called directly
 #               (the policy's own cost), without and with batch-invariant kernels (their cost)
 #   pool        vllm_pool.py: $PROMPTS prompts (1,024 by default) through flowrl's pipeline on Ray by pools of
-#               $REPLICAS engines sharing the GPU (4,0,1,2 by default; 0 is generate), carrying .whl
+#               $REPLICAS engines sharing the GPU (4,0,1,2 by default; 0 is generate; 2n: 2 without log-probs),
+#               carrying .whl
 #   graphs      $PROMPTS prompts (1,024 by default), CUDA graphs up to 512 sequences and up to $PROMPTS
 #   ppo         seed_ppo.py, $ENGINES (vllm hf by default: vLLM and generate); $SCORERS replicas of each
 #               scorer, 8 by default; $KV_GIB each engine's KV cache, 4 by default; $SLEEP its sleep
