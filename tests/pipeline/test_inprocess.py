@@ -320,7 +320,7 @@ async def test_the_first_shards_go_out_before_the_whole_input_is_admitted(monkey
 
 
 class Lying:
-    """Items whose ``len()`` promises more than they yield."""
+    """Items whose ``len()`` may promise more than they yield."""
 
     def __init__(self, claimed: int, given: int) -> None:
         self.claimed, self.given = claimed, given
