@@ -87,6 +87,20 @@ class LastOne(flowrl.Model):
         return {"waited": [True] * len(keys)}
 
 
+@pytest.mark.parametrize("channels", [True, False])
+async def test_on_ray_a_call_worth_one_shard_waits_for_the_input_still_being_admitted(ray_cluster, channels):
+    """The input is admitted in chunks of 16; a replica whose call's fixed cost outweighs the wait
+    takes all 256 items in one call, not the first chunk alone (the GPU pool's 64 + 960)."""
+    config = {"num_replicas": 1, "batch_size": 256, "call_cost": {"fixed_s": 1.0, "per_sample_s": 1e-4}, **CPU}
+    one = Scale("one", config, srcs=["x"], dst="y")
+    pipeline = {"backend": "ray", "input_chunk": 16, "local_channels": channels}
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), pipeline) as pipe:
+        out = await pipe.run(items(256))
+        stage = pipe.stats().stages["one.forward_step"]
+    assert [float(s["y"][0]) for s in out] == list(range(256))
+    assert (stage.calls, stage.max_shard) == (1, 256)
+
+
 async def test_outputs_in_input_order_by_default_and_as_completed_on_request(ray_cluster):
     from ray.util.queue import Queue
 
