@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -109,6 +110,11 @@ def main() -> None:
     parser.add_argument("--no-logprobs", action="store_true", help="VLLMConfig.logprobs=False in every pool")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    bad = [pool for pool in args.replicas.split(",") if not re.fullmatch(r"\d+n?", pool)]
+    if bad:  # before any engine starts: a typo found after minutes of engine starts costs device time
+        parser.error(
+            f"--replicas: each entry is a count of engines, n after it for no log-probs (e.g. 0,2n,3); got {bad}"
+        )
     cuda = torch.cuda.is_available()
     ray.init(num_cpus=max(16, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     busy = GpuBusy() if cuda else None

@@ -319,6 +319,10 @@ async def test_the_first_shards_go_out_before_the_whole_input_is_admitted(monkey
     assert EVENTS[: EVENTS.index("step")].count("chunk") <= 2
 
 
+# one replica whose call's fixed cost (1 s) outweighs its 64 samples' (6.4 ms): one call is worth a wait
+FIXED_COST_64 = {"num_replicas": 1, "batch_size": 64, "call_cost": {"fixed_s": 1.0, "per_sample_s": 1e-4}}
+
+
 class Lying:
     """Items whose ``len()`` may promise more than they yield."""
 
@@ -337,8 +341,7 @@ async def test_a_call_whose_fixed_cost_outweighs_the_wait_takes_the_input_whole_
     """The window's room is admitted without any sample finishing, so the ``cost`` splitter waits
     for it where a call's fixed cost is worth more than the wait (the first chunk of 4 alone would
     pay it twice). An input that yields fewer items than its ``len()`` leaves no stage waiting."""
-    config = {"num_replicas": 1, "batch_size": 64, "call_cost": {"fixed_s": 1.0, "per_sample_s": 1e-4}}
-    one = Scale("one", config, srcs=["x"], dst="y")
+    one = Scale("one", FIXED_COST_64, srcs=["x"], dst="y")
     async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "input_chunk": 4}) as pipe:
         out = await pipe.run(Lying(claimed, 64))
         stage = pipe.stats().stages["one.forward_step"]
@@ -349,8 +352,7 @@ async def test_a_call_whose_fixed_cost_outweighs_the_wait_takes_the_input_whole_
 async def test_a_wait_for_the_window_is_not_a_wait_of_the_splitter():
     """Only what the window holds when the run starts is counted on: the items beyond it need
     samples to finish first, so waiting for them would wait forever."""
-    config = {"num_replicas": 1, "batch_size": 64, "call_cost": {"fixed_s": 1.0, "per_sample_s": 1e-4}}
-    one = Scale("one", config, srcs=["x"], dst="y")
+    one = Scale("one", FIXED_COST_64, srcs=["x"], dst="y")
     pipeline = {**INPROC, "input_chunk": 4, "max_inflight": 16}
     async with flowrl.open_pipeline(lambda x: one.forward_step(x), pipeline) as pipe:
         out = await pipe.run(items(40))
