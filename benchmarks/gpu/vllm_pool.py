@@ -8,8 +8,9 @@ a model is shorter than the engine's Python around it (docs/vllm.md). A flowrl p
 process, and the splitter feeds each as it frees up: while one engine runs its Python, another's
 kernels run.
 
-For each ``--replicas`` N (0: ``generate``, one ``HFPolicy`` replica taking all prompts in one
-call, timed once): the pool started, a warm-up run of ``--prompts`` prompts, then ``--repeats`` timed runs:
+For each ``--replicas`` N (0: ``generate``, one ``HFPolicy`` replica): the pool started, a warm-up
+run of ``--prompts`` prompts, then ``--repeats`` timed runs (``generate`` too: on a GPU its first
+run after the warm-up may still be cut in two, docs/vllm.md):
 generated tokens/s, nvidia-smi's utilization during the timed runs (median, mean), and how the
 stage's shards went (calls, the largest shard, samples per replica).
 
@@ -74,7 +75,7 @@ def measure(args: argparse.Namespace, pool: str, cuda: bool, busy: GpuBusy | Non
         started = time.perf_counter() - start
         pipe.run(items)  # warm-up: CUDA's first calls, the splitter's first fit of the call cost
         runs, windows = [], []
-        for _ in range(args.repeats if replicas else 1):
+        for _ in range(args.repeats):
             begin, wall = time.perf_counter(), time.time()
             samples = pipe.run(items)
             runs.append((sum(len(s["response_ids"]) for s in samples), time.perf_counter() - begin))

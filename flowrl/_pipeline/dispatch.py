@@ -115,7 +115,7 @@ class Dispatcher:
         self._timeline.shard(handle.model, handle.replica_id, a.stage, meta.started, meta.step_s, a.ids, turns)
         alone = alone and scheduler.in_flight[handle.replica_id] == 1
         overhead = latency - meta.busy_s if alone else None
-        scheduler.measure(a.stage, meta.rows, meta.busy_s, overhead, meta.steps, meta.shard_s)
+        scheduler.measure(a.stage, meta.rows, meta.busy_s, overhead, meta.steps, meta.shard_s, handle.replica_id)
         self._complete(a.stage, a.ids, out_ref, handle.node_id, meta)
         return True
 

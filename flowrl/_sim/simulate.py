@@ -376,7 +376,7 @@ class _Sim:
         pool = self.pools[name]
         pool.finish(a)
         # as the runtime does with each call
-        pool.measure(name, len(a.ids), duration, overhead, steps, self.stage[name].cost.shard_s)
+        pool.measure(name, len(a.ids), duration, overhead, steps, self.stage[name].cost.shard_s, a.replica)
         self.done[name][a.ids] = True
         touched = [self.stage[name]]
         for st in self.consumers[name]:

@@ -39,6 +39,29 @@ def test_one_stalled_call_does_not_move_the_fit():
     assert stalled.overhead_s() < 1.5 * quiet.overhead_s()
 
 
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_replicas_slow_first_step_does_not_hide_a_calls_fixed_cost(replicas):
+    """A GPU replica's first call pays once for CUDA's first kernels: a first call of 64 as slow
+    as the calls of 960 after it makes the line fall, or bends it; the fit leaves it out."""
+    fixed, per = 0.2, 1e-4
+    first = [(r, 64, 0.5 + fixed + 64 * per) for r in range(replicas)]  # 0.5 s once, then as the fit
+    calls = first + [(r, n, fixed + n * per) for _ in range(2) for r in range(replicas) for n in (960, 64)]
+    known, unknown = CallCost(1024), CallCost(1024)
+    for r, n, seconds in calls:
+        known.observe(n, seconds, None, replica=r)
+        unknown.observe(n, seconds, None)
+    assert known.fixed_s() == pytest.approx(fixed, rel=0.05)
+    assert known.per_sample_s() == pytest.approx(per, rel=0.1)
+    assert abs(unknown.fixed_s() - fixed) > 0.1 * fixed  # the first steps counted: the fit is off
+
+
+def test_a_first_step_that_is_not_slow_counts():
+    cost = CallCost(1024)
+    cost.observe(64, 0.2064, None, replica=0)
+    cost.observe(960, 0.296, None, replica=0)
+    assert cost.fixed_s() == pytest.approx(0.2) and cost.per_sample_s() == pytest.approx(1e-4)
+
+
 def test_a_prior_stands_until_calls_are_measured_and_splits_a_single_size_as_it_says():
     cost = CallCost(16, prior=(0.020, 0.001))
     assert cost.fixed_s() == pytest.approx(0.020) and cost.per_sample_s() == pytest.approx(0.001)

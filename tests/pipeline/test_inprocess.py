@@ -349,6 +349,35 @@ async def test_a_call_whose_fixed_cost_outweighs_the_wait_takes_the_input_whole_
     assert (stage.calls, stage.max_shard) == (1, 64)
 
 
+class ColdStart(Scale):
+    """``Scale`` whose replica's first call takes ``cold_s`` longer, as a GPU's first kernels do."""
+
+    def __init__(self, *args: Any, cold_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cold_s, self.started = cold_s, False
+
+    def forward_step(self, batch: Any, iteration: int) -> dict[str, Any]:
+        if not self.started:
+            self.started = True
+            time.sleep(self.cold_s)
+        return super().forward_step(batch, iteration)
+
+
+async def test_a_replicas_slow_first_call_does_not_split_the_next_run():
+    """A first call of 16 samples slower than the call of 240 after it made the fit's line
+    fall: the fixed cost went unseen, and the next run went in 7 calls of at most 48."""
+    one = ColdStart(
+        "one", {"num_replicas": 1, "batch_size": 256}, srcs=["x"], dst="y", sleep_s=0.1, per_sample_s=4e-4, cold_s=0.2
+    )
+    async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "input_chunk": 16}) as pipe:
+        await pipe.run(items(256))  # its first call cold
+        first = pipe.stats().stages["one.forward_step"].calls
+        out = await pipe.run(items(256))
+        stage = pipe.stats().stages["one.forward_step"]
+    assert [float(s["y"][0]) for s in out] == list(range(256))
+    assert (stage.calls - first, stage.max_shard) == (1, 256)
+
+
 async def test_a_wait_for_the_window_is_not_a_wait_of_the_splitter():
     """Only what the window holds when the run starts is counted on: the items beyond it need
     samples to finish first, so waiting for them would wait forever."""

@@ -56,6 +56,10 @@ class CallCost:
         self.batch_size, self.weight, self.prior = batch_size, weight, prior
         self.most, self.prefetch = max(most, batch_size), prefetch
         self._avg: dict[str, float] = {}  # moving averages: n, busy, n*n, n*busy, overhead
+        # the same without each replica's first step, which pays one-time costs (CUDA's first
+        # kernels, the allocator's growth)
+        self._warm: dict[str, float] = {}
+        self._seen: set[int] = set()  # replicas whose first step was observed
         self.calls = 0
         # the fit of the calls so far: the splitter asks for it on every cut (the driver's
         # per-shard path), the calls change it only when one ends
@@ -69,11 +73,15 @@ class CallCost:
             old = self._avg.get("c")
             self._avg["c"] = seconds if old is None else old + self.weight * (seconds - old)
 
-    def observe(self, rows: int, busy_s: float, overhead_s: float | None) -> None:
+    def observe(self, rows: int, busy_s: float, overhead_s: float | None, replica: int | None = None) -> None:
         """One completed step; ``overhead_s`` None when it is not known (the call waited
-        behind another shard on its replica, so its time outside the step says nothing)."""
+        behind another shard on its replica, so its time outside the step says nothing);
+        ``replica``: the replica that ran it, whose first step may be slow once."""
         if rows <= 0 or not math.isfinite(busy_s):
             return
+        first = replica is not None and replica not in self._seen
+        if replica is not None:
+            self._seen.add(replica)
         if self.calls >= WARM:
             predicted = self.predict(rows)
             dev = self._avg.get("dev", predicted)
@@ -86,9 +94,10 @@ class CallCost:
         new = {"n": rows, "y": busy_s, "nn": rows * rows, "ny": rows * busy_s}
         if overhead_s is not None and math.isfinite(overhead_s):
             new["o"] = max(0.0, overhead_s)
-        for key, value in new.items():
-            old = self._avg.get(key)
-            self._avg[key] = value if old is None else old + self.weight * (value - old)
+        for averages in (self._avg,) if first else (self._avg, self._warm):
+            for key, value in new.items():
+                old = averages.get(key)
+                averages[key] = value if old is None else old + self.weight * (value - old)
         self._fitted = self._refit()
 
     def _fit(self) -> tuple[float, float] | None:
@@ -96,14 +105,15 @@ class CallCost:
         return self._fitted
 
     def _refit(self) -> tuple[float, float] | None:
-        m = self._avg
-        if not m:
+        if not self._avg:
             return self.prior
-        var = m["nn"] - m["n"] ** 2
-        if var > 0.01 * m["nn"]:  # several sizes seen: fit the line
-            slope = (m["ny"] - m["n"] * m["y"]) / var
-            if slope > 0:  # a flat or falling line is noise (a tail): not "samples are free"
-                return max(0.0, m["y"] - slope * m["n"]), slope
+        # Without the replicas' first steps where they give a line: a GPU replica's first call
+        # of 64 as slow as its 960 after it would make the line fall, the fixed cost unseen
+        for m in (self._warm, self._avg):
+            line = _line(m)
+            if line is not None:
+                return line
+        m = self._warm or self._avg
         if self.prior is not None:  # one size: split its time as the prior does
             fixed, per = self.prior
             scale = m["y"] / max(fixed + per * m["n"], 1e-12)
@@ -223,6 +233,18 @@ class CallCost:
             return self.batch_size
         # within one micro-batch: beyond it, best_size weighs the overhead against whole steps
         return max(1, min(self.batch_size, math.ceil(self._avg["o"] / per_sample - 1e-9)))
+
+
+def _line(m: dict[str, float]) -> tuple[float, float] | None:
+    """(fixed, per sample) of the line through the averages ``m``; None for one size, or
+    for a flat or falling line (noise, a tail: not "samples are free")."""
+    if not m:
+        return None
+    var = m["nn"] - m["n"] ** 2
+    if var <= 0.01 * m["nn"]:
+        return None
+    slope = (m["ny"] - m["n"] * m["y"]) / var
+    return (max(0.0, m["y"] - slope * m["n"]), slope) if slope > 0 else None
 
 
 def finish_together(frees: Sequence[float], samples: int, fixed: float, per: float, batch: int) -> float:

@@ -101,18 +101,16 @@ class PoolScheduler:
         overhead_s: float | None,
         steps: Sequence[tuple[int, float]] = (),
         shard_s: float = 0.0,
+        replica: int | None = None,
     ) -> None:
         """A finished call of ``stage``: its busy time and its overhead (None when unknown),
         from which the smallest shard worth a call is refitted (``CallCost``). ``steps``: a
         call of several micro-batches, each one's (samples, seconds): the fit is of one step,
         the overhead of the call. ``shard_s``: the part of ``busy_s`` outside the steps, paid
-        once a call (``CallMeta.shard_s``)."""
+        once a call (``CallMeta.shard_s``). ``replica``: the replica that ran it."""
         q = self._stages[stage]
-        if len(steps) > 1:
-            for i, (n, seconds) in enumerate(steps):
-                q.fit.observe(n, seconds, overhead_s if i == 0 else None)
-        else:
-            q.fit.observe(rows, max(0.0, busy_s - shard_s), overhead_s)
+        for i, (n, seconds) in enumerate(steps if len(steps) > 1 else [(rows, max(0.0, busy_s - shard_s))]):
+            q.fit.observe(n, seconds, overhead_s if i == 0 else None, replica)
         q.fit.observe_shard(shard_s)
         q.floor = q.fit.floor()
 
