@@ -364,10 +364,10 @@ class ColdStart(Scale):
 
 
 async def test_a_replicas_slow_first_call_does_not_split_the_next_run():
-    """A first call of 16 samples slower than the call of 240 after it made the fit's line
+    """A first call 0.3 s slower once, slower than calls ten times its size, made the fit's line
     fall: the fixed cost went unseen, and the next run went in 7 calls of at most 48."""
     one = ColdStart(
-        "one", {"num_replicas": 1, "batch_size": 256}, srcs=["x"], dst="y", sleep_s=0.1, per_sample_s=4e-4, cold_s=0.2
+        "one", {"num_replicas": 1, "batch_size": 256}, srcs=["x"], dst="y", sleep_s=0.2, per_sample_s=1e-3, cold_s=0.3
     )
     async with flowrl.open_pipeline(lambda x: one.forward_step(x), {**INPROC, "input_chunk": 16}) as pipe:
         await pipe.run(items(256))  # its first call cold
