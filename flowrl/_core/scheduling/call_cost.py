@@ -70,8 +70,12 @@ class CallCost:
         ``Model.begin_shard``, joining its micro-batches' fields): paid once a call, however many
         steps it holds."""
         if math.isfinite(seconds) and seconds >= 0:
-            old = self._avg.get("c")
-            self._avg["c"] = seconds if old is None else old + self.weight * (seconds - old)
+            self._mix(self._avg, "c", seconds)
+
+    def _mix(self, averages: dict[str, float], key: str, value: float) -> None:
+        """``value`` into the moving average ``averages[key]`` (the first value as it is)."""
+        old = averages.get(key)
+        averages[key] = value if old is None else old + self.weight * (value - old)
 
     def observe(self, rows: int, busy_s: float, overhead_s: float | None, replica: int | None = None) -> None:
         """One completed step; ``overhead_s`` None when it is not known (the call waited
@@ -86,8 +90,7 @@ class CallCost:
             predicted = self.predict(rows)
             dev = self._avg.get("dev", predicted)
             busy_s = min(busy_s, predicted + CLIP * max(dev, SPREAD * predicted))
-            miss = abs(busy_s - predicted)
-            self._avg["dev"] = miss if "dev" not in self._avg else dev + self.weight * (miss - dev)
+            self._mix(self._avg, "dev", abs(busy_s - predicted))
             if overhead_s is not None and "o" in self._avg:
                 overhead_s = min(overhead_s, CLIP * max(self._avg["o"], 1e-6))
         self.calls += 1
@@ -96,8 +99,7 @@ class CallCost:
             new["o"] = max(0.0, overhead_s)
         for averages in (self._avg,) if first else (self._avg, self._warm):
             for key, value in new.items():
-                old = averages.get(key)
-                averages[key] = value if old is None else old + self.weight * (value - old)
+                self._mix(averages, key, value)
         self._fitted = self._refit()
 
     def _fit(self) -> tuple[float, float] | None:
